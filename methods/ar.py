@@ -1,0 +1,8 @@
+"""Plain autoregressive decoding: the baseline. It proposes nothing, so each engine step is
+one target forward over the last token."""
+
+from methods.base import Proposer
+
+
+class AR(Proposer):
+    name = "ar"

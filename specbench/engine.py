@@ -1,0 +1,135 @@
+"""The one engine every method runs through: prefill, then per step propose -> verify (one
+target forward over all draft nodes, tree attention) -> accept -> commit -> update."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from methods.base import BatchState, Proposer
+from specbench.draft import tree_geometry
+from specbench.kv import RaggedCache
+from specbench.timing import PhaseTimer, sync
+from specbench.verify import Sampling, sample, verify, warp
+
+
+@dataclass
+class RowResult:
+    tokens: list[int] = field(default_factory=list)  # generated tokens (EOS included if hit)
+    steps: int = 0  # decoding steps (the prefill's first token is not a step)
+    accept_lens: list[int] = field(default_factory=list)  # accepted draft tokens per step
+    drafted: list[int] = field(default_factory=list)  # candidate nodes proposed per step
+    t_first: float = 0.0  # seconds from batch start to first token
+    t_done: float = 0.0  # seconds from batch start to the last token
+    hit_eos: bool = False
+
+
+class Engine:
+    def __init__(self, target, proposer: Proposer, sampling: Sampling, device: torch.device,
+                 dtype: torch.dtype, eos_ids: set[int], timer: PhaseTimer):
+        self.target = target
+        self.proposer = proposer
+        self.sampling = sampling
+        self.device = device
+        self.dtype = dtype
+        self.eos = set(eos_ids)
+        self.timer = timer
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 gen: torch.Generator | None = None) -> list[RowResult]:
+        B = len(prompts)
+        res = [RowResult() for _ in range(B)]
+        live = list(range(B))  # original index of each active row
+        s = self.sampling
+        cache = RaggedCache(self.target, self.device, self.dtype)
+        sync(self.device)
+        t0 = time.perf_counter()
+        with self.timer.phase("prefill"):
+            out = cache.prefill(prompts)
+            last = out.logits[:, -1]
+            first = last.argmax(-1) if s.greedy else sample(warp(last, s), gen)
+            first = first.tolist()
+        now = time.perf_counter() - t0
+        seqs = [list(p) + [t] for p, t in zip(prompts, first)]
+        for b, t in enumerate(first):
+            res[b].tokens.append(t)
+            res[b].t_first = res[b].t_done = now
+            res[b].hit_eos = t in self.eos
+        state = BatchState(seqs=seqs, prompt_lens=[len(p) for p in prompts], sampling=s, gen=gen,
+                           device=self.device)
+        done = [res[b].hit_eos or max_new_tokens <= 1 for b in range(B)]
+        with self.timer.phase("draft"):
+            self.proposer.start(state)
+        pending = torch.tensor(first, dtype=torch.long, device=self.device)
+        self._drop_finished(done, live, state, cache)
+        pending = pending[[i for i, d in enumerate(done) if not d]] if any(done) else pending
+
+        while live:
+            with self.timer.phase("draft"):
+                draft = self.proposer.propose(state)
+                if draft is not None and draft.n == 0:
+                    draft = None
+                if draft is not None:
+                    draft.check(len(live))
+            with self.timer.phase("verify"):
+                if draft is None:
+                    tokens = pending[:, None]
+                    depth = torch.zeros_like(tokens)
+                    anc = None
+                else:
+                    tokens = torch.cat([pending[:, None], draft.tokens], dim=1)
+                    if draft.is_chain:
+                        depth = torch.arange(tokens.shape[1], device=self.device)[None].expand_as(tokens)
+                        anc = None
+                    else:
+                        depth, anc = tree_geometry(draft.parents)
+                out = cache.forward(tokens, depth, anc, output_hidden_states=self.proposer.needs_hidden)
+            with self.timer.phase("accept"):
+                v = verify(out.logits, draft, s, gen)
+                cache.commit(v.keep, v.counts)
+                extra = v.extra.tolist()
+                now = time.perf_counter() - t0
+                n_cand = draft.accept_mask().sum(1).tolist() if draft is not None else [0] * len(live)
+                done = []
+                for i, b in enumerate(live):
+                    r = res[b]
+                    new = v.accepted[i] + [extra[i]]
+                    room = max_new_tokens - len(r.tokens)
+                    for j, t in enumerate(new[:room]):
+                        if t in self.eos:
+                            new = new[: j + 1]
+                            r.hit_eos = True
+                            break
+                    new = new[:room]
+                    r.tokens.extend(new)
+                    state.seqs[i].extend(new)
+                    r.steps += 1
+                    r.accept_lens.append(len(v.accepted[i]))
+                    r.drafted.append(int(n_cand[i]))
+                    r.t_done = now
+                    done.append(r.hit_eos or len(r.tokens) >= max_new_tokens)
+                hidden = None
+                if self.proposer.needs_hidden:
+                    hidden = (out.hidden_states[-1], v.keep, v.counts)
+                self.proposer.update(state, v.accepted, hidden)
+                pending = v.extra
+                if any(done):
+                    keep = [i for i, d in enumerate(done) if not d]
+                    pending = pending[keep]
+                    self._drop_finished(done, live, state, cache)
+        sync(self.device)
+        return res
+
+    def _drop_finished(self, done: list[bool], live: list[int], state: BatchState, cache: RaggedCache) -> None:
+        if not any(done):
+            return
+        keep = [i for i, d in enumerate(done) if not d]
+        live[:] = [live[i] for i in keep]
+        state.seqs[:] = [state.seqs[i] for i in keep]
+        state.prompt_lens[:] = [state.prompt_lens[i] for i in keep]
+        if keep:
+            cache.select_rows(torch.tensor(keep, dtype=torch.long, device=self.device))
+            self.proposer.select_rows(keep)

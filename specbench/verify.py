@@ -1,0 +1,173 @@
+"""Verification rules (DESIGN.md section 3): walk each row's draft tree against the
+target's outputs and return the accepted path plus one extra token.
+
+One rule covers every lossless sampling case. At a node whose target distribution is p,
+children are tried in order; child c with token x and draft distribution q_c is accepted
+with probability min(1, p(x) / q_c(x)); on rejection p <- norm(max(0, p - q_c)). If no
+child is accepted the extra token is drawn from what is left of p (the bonus from the
+untouched p when the node has no children).
+- a chain with q is Leviathan / Chen speculative sampling;
+- a deterministic candidate (no q) is q_c = one-hot(x): accept with p(x), then zero p(x)
+  and renormalise;
+- siblings sampled without replacement carry, each, the q they were drawn from (the
+  draft's q with earlier siblings removed): recursive rejection sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specbench.draft import Draft, tree_geometry
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """Temperature, top-k, top-p applied to logits [..., V] -> probabilities (float32)."""
+    x = logits.float() / s.temperature
+    if s.top_k and s.top_k > 0 and s.top_k < x.shape[-1]:
+        kth = torch.topk(x, s.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sx, si = torch.sort(x, dim=-1, descending=True)
+        cp = torch.softmax(sx, dim=-1).cumsum(-1)
+        drop = (cp - torch.softmax(sx, dim=-1)) >= s.top_p  # keep the smallest set reaching top_p
+        sx = sx.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(-1, si, sx)
+    return torch.softmax(x, dim=-1)
+
+
+def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+@dataclass
+class Verdict:
+    keep: torch.Tensor  # [B, m] forward node indices to keep (root first), padded
+    counts: torch.Tensor  # [B] number of kept nodes = accepted drafts + 1 (the root)
+    accepted: list[list[int]]  # per row, accepted draft tokens
+    extra: torch.Tensor  # [B] the correction / bonus token
+    depth_of_kept: list[list[int]] | None = None
+
+
+def verify(logits: torch.Tensor, draft: Draft | None, s: Sampling, gen: torch.Generator | None) -> Verdict:
+    """logits: [B, N, V] target logits at the N = n+1 forward nodes (root first)."""
+    B, N, _ = logits.shape
+    dev = logits.device
+    if draft is None or draft.n == 0:
+        last = logits[:, 0]
+        extra = last.argmax(-1) if s.greedy else sample(warp(last, s), gen)
+        return Verdict(
+            keep=torch.zeros(B, 1, dtype=torch.long, device=dev),
+            counts=torch.ones(B, dtype=torch.long, device=dev),
+            accepted=[[] for _ in range(B)], extra=extra,
+        )
+    if s.greedy:
+        return _greedy(logits, draft)
+    return _sampled(logits, draft, s, gen)
+
+
+def _greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
+    B, N, _ = logits.shape
+    dev = logits.device
+    amax = logits.argmax(-1)  # [B, N]
+    rows = torch.arange(B, device=dev)
+    if draft.is_chain:
+        match = (draft.tokens == amax[:, :-1]) & draft.accept_mask()
+        n_acc = match.long().cumprod(dim=1).sum(dim=1)  # accepted drafts per row
+        best = n_acc
+        m = int(n_acc.max()) + 1
+        keep = torch.arange(m, device=dev)[None].expand(B, m).clone()
+        counts = n_acc + 1
+    else:
+        par = draft.parents
+        depth, anc = tree_geometry(par)
+        ok = (draft.tokens == amax.gather(1, par)) & draft.accept_mask()
+        acc = torch.zeros(B, N, dtype=torch.bool, device=dev)
+        acc[:, 0] = True
+        for i in range(1, N):
+            acc[:, i] = ok[:, i - 1] & acc[rows, par[:, i - 1]]
+        idx = torch.arange(N, device=dev)
+        score = torch.where(acc, depth * (N + 1) - idx[None], torch.full_like(depth, -1))
+        best = score.argmax(1)
+        on_path = anc[rows, best]  # [B, N]
+        counts = on_path.sum(1)
+        order = torch.where(on_path, idx[None], idx[None] + N).sort(dim=1).values
+        m = int(counts.max())
+        keep = order[:, :m]
+        n_acc = counts - 1
+    extra = amax[rows, best]
+    tok_all = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), draft.tokens], dim=1)
+    acc_tokens = tok_all.gather(1, keep)
+    n_list = n_acc.tolist()
+    acc_lists = acc_tokens.tolist()
+    accepted = [acc_lists[b][1 : 1 + n_list[b]] for b in range(B)]
+    return Verdict(keep=keep, counts=counts, accepted=accepted, extra=extra)
+
+
+def _sampled(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
+    B, N, _ = logits.shape
+    dev = logits.device
+    p_all = warp(logits, s)  # [B, N, V]
+    tokens = draft.tokens.tolist()
+    parents = draft.parents.tolist()
+    amask = draft.accept_mask().tolist()
+    keeps, accepted, extras = [], [], []
+    for b in range(B):
+        children: dict[int, list[int]] = {}
+        for i in range(N - 1):
+            if amask[b][i]:
+                children.setdefault(parents[b][i], []).append(i + 1)
+        cur, path, acc = 0, [0], []
+        while True:
+            kids = children.get(cur, [])
+            if not kids:
+                extra = sample(p_all[b, cur], gen)
+                break
+            resid = p_all[b, cur]
+            chosen = None
+            for c in kids:
+                x = tokens[b][c - 1]
+                q = None if draft.q is None else draft.q[b, c - 1].float()
+                qx = 1.0 if q is None else float(q[x])
+                px = float(resid[x])
+                u = float(torch.rand((), generator=gen, device=gen.device if gen is not None else dev))
+                if qx > 0 and u < min(1.0, px / qx):
+                    chosen = c
+                    break
+                if q is None:
+                    resid = resid.clone()
+                    resid[x] = 0.0
+                else:
+                    resid = (resid - q).clamp(min=0.0)
+                tot = resid.sum()
+                if float(tot) <= 0.0:  # p == q: rejection had probability 0; cannot happen
+                    resid = p_all[b, cur]
+                else:
+                    resid = resid / tot
+            if chosen is None:
+                extra = sample(resid, gen)
+                break
+            path.append(chosen)
+            acc.append(tokens[b][chosen - 1])
+            cur = chosen
+        keeps.append(path)
+        accepted.append(acc)
+        extras.append(extra)
+    m = max(len(k) for k in keeps)
+    keep = torch.zeros(B, m, dtype=torch.long, device=dev)
+    for b, k in enumerate(keeps):
+        keep[b, : len(k)] = torch.tensor(k, dtype=torch.long)
+    counts = torch.tensor([len(k) for k in keeps], dtype=torch.long, device=dev)
+    return Verdict(keep=keep, counts=counts, accepted=accepted, extra=torch.stack(extras).to(dev))

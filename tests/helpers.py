@@ -1,0 +1,54 @@
+"""Tiny random models and a reference decoder for the unit tests."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import OmegaConf
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from methods.base import Proposer
+from specbench.engine import Engine
+from specbench.timing import PhaseTimer
+from specbench.verify import Sampling
+
+CPU = torch.device("cpu")
+
+
+def tiny_llama(seed: int = 0, vocab: int = 96, layers: int = 2, hidden: int = 64, scale: float = 1.0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    m = LlamaForCausalLM(cfg).eval()
+    if scale != 1.0:  # sharper logits: more repetitive, more predictable text
+        with torch.no_grad():
+            m.lm_head.weight.mul_(scale)
+    m.generation_config.eos_token_id = None  # no EOS unless a test sets one
+    return m
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding by full recomputation, no cache: the ground truth."""
+    seq = list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor([seq])).logits[0, -1]
+        seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+def cfg_for(**kw):
+    base = {"K": 4, "method": {"name": "x", "max_ngram": 3, "min_ngram": 1}, "draft": {"name": "self_layers", "layers": 1}}
+    base.update(kw)
+    return OmegaConf.create(base)
+
+
+def run_engine(model, proposer: Proposer | None, prompts, n, sampling=None, eos=(), gen=None):
+    proposer = proposer or Proposer(cfg_for(), model, None, CPU, torch.float32)
+    eng = Engine(model, proposer, sampling or Sampling(), CPU, torch.float32, set(eos), PhaseTimer(CPU))
+    return eng.generate(prompts, n, gen)
+
+
+def prompts_of(lengths, vocab=96, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lengths]
