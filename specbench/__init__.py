@@ -1,0 +1,3 @@
+"""specbench: a benchmark harness for speculative decoding."""
+
+__version__ = "0.1.0"

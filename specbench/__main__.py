@@ -1,0 +1,58 @@
+"""`python -m specbench [key=value ...]`: a Hydra sweep over the product of comma lists.
+
+Before Hydra starts, config-group choices are checked (one-line error listing the
+choices) and `draft=<hub id or folder>` is rewritten to `draft=hf draft.path=<...>`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+GROUPS = ("method", "model", "dataset", "draft")
+
+
+def preprocess(argv: list[str]) -> list[str]:
+    from specbench.models import ConfigError
+    from specbench.runner import group_options
+
+    out = []
+    for arg in argv:
+        key, eq, val = arg.partition("=")
+        if eq and key in GROUPS:
+            opts = group_options(key)
+            vals = [v.strip() for v in val.split(",")]
+            if key == "draft" and any(v not in opts for v in vals):
+                if len(vals) > 1:
+                    raise ConfigError("draft= takes one hub id or folder at a time (or draft names: "
+                                      f"{', '.join(opts)})")
+                out += ["draft=hf", f"draft.path={val}"]
+                continue
+            bad = [v for v in vals if v not in opts]
+            if bad:
+                raise ConfigError(f"unknown {key} '{bad[0]}'; choices: {', '.join(opts)}")
+        out.append(arg)
+    return out
+
+
+def main() -> int:
+    from specbench.models import ConfigError
+
+    try:
+        sys.argv[1:] = preprocess(sys.argv[1:])
+    except ConfigError as e:
+        print(f"specbench: error: {e}", file=sys.stderr)
+        return 2
+    import hydra
+
+    from specbench import runner
+
+    @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+    def _app(cfg):
+        runner.job(cfg)
+
+    _app()
+    return 1 if runner.FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The records file: one JSON line per job, appended and flushed when the job ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+SCHEMA = 1
+
+# Fields an AR job must share with a method's job to be its speedup baseline.
+BASELINE_KEYS = ("model", "dataset", "limit", "bs", "ctx", "dtype", "device", "temperature", "top_k", "top_p",
+                 "max_new_tokens", "seed")
+
+
+def append(path: str | Path, record: dict) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(record, default=str)
+    with p.open("a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read(path: str | Path) -> list[dict]:
+    """Every record of a file (or of every records*.jsonl under a folder); a line cut by a
+    crash is skipped."""
+    p = Path(path)
+    files = sorted(p.rglob("records*.jsonl")) if p.is_dir() else [p]
+    out = []
+    for f in files:
+        if not f.exists():
+            continue
+        with f.open() as fh:
+            for line in fh:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return out
+
+
+def baseline_key(rec: dict) -> tuple:
+    return tuple(json.dumps(rec.get(k), sort_keys=True) for k in BASELINE_KEYS)
+
+
+def find_ar(records: list[dict], key: tuple, sweep_id: str | None) -> dict | None:
+    """The latest ok AR record with this key (of this sweep when sweep_id is given)."""
+    for rec in reversed(records):
+        if rec.get("method") != "ar" or rec.get("status") != "ok":
+            continue
+        if sweep_id is not None and rec.get("sweep_id") != sweep_id:
+            continue
+        if baseline_key(rec) == key:
+            return rec
+    return None
+
+
+@lru_cache(maxsize=1)
+def git_sha() -> str | None:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5)
+        if sha.returncode != 0:
+            return None
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def env_info(device) -> dict:
+    import torch
+    import transformers
+
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    return {
+        "git_sha": git_sha(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device_name": dev_name,
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "host": platform.node(),
+    }

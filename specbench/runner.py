@@ -1,0 +1,486 @@
+"""One sweep job: validate, load (cached across the jobs of a sweep), run the method through
+the engine over the prompt set in batches, measure, and append the record."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import methods
+from specbench import data as D
+from specbench import records as R
+from specbench.models import (ConfigError, eos_ids, load_config, load_model, load_tokenizer, max_positions,
+                              resolve_device, resolve_dtype, self_layers_draft)
+from specbench.timing import PHASES, PhaseTimer, sync
+from specbench.verify import Sampling
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+FAILED: list[str] = []  # one-line errors of this process's jobs (sets the exit code)
+_MODELS: dict = {}  # (model key, device, dtype) -> (model, tokenizer), shared by a sweep's jobs
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+# ---------------------------------------------------------------------------- validation
+def draft_model_cfg(cfg: DictConfig):
+    """The model config of the draft when it is a separate model (None for self_layers)."""
+    d = cfg.draft
+    if d.name == "self_layers":
+        return None
+    path = str(d.path)
+    if path in group_options("model"):
+        return OmegaConf.load(CONF_DIR / "model" / f"{path}.yaml")
+    return OmegaConf.create({"name": Path(path).name, "path": path, "package": None, "file": None,
+                             "attn_implementation": cfg.model.get("attn_implementation")})
+
+
+def validate(cfg: DictConfig) -> None:
+    """Every check that needs no model weights; raises ConfigError with one line."""
+    if cfg.method.name not in methods.REGISTRY:
+        raise ConfigError(f"unknown method '{cfg.method.name}'; choices: {', '.join(methods.names())}")
+    for key in ("K", "bs"):
+        v = cfg[key]
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{key} must be an integer >= 1, got {v!r}")
+    if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
+        raise ConfigError(f"limit must be an integer >= 1 or null, got {cfg.limit!r}")
+    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {cfg.max_new_tokens!r}")
+    if cfg.temperature < 0:
+        raise ConfigError(f"temperature must be >= 0, got {cfg.temperature}")
+    if not 0.0 < float(cfg.top_p) <= 1.0:
+        raise ConfigError(f"top_p must be in (0, 1], got {cfg.top_p}")
+    if cfg.top_k < 0:
+        raise ConfigError(f"top_k must be >= 0, got {cfg.top_k}")
+    if cfg.dataset.name == "jsonl":
+        if not Path(str(cfg.dataset.path)).expanduser().exists():
+            raise ConfigError(f"dataset path '{cfg.dataset.path}' does not exist")
+    device = resolve_device(cfg.device)
+    resolve_dtype(cfg.dtype, device)
+    mconf = load_config(cfg.model)
+    npos = max_positions(mconf)
+    if cfg.ctx is not None:
+        if not isinstance(cfg.ctx, int) or cfg.ctx < 1:
+            raise ConfigError(f"ctx must be an integer >= 1 or null, got {cfg.ctx!r}")
+        need = cfg.ctx + cfg.max_new_tokens + cfg.K + 1
+        if need > npos:
+            raise ConfigError(f"ctx={cfg.ctx} + max_new_tokens={cfg.max_new_tokens} + K={cfg.K} exceeds the "
+                              f"model's {npos} positions")
+    if cfg.method.name == "leviathan":
+        dm = draft_model_cfg(cfg)
+        if dm is None:
+            n_layers = getattr(mconf.get_text_config() if hasattr(mconf, "get_text_config") else mconf,
+                               "num_hidden_layers", None)
+            layers = cfg.draft.layers
+            if not isinstance(layers, int) or n_layers is not None and not 1 <= layers < n_layers:
+                raise ConfigError(f"draft.layers must be an integer in 1..{(n_layers or 2) - 1}, got {layers!r}")
+        else:
+            t_vocab = load_tokenizer(cfg.model).get_vocab()
+            d_vocab = load_tokenizer(dm).get_vocab()
+            if t_vocab != d_vocab:
+                diff = len(set(t_vocab.items()) ^ set(d_vocab.items()))
+                raise ConfigError(f"draft '{cfg.draft.path}' has another vocabulary than the target "
+                                  f"({len(d_vocab)} vs {len(t_vocab)} tokens, {diff} entries differ)")
+
+
+# ---------------------------------------------------------------------------- loading
+def get_model(mcfg, device, dtype):
+    key = (OmegaConf.to_yaml(mcfg), str(device), str(dtype))
+    if key not in _MODELS:
+        if len(_MODELS) >= 2:  # keep memory bounded in long sweeps over models
+            _MODELS.clear()
+            gc.collect()
+        _MODELS[key] = (load_model(mcfg, device, dtype), load_tokenizer(mcfg))
+    return _MODELS[key]
+
+
+def load_draft_model(cfg, target, device, dtype):
+    dm = draft_model_cfg(cfg)
+    if dm is None:
+        return self_layers_draft(target, int(cfg.draft.layers))
+    model, _ = get_model(dm, device, dtype)
+    return model
+
+
+# ---------------------------------------------------------------------------- measuring
+class PeakMemory:
+    """Peak GPU allocator memory, or peak process RSS sampled every 20 ms on the CPU."""
+
+    def __init__(self, device):
+        self.device = device
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    @staticmethod
+    def rss() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096
+        except OSError:
+            return 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.peak = self.rss()
+
+            def loop():
+                while not self._stop.wait(0.02):
+                    self.peak = max(self.peak, self.rss())
+
+            self._thread = threading.Thread(target=loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.peak = int(torch.cuda.max_memory_allocated(self.device))
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self.rss())
+
+
+class Energy:
+    """Whole-job GPU energy from NVML's counter (guarded: None without a GPU or pynvml)."""
+
+    def __init__(self, device):
+        self.joules = None
+        self.h = None
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nv = pynvml
+            self.h = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        except Exception:  # noqa: BLE001 - NVML is optional
+            self.h = None
+
+    def __enter__(self):
+        if self.h is not None:
+            try:
+                self.e0 = self.nv.nvmlDeviceGetTotalEnergyConsumption(self.h)
+            except Exception:  # noqa: BLE001
+                self.h = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.h is not None:
+            try:
+                self.joules = (self.nv.nvmlDeviceGetTotalEnergyConsumption(self.h) - self.e0) / 1000.0
+            except Exception:  # noqa: BLE001
+                self.joules = None
+
+
+def encode_accepts(lens: list[int]) -> str:
+    """Per-step accepted draft counts, one base-36 digit a step."""
+    return "".join("0123456789abcdefghijklmnopqrstuvwxyz"[min(x, 35)] for x in lens)
+
+
+def build_requests(cfg, tokenizer):
+    qs = D.load_questions(cfg.dataset, cfg.limit)
+    if cfg.ctx is not None:
+        filler = tokenizer("\n\n".join(D.long_texts()[:8]), add_special_tokens=False)["input_ids"]
+        for i, q in enumerate(qs):
+            q.ctx_ids = D.render_ctx(tokenizer, q.turns[0], bool(cfg.model.get("chat", True)), cfg.ctx,
+                                     filler[(i * 997) % max(1, len(filler) // 2):])
+            q.turns = q.turns[:1]
+    return qs
+
+
+def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtype, questions, progress=None):
+    """Run one method over all questions; returns (metrics, requests)."""
+    from specbench.engine import Engine
+
+    mcfg = OmegaConf.merge(cfg, {"method": OmegaConf.load(CONF_DIR / "method" / f"{method_name}.yaml")}) \
+        if method_name != cfg.method.name else cfg
+    proposer = methods.get(method_name)(mcfg, model, tokenizer, device, dtype)
+    sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
+    chat = bool(cfg.model.get("chat", True))
+    eos = eos_ids(model, tokenizer)
+    npos = max_positions(model.config)
+
+    def engine(timer):
+        return Engine(model, proposer, sampling, device, dtype, eos, timer)
+
+    if cfg.warmup:
+        q = questions[0]
+        ids = q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], chat)
+        engine(PhaseTimer(device)).generate([ids] * min(cfg.bs, 2), 8, torch.Generator(device).manual_seed(0))
+    timer = PhaseTimer(device)
+    timer.watch(model)
+    for m in proposer.modules():
+        timer.watch(m)
+    eng = engine(timer)
+    gen = torch.Generator(device).manual_seed(int(cfg.seed))
+    torch.manual_seed(int(cfg.seed))
+    requests, wall, n_batches = [], 0.0, 0
+    with PeakMemory(device) as mem, Energy(device) as energy:
+        for start in range(0, len(questions), cfg.bs):
+            batch = questions[start:start + cfg.bs]
+            history = [[] for _ in batch]
+            for turn in range(max(len(q.turns) for q in batch)):
+                rows = [i for i, q in enumerate(batch) if turn < len(q.turns)]
+                if cfg.ctx is not None:
+                    prompts = [batch[i].ctx_ids for i in rows]
+                else:
+                    prompts = [D.render(tokenizer, history[i], batch[i].turns[turn], chat) for i in rows]
+                longest = max(len(p) for p in prompts)
+                if longest + cfg.max_new_tokens + cfg.K + 1 > npos:
+                    raise ConfigError(f"a prompt of {longest} tokens + max_new_tokens exceeds the model's {npos} positions")
+                sync(device)
+                t = time.perf_counter()
+                out = eng.generate(prompts, int(cfg.max_new_tokens), gen)
+                sync(device)
+                dt = time.perf_counter() - t
+                wall += dt
+                n_batches += 1
+                for i, r in zip(rows, out):
+                    q = batch[i]
+                    toks = r.tokens
+                    history[i].append((q.turns[turn], tokenizer.decode(toks, skip_special_tokens=True)))
+                    n = len(toks)
+                    requests.append({
+                        "id": q.id, "turn": turn + 1, "category": q.category, "prompt_tokens": len(prompts[rows.index(i)]),
+                        "new_tokens": n, "steps": r.steps, "wall_s": r.t_done, "ttft_s": r.t_first,
+                        "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
+                        "accepted": sum(r.accept_lens), "accepts": encode_accepts(r.accept_lens),
+                        "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
+                        "_lens": r.accept_lens,
+                    })
+                if progress is not None:
+                    progress.update(len(rows))
+    timer.unwatch()
+    times = timer.totals()
+    all_lens = [x for rq in requests for x in rq.pop("_lens")]
+    row_steps = len(all_lens)
+    K = 0 if method_name == "ar" else int(cfg.K)
+    depth = max([K] + all_lens)
+    hist = Counter(all_lens)
+    new_tokens = sum(rq["new_tokens"] for rq in requests)
+    time_s = {p: times.get(p, 0.0) for p in PHASES}
+    time_s["other"] = max(0.0, wall - sum(time_s.values()))
+    time_s["forward"] = times.get("forward", 0.0)
+    ttfts = [rq["ttft_s"] for rq in requests]
+    tpots = [rq["tpot_s"] for rq in requests if rq["tpot_s"] is not None]
+    metrics = {
+        "new_tokens": new_tokens,
+        "wall_s": wall,
+        "tokens_per_s": new_tokens / wall if wall > 0 else None,
+        "steps": row_steps,
+        "batches": n_batches,
+        "tau": 1.0 + sum(all_lens) / row_steps if row_steps else 1.0,
+        "accept_rate_per_pos": [sum(1 for x in all_lens if x >= i) / row_steps for i in range(1, depth + 1)]
+        if row_steps else [],
+        "accept_len_hist": [hist.get(i, 0) for i in range(depth + 1)],
+        "time_s": time_s,
+        "verify_share": time_s["verify"] / wall if wall > 0 else None,
+        "engine_overhead": (wall - time_s["forward"]) / wall if wall > 0 else None,
+        "ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
+        "tpot_s": sum(tpots) / len(tpots) if tpots else None,
+        "peak_mem_bytes": mem.peak,
+        "energy_j": energy.joules,
+        "speedup": None,
+        "match_ar": None,
+    }
+    return metrics, requests, proposer
+
+
+def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
+    return {
+        "schema": R.SCHEMA, "sweep_id": sweep_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "status": "ok", "error": None, "method": method_name,
+        "model": cfg.model.path or cfg.model.name,
+        "draft": (cfg.draft.path if cfg.draft.name != "self_layers" else f"self_layers:{cfg.draft.layers}")
+        if method_name == "leviathan" else None,
+        "K": None if method_name == "ar" else int(cfg.K), "bs": int(cfg.bs), "ctx": cfg.ctx,
+        "dataset": cfg.dataset.name if cfg.dataset.name != "jsonl" else f"jsonl:{cfg.dataset.path}",
+        "limit": cfg.limit, "temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
+        "max_new_tokens": int(cfg.max_new_tokens), "dtype": str(dtype).replace("torch.", ""), "device": device.type,
+        "seed": int(cfg.seed), "lossless": True, "method_cfg": {}, "env": R.env_info(device), "metrics": None,
+        "requests": [],
+    }
+
+
+def measure(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id, progress=None) -> dict:
+    rec = _record_base(cfg, method_name, device, dtype, sweep_id)
+    metrics, requests, proposer = run_method(cfg, method_name, model, tokenizer, device, dtype, questions, progress)
+    rec["metrics"], rec["requests"] = metrics, requests
+    rec["lossless"] = bool(proposer.lossless)
+    rec["method_cfg"] = proposer.describe()
+    return rec
+
+
+def fill_against_ar(rec: dict, ar: dict) -> None:
+    m, a = rec["metrics"], ar["metrics"]
+    if m.get("tokens_per_s") and a.get("tokens_per_s"):
+        m["speedup"] = m["tokens_per_s"] / a["tokens_per_s"]
+    if rec["temperature"] == 0:
+        ref = {(r["id"], r["turn"]): r["out_sha"] for r in ar["requests"]}
+        same = [ref.get((r["id"], r["turn"])) == r["out_sha"] for r in rec["requests"]]
+        m["match_ar"] = sum(same) / len(same) if same else None
+    rec["ar_sweep_id"] = ar.get("sweep_id")
+
+
+# ---------------------------------------------------------------------------- a job
+def sweep_id_of(cfg) -> str:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().sweep.dir).name
+    except Exception:  # noqa: BLE001 - outside Hydra (tests)
+        return time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
+    """Run one sweep point (plus its AR baseline when missing); returns the records written."""
+    sweep_id = sweep_id or sweep_id_of(cfg)
+    method_name = cfg.method.name
+    written: list[dict] = []
+    device = dtype = None
+    try:
+        validate(cfg)
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+        tokenizer = load_tokenizer(cfg.model)
+        questions = build_requests(cfg, tokenizer)
+        model, tokenizer = get_model(cfg.model, device, dtype)
+    except ConfigError as e:
+        return [_fail(cfg, method_name, device, dtype, sweep_id, "error", str(e))]
+    existing = R.read(cfg.records)
+    probe = _record_base(cfg, "ar", device, dtype, sweep_id)
+    key = R.baseline_key(probe)
+    ar = R.find_ar(existing, key, None if cfg.ar_baseline == "any" else sweep_id)
+    todo = []
+    if method_name == "ar":
+        if ar is not None and ar.get("sweep_id") == sweep_id:
+            print(f"[specbench] ar bs={cfg.bs}: the same AR job already ran in this sweep; reusing it", file=sys.stderr)
+            return []
+        todo = ["ar"]
+    else:
+        todo = (["ar"] if ar is None else []) + [method_name]
+    n_turns = sum(len(q.turns) for q in questions)
+    bar = _bar(len(todo) * n_turns, f"{method_name} bs={cfg.bs} K={cfg.K}" + (f" ctx={cfg.ctx}" if cfg.ctx else ""),
+               cfg.progress)
+    try:
+        for name in todo:
+            bar.set_postfix_str(name)
+            try:
+                rec = measure(cfg, name, model, tokenizer, device, dtype, questions, sweep_id, bar)
+            except KeyboardInterrupt:
+                _fail(cfg, name, device, dtype, sweep_id, "error", "interrupted (KeyboardInterrupt)")
+                raise
+            except (torch.OutOfMemoryError, MemoryError) as e:
+                written.append(_fail(cfg, name, device, dtype, sweep_id, "oom", _one_line(e)))
+                _free(device)
+                continue
+            except ConfigError as e:
+                written.append(_fail(cfg, name, device, dtype, sweep_id, "error", str(e)))
+                continue
+            except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+                traceback.print_exc(file=sys.stderr)
+                written.append(_fail(cfg, name, device, dtype, sweep_id, "error", _one_line(e)))
+                _free(device)
+                continue
+            if name == "ar":
+                ar = rec
+                rec["metrics"]["speedup"] = 1.0
+                if rec["temperature"] == 0:
+                    rec["metrics"]["match_ar"] = 1.0
+            elif ar is not None:
+                fill_against_ar(rec, ar)
+            R.append(cfg.records, rec)
+            written.append(rec)
+    finally:
+        bar.close()
+    return written
+
+
+def _bar(total, desc, enabled):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:500]
+
+
+def _free(device) -> None:
+    gc.collect()
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _fail(cfg, method_name, device, dtype, sweep_id, status, msg) -> dict:
+    print(f"specbench: {status}: {msg}", file=sys.stderr, flush=True)
+    FAILED.append(msg)
+    dev = device or torch.device("cpu")
+    rec = _record_base(cfg, method_name, dev, dtype or torch.float32, sweep_id)
+    rec["status"], rec["error"] = status, msg
+    R.append(cfg.records, rec)
+    return rec
+
+
+# ---------------------------------------------------------------------------- summary
+def summary_table(recs: list[dict]) -> str:
+    cols = ["method", "model", "dataset", "bs", "K", "ctx", "tok/s", "speedup", "tau", "verify", "match_ar", "status"]
+    rows = []
+    for r in recs:
+        m = r.get("metrics") or {}
+
+        def f(x, fmt):
+            return "-" if x is None else format(x, fmt)
+
+        rows.append([r.get("method"), str(r.get("model")).split("/")[-1], r.get("dataset"), str(r.get("bs")),
+                     f(r.get("K"), "d"), f(r.get("ctx"), "d"), f(m.get("tokens_per_s"), ".1f"),
+                     f(m.get("speedup"), ".2f") + ("x" if m.get("speedup") is not None else ""),
+                     f(m.get("tau"), ".2f"), f(m.get("verify_share"), ".0%"), f(m.get("match_ar"), ".0%"),
+                     r.get("status") if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error')}"[:60]])
+    widths = [max(len(c), *(len(str(row[i])) for row in rows)) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in rows]
+    return "\n".join(out)
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover
+    Callback = object
+
+
+class SummaryCallback(Callback):
+    """Prints the sweep's table when a sweep (or single run) ends."""
+
+    def _print(self, config) -> None:
+        records = OmegaConf.select(config, "records") or "results/records.jsonl"
+        sid = Path(str(config.hydra.sweep.dir)).name
+        recs = [r for r in R.read(records) if r.get("sweep_id") == sid]
+        if not recs:
+            print("\n[specbench] no records written by this sweep", file=sys.stderr)
+            return
+        print(f"\nspecbench sweep {sid}: {len(recs)} records in {records}\n")
+        print(summary_table(recs), flush=True)
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        self._print(config)
+
+    def on_run_end(self, config, **kwargs) -> None:
+        self._print(config)
