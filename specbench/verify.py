@@ -105,7 +105,7 @@ def _greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
         counts = on_path.sum(1)
         order = torch.where(on_path, idx[None], idx[None] + N).sort(dim=1).values
         m = int(counts.max())
-        keep = order[:, :m]
+        keep = order[:, :m] % N  # entries past counts[b] are padding
         n_acc = counts - 1
     extra = amax[rows, best]
     tok_all = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), draft.tokens], dim=1)

@@ -52,3 +52,21 @@ def run_engine(model, proposer: Proposer | None, prompts, n, sampling=None, eos=
 def prompts_of(lengths, vocab=96, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lengths]
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit, p-value by the Wilson-Hilferty approximation.
+    Cells with tiny expected counts are pooled into one."""
+    import math
+
+    n = float(counts.sum())
+    exp = probs.double() * n
+    big = exp >= 5
+    obs = torch.cat([counts.double()[big], counts.double()[~big].sum()[None]])
+    ex = torch.cat([exp[big], exp[~big].sum()[None]])
+    keep = ex > 0
+    obs, ex = obs[keep], ex[keep]
+    stat = float(((obs - ex) ** 2 / ex).sum())
+    k = max(1, len(ex) - 1)
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))

@@ -1,0 +1,132 @@
+"""Greedy token identity of every method against plain decoding (fp32, tiny models)."""
+
+import pytest
+import torch
+
+from helpers import CPU, cfg_for, prompts_of, reference_greedy, run_engine, tiny_llama
+from methods.base import Proposer
+from methods.leviathan import Leviathan
+from methods.pld import PromptLookup, lookup
+from specbench.draft import Draft
+from specbench.models import self_layers_draft
+
+N_NEW = 24
+
+
+class OracleTree(Proposer):
+    """Test-only tree proposer: per row a tree whose branches mix the true greedy
+    continuation (known from a reference run) with wrong tokens, in varying places, so
+    that acceptance walks different branches at different depths."""
+
+    name = "oracle_tree"
+
+    def __init__(self, model, truth: dict, seed=0):
+        super().__init__(cfg_for(), model, None, CPU, torch.float32)
+        self.truth = truth  # tuple(prompt) -> full greedy continuation
+        self.g = torch.Generator().manual_seed(seed)
+
+    def propose(self, state):
+        rows_tok, rows_par = [], []
+        for seq, plen in zip(state.seqs, state.prompt_lens):
+            cont = self.truth[tuple(seq[:plen])]
+            done = len(seq) - plen
+            right = cont[done:done + 4]
+            wrong = [(t + 7) % 90 + 3 for t in right]
+            # root -> [wrong0, right0]; right0 -> [right1, wrong1]; right1 -> right2 -> [wrong3, right3]
+            cut = int(torch.randint(0, 4, (1,), generator=self.g))  # corrupt the true path here
+            path = [r if i != cut else w for i, (r, w) in enumerate(zip(right, wrong))]
+            toks = [wrong[0], path[0], path[1], wrong[1], path[2], wrong[3], path[3]] if len(right) == 4 else []
+            pars = [0, 0, 2, 2, 3, 5, 5] if toks else []
+            rows_tok.append(toks)
+            rows_par.append(pars)
+        n = max(len(t) for t in rows_tok)
+        if n == 0:
+            return None
+        B = len(rows_tok)
+        tokens = torch.zeros(B, n, dtype=torch.long)
+        parents = torch.arange(n)[None].repeat(B, 1)
+        valid = torch.zeros(B, n, dtype=torch.bool)
+        for b, (t, p) in enumerate(zip(rows_tok, rows_par)):
+            tokens[b, :len(t)] = torch.tensor(t)
+            parents[b, :len(p)] = torch.tensor(p)
+            valid[b, :len(t)] = True
+        return Draft(tokens=tokens, parents=parents, valid=valid)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=0, scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def cases(model):
+    out = {}
+    for lengths in ([7], [5, 11, 3, 8]):
+        ps = prompts_of(lengths)
+        out[len(lengths)] = (ps, [reference_greedy(model, p, N_NEW + 8) for p in ps])
+    return out
+
+
+def make(name, model, truth):
+    if name == "ar":
+        return None
+    if name == "pld":
+        return PromptLookup(cfg_for(K=3), model, None, CPU, torch.float32)
+    if name == "leviathan_self":
+        return Leviathan(cfg_for(K=3), model, None, CPU, torch.float32, draft_model=self_layers_draft(model, 1))
+    if name == "leviathan_other":
+        return Leviathan(cfg_for(K=5), model, None, CPU, torch.float32, draft_model=tiny_llama(seed=3, scale=4.0))
+    if name == "oracle_tree":
+        return OracleTree(model, truth)
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+@pytest.mark.parametrize("name", ["ar", "pld", "leviathan_self", "leviathan_other", "oracle_tree"])
+def test_greedy_identity(model, cases, name, bs):
+    prompts, refs = cases[bs]
+    truth = {tuple(p): r for p, r in zip(prompts, refs)}
+    res = run_engine(model, make(name, model, truth), prompts, N_NEW)
+    for r, ref in zip(res, refs):
+        assert r.tokens == ref[:N_NEW]
+        assert len(r.accept_lens) == r.steps
+    if name == "oracle_tree":  # the tree path was really walked, several nodes deep
+        assert max(max(r.accept_lens) for r in res) >= 3
+        assert sum(sum(r.accept_lens) for r in res) > sum(r.steps for r in res)
+
+
+def test_eos_ends_each_row_alone(model, cases):
+    prompts, refs = cases[4]
+    eos = refs[1][5]  # a token row 1 emits early
+    for prop in (None, PromptLookup(cfg_for(K=3), model, None, CPU, torch.float32)):
+        res = run_engine(model, prop, prompts, N_NEW, eos={eos})
+        for r, ref in zip(res, refs):
+            want = ref[:N_NEW]
+            if eos in want:
+                want = want[:want.index(eos) + 1]
+            assert r.tokens == want
+            assert r.hit_eos == (eos in ref[:N_NEW])
+
+
+def test_max_new_tokens_one(model, cases):
+    prompts, refs = cases[4]
+    res = run_engine(model, None, prompts, 1)
+    assert [r.tokens for r in res] == [ref[:1] for ref in refs]
+
+
+def test_rows_keep_what_they_accept(model, cases):
+    """Rows accept different counts in the same step; none is cut to the batch minimum."""
+    prompts, refs = cases[4]
+    truth = {tuple(p): r for p, r in zip(prompts, refs)}
+    res = run_engine(model, OracleTree(model, truth, seed=5), prompts, N_NEW)
+    per_step = list(zip(*[r.accept_lens[:3] for r in res]))
+    assert any(len(set(s)) > 1 for s in per_step)  # ragged acceptance happened
+    for r, ref in zip(res, refs):
+        assert r.tokens == ref[:N_NEW]
+
+
+def test_pld_lookup():
+    seq = [1, 2, 3, 4, 5, 1, 2, 3, 9, 1, 2, 3]
+    assert lookup(seq, 3, 3) == [4, 5, 1]  # earliest match of [1, 2, 3]
+    assert lookup([5, 6, 7], 2, 3) == []
+    assert lookup([4, 8, 4], 4, 2) == [8, 4]  # falls back to a 1-gram, continuation runs to the end

@@ -1,0 +1,194 @@
+"""Verification rules on hand-built trees, KV commit of a tree path, and statistical tests
+that sampled speculative decoding follows the target distribution."""
+
+import itertools
+
+import pytest
+import torch
+
+from helpers import CPU, cfg_for, chi2_pvalue, run_engine, tiny_llama
+from methods.leviathan import Leviathan
+from specbench.draft import Draft, tree_geometry
+from specbench.kv import RaggedCache
+from specbench.models import self_layers_draft
+from specbench.verify import Sampling, verify, warp
+
+V = 12
+
+
+def peaked(ids, V=V):
+    """Logits [len(ids), V] whose argmax at node i is ids[i]."""
+    x = torch.randn(len(ids), V) * 0.1
+    for i, t in enumerate(ids):
+        x[i, t] = 5.0
+    return x
+
+
+def test_tree_geometry():
+    depth, anc = tree_geometry(torch.tensor([[0, 0, 2, 2, 3]]))
+    assert depth.tolist() == [[0, 1, 1, 2, 2, 3]]
+    assert anc[0, 5].nonzero().flatten().tolist() == [0, 2, 3, 5]
+    assert anc[0, 4].nonzero().flatten().tolist() == [0, 2, 4]
+
+
+def test_greedy_tree_walk():
+    # root -> {1:4, 2:5}; 2 -> {3:7, 4:8}; 3 -> {5:1}
+    d = Draft(tokens=torch.tensor([[4, 5, 7, 8, 1]]), parents=torch.tensor([[0, 0, 2, 2, 3]]))
+    logits = peaked([5, 0, 7, 9, 0, 0])[None]  # argmax: root 5, node2 7, node3 9
+    v = verify(logits, d, Sampling(), None)
+    assert v.accepted == [[5, 7]]
+    assert v.counts.tolist() == [3]
+    assert v.keep[0, :3].tolist() == [0, 2, 3]
+    assert v.extra.tolist() == [9]  # node 3's child (1) is wrong: correction from node 3
+
+
+def test_greedy_invalid_nodes_never_accepted():
+    d = Draft(tokens=torch.tensor([[5, 7]]), parents=torch.tensor([[0, 1]]),
+              valid=torch.tensor([[True, False]]))
+    v = verify(peaked([5, 7, 3])[None], d, Sampling(), None)
+    assert v.accepted == [[5]] and v.extra.tolist() == [7]
+    d.candidate = torch.tensor([[False, True]])
+    d.valid = None
+    v = verify(peaked([5, 7, 3])[None], d, Sampling(), None)
+    assert v.accepted == [[]] and v.extra.tolist() == [5]
+
+
+def test_tree_commit_matches_recompute():
+    """After committing a tree path, the cache continues exactly as a fresh forward."""
+    m = tiny_llama(seed=2)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    c = RaggedCache(m, CPU, torch.float32)
+    c.prefill(prompts)
+    # two rows, tree root -> {a, b}; b -> {c}; keep root, b, c for row 0 and root, a for row 1
+    toks = torch.tensor([[20, 21, 22, 23], [30, 31, 32, 33]])
+    parents = torch.tensor([[0, 0, 2], [0, 0, 2]])
+    depth, anc = tree_geometry(parents)
+    c.forward(toks, depth, anc)
+    c.commit(torch.tensor([[0, 2, 3], [0, 1, 0]]), torch.tensor([3, 2]))
+    nxt = torch.tensor([[40], [41]])
+    got = c.forward(nxt, torch.zeros(2, 1, dtype=torch.long), None, logits_to_keep=1).logits[:, -1]
+    seqs = [prompts[0] + [20, 22, 23, 40], prompts[1] + [30, 31, 41]]
+    for b, s in enumerate(seqs):
+        want = m(torch.tensor([s])).logits[0, -1]
+        assert torch.allclose(got[b], want, atol=1e-5), (b, (got[b] - want).abs().max())
+
+
+# ----------------------------------------------------------------------- sampling
+S = Sampling(temperature=1.0)
+
+
+def first_token_counts(logits_root, draft_fn, n=6000, seed=0):
+    """Empirical distribution of the first emitted token over n independent verifications."""
+    g = torch.Generator().manual_seed(seed)
+    d = draft_fn(n, g)
+    logits = logits_root.expand(n, d.n + 1, V).clone()
+    v = verify(logits, d, S, g)
+    first = torch.tensor([a[0] if a else int(e) for a, e in zip(v.accepted, v.extra.tolist())])
+    return torch.bincount(first, minlength=V)
+
+
+@pytest.fixture(scope="module")
+def pq():
+    g = torch.Generator().manual_seed(7)
+    p_logits = torch.randn(V, generator=g) * 1.5
+    q_logits = torch.randn(V, generator=g) * 1.5
+    return p_logits, q_logits
+
+
+def chain_with_q(q_logits):
+    def fn(n, g):
+        q = torch.softmax(q_logits, -1)
+        x = torch.multinomial(q.expand(n, V), 1, generator=g)
+        return Draft.chain(x, q=q.expand(n, 1, V).clone())
+    return fn
+
+
+def test_chain_sampling_is_lossless(pq):
+    p_logits, q_logits = pq
+    counts = first_token_counts(p_logits[None, None], chain_with_q(q_logits))
+    assert chi2_pvalue(counts, torch.softmax(p_logits, -1)) > 1e-3
+
+
+def test_statistic_detects_a_lossy_rule(pq):
+    """The test has power: the draft's own distribution (what 'accept everything' emits)
+    is rejected at the same sample size."""
+    p_logits, q_logits = pq
+    g = torch.Generator().manual_seed(1)
+    x = torch.multinomial(torch.softmax(q_logits, -1), 6000, replacement=True, generator=g)
+    assert chi2_pvalue(torch.bincount(x, minlength=V), torch.softmax(p_logits, -1)) < 1e-6
+
+
+def test_tree_deterministic_candidates_lossless(pq):
+    p_logits, _ = pq
+    top = torch.topk(p_logits, 3).indices.tolist()
+    cands = [top[1], 3 if 3 not in top else 4, top[0]]  # three children of the root, no q
+
+    def fn(n, g):
+        return Draft(tokens=torch.tensor([cands] * n), parents=torch.zeros(n, 3, dtype=torch.long))
+
+    counts = first_token_counts(p_logits[None, None], fn)
+    assert chi2_pvalue(counts, torch.softmax(p_logits, -1)) > 1e-3
+
+
+def test_tree_sampled_siblings_without_replacement_lossless(pq):
+    p_logits, q_logits = pq
+    q = torch.softmax(q_logits, -1)
+
+    def fn(n, g):
+        toks, qs = [], []
+        for _ in range(n):
+            qq = q.clone()
+            row_t, row_q = [], []
+            for _ in range(3):
+                row_q.append(qq.clone())
+                x = int(torch.multinomial(qq, 1, generator=g))
+                row_t.append(x)
+                qq[x] = 0
+                qq = qq / qq.sum()
+            toks.append(row_t)
+            qs.append(torch.stack(row_q))
+        return Draft(tokens=torch.tensor(toks), parents=torch.zeros(n, 3, dtype=torch.long), q=torch.stack(qs))
+
+    counts = first_token_counts(p_logits[None, None], fn, n=4000)
+    assert chi2_pvalue(counts, torch.softmax(p_logits, -1)) > 1e-3
+
+
+def test_warp_top_k_top_p():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    p = warp(logits, Sampling(1.0, top_k=2))
+    assert p[2] == 0 and p[3] == 0 and torch.isclose(p.sum(), torch.tensor(1.0))
+    p = warp(logits, Sampling(1.0, top_p=0.7))
+    full = torch.softmax(logits, -1)
+    assert p[0] > 0 and (p[1] > 0) == (full[0] < 0.7) and p[3] == 0
+
+
+@torch.no_grad()
+def exact_marginals(model, prompt, s: Sampling, steps=3):
+    """Exact distributions of the 2nd and 3rd generated tokens by enumeration."""
+    p1 = warp(model(torch.tensor([prompt])).logits[0, -1], s)
+    seqs2 = torch.tensor([prompt + [a] for a in range(V)])
+    p2c = warp(model(seqs2).logits[:, -1], s)  # [V, V] p(t2 | t1)
+    m2 = p1 @ p2c
+    pairs = list(itertools.product(range(V), range(V)))
+    p3c = warp(model(torch.tensor([prompt + [a, b] for a, b in pairs])).logits[:, -1], s)
+    w = torch.tensor([p1[a] * p2c[a, b] for a, b in pairs])
+    m3 = w @ p3c
+    return m2, m3
+
+
+@pytest.mark.parametrize("s", [Sampling(1.0), Sampling(0.7, top_k=8, top_p=0.9)])
+def test_leviathan_sampling_follows_target(s):
+    """Many seeded rows of one prompt through the engine: the 2nd and 3rd tokens (drafted
+    and verified) follow the target's exact marginals."""
+    target = tiny_llama(seed=0, vocab=V, scale=3.0)
+    draft = self_layers_draft(target, 1)
+    prompt = [3, 5, 7, 9]
+    n = 3000
+    lev = Leviathan(cfg_for(K=2), target, None, CPU, torch.float32, draft_model=draft)
+    res = run_engine(target, lev, [prompt] * n, 3, sampling=s, gen=torch.Generator().manual_seed(11))
+    m2, m3 = exact_marginals(target, prompt, s)
+    c2 = torch.bincount(torch.tensor([r.tokens[1] for r in res]), minlength=V)
+    c3 = torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V)
+    assert sum(sum(r.accept_lens) for r in res) > n // 4  # drafts were accepted, not just resampled
+    assert chi2_pvalue(c2, m2) > 1e-3
+    assert chi2_pvalue(c3, m3) > 1e-3
