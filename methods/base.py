@@ -20,6 +20,7 @@ class BatchState:
     sampling: Sampling
     gen: torch.Generator | None
     device: torch.device
+    eos: set[int] = field(default_factory=set)
     extra: dict = field(default_factory=dict)
 
 

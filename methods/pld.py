@@ -8,14 +8,18 @@ from methods.base import BatchState, Proposer
 from specbench.draft import Draft
 
 
-def lookup(seq: list[int], K: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
+def lookup(seq: list[int], K: int, max_ngram: int, min_ngram: int = 1, eos: set[int] = frozenset()) -> list[int]:
     L = len(seq)
     for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
         tail = seq[L - n:]
         first = tail[0]
         for i in range(0, L - n):  # earliest match whose continuation is not empty
             if seq[i] == first and seq[i:i + n] == tail:
-                return seq[i + n:min(i + n + K, L)]
+                out = seq[i + n:min(i + n + K, L)]
+                for j, t in enumerate(out):  # proposing past an EOS is wasted work
+                    if t in eos:
+                        return out[:j]
+                return out
     return []
 
 
@@ -29,7 +33,7 @@ class PromptLookup(Proposer):
         self.min_ngram = int(cfg.method.get("min_ngram", 1))
 
     def propose(self, state: BatchState) -> Draft | None:
-        rows = [lookup(s, self.K, self.max_ngram, self.min_ngram) for s in state.seqs]
+        rows = [lookup(s, self.K, self.max_ngram, self.min_ngram, state.eos) for s in state.seqs]
         if not any(rows):
             return None
         return Draft.from_lists(rows, state.device)

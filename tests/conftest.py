@@ -1,0 +1,51 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def save_tiny_hf(folder: Path, seed: int = 0, words: int = 93, shift: int = 0) -> Path:
+    """A tiny Llama + word-level tokenizer (with a chat template) saved as an HF folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from helpers import tiny_llama
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for i in range(words):
+        vocab[f"w{i + shift}"] = i + 3
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}assistant {% endif %}")
+    model = tiny_llama(seed=seed, vocab=len(vocab), scale=4.0)
+    model.generation_config.eos_token_id = 2
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    target = save_tiny_hf(root / "target", seed=0)
+    draft = save_tiny_hf(root / "draft", seed=3)
+    other = save_tiny_hf(root / "other_vocab", seed=3, shift=1000)
+    qs = root / "questions.jsonl"
+    with qs.open("w") as f:
+        for i in range(5):
+            words = " ".join(f"w{(i * 7 + j * 3) % 90}" for j in range(4 + 2 * i))
+            f.write(json.dumps({"question_id": i, "category": "cat" + str(i % 2), "turns": [words, "w5 w6 w7"]}) + "\n")
+    return {"target": target, "draft": draft, "other": other, "questions": qs, "root": root}
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(request, tmp_path_factory, monkeypatch):
+    # unit tests get an empty cache dir; slow tests share the user's converted models
+    if "SPECBENCH_CACHE" not in os.environ and request.node.get_closest_marker("slow") is None:
+        monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))

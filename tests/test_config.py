@@ -1,0 +1,213 @@
+"""Config composition of every group, the one-line errors for bad input, and runner jobs
+(recorded failures, AR baseline reuse, records schema) on tiny HF folders."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+
+import methods
+from specbench import records as R
+from specbench import runner
+from specbench.__main__ import preprocess
+from specbench.models import ConfigError
+
+from conftest import REPO
+
+CONF = str(REPO / "conf")
+GROUPS = ["method", "model", "dataset", "draft"]
+
+
+def composed(overrides=()):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_composes(group):
+    opts = runner.group_options(group)
+    assert opts
+    for opt in opts:
+        cfg = composed([f"{group}={opt}"])
+        assert cfg[group].name == opt
+        if group == "method":
+            assert opt in methods.REGISTRY  # every method yaml has a registered module
+
+
+def test_every_registered_method_has_a_config():
+    assert set(methods.names()) == set(runner.group_options("method"))
+
+
+def test_default_sweep_and_multirun_mode():
+    raw = OmegaConf.load(REPO / "conf" / "config.yaml")
+    assert raw.hydra.mode == "MULTIRUN"
+    assert set(raw.hydra.sweeper.params.method.split(",")) == {"ar", "pld", "leviathan"}
+
+
+def test_preprocess_rejects_unknown_choices_and_rewrites_draft():
+    with pytest.raises(ConfigError, match="unknown method 'eagle2'; choices: ar, leviathan, pld"):
+        preprocess(["method=pld,eagle2"])
+    with pytest.raises(ConfigError, match="unknown model 'llama9'"):
+        preprocess(["model=llama9"])
+    with pytest.raises(ConfigError, match="unknown dataset"):
+        preprocess(["dataset=nope"])
+    assert preprocess(["draft=org/some-draft", "bs=1,2"]) == ["draft=hf", "draft.path=org/some-draft", "bs=1,2"]
+    assert preprocess(["draft=self_layers"]) == ["draft=self_layers"]
+
+
+def tiny_cfg(tiny_dirs, tmp_path, **over):
+    cfg = composed(["model=hf", "dataset=jsonl"])
+    with open_dict(cfg):
+        cfg.model.path = str(tiny_dirs["target"])
+        cfg.dataset.path = str(tiny_dirs["questions"])
+        cfg.results_dir = str(tmp_path)
+        cfg.records = str(tmp_path / "records.jsonl")
+        cfg.max_new_tokens = 12
+        cfg.limit = 4
+        cfg.progress = False
+        cfg.draft.layers = 1
+        for k, v in over.items():
+            OmegaConf.update(cfg, k, v, force_add=True)
+    return cfg
+
+
+@pytest.mark.parametrize("over,msg", [
+    ({"K": 0}, "K must be an integer >= 1"),
+    ({"bs": 0}, "bs must be an integer >= 1"),
+    ({"ctx": 100000}, "exceeds the model's 512 positions"),
+    ({"dataset.path": "/no/such/file.jsonl"}, "does not exist"),
+    ({"model.path": "/no/such/model"}, "model path '/no/such/model' does not exist"),
+    ({"temperature": -1.0}, "temperature must be >= 0"),
+    ({"top_p": 0.0}, "top_p must be in"),
+    ({"method": {"name": "eagle9"}}, "unknown method 'eagle9'"),
+    ({"method": {"name": "leviathan"}, "draft.layers": 5}, "draft.layers must be an integer in 1..1"),
+])
+def test_bad_inputs(tiny_dirs, tmp_path, over, msg):
+    cfg = tiny_cfg(tiny_dirs, tmp_path, **over)
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(")):
+        runner.validate(cfg)
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_dirs, tmp_path):
+    cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "leviathan"}})
+    with open_dict(cfg):
+        cfg.draft = {"name": "hf", "path": str(tiny_dirs["other"]), "layers": None}
+    with pytest.raises(ConfigError, match="another vocabulary"):
+        runner.validate(cfg)
+    cfg.draft.path = str(tiny_dirs["draft"])
+    runner.validate(cfg)  # same vocabulary: fine
+
+
+REQUIRED = ["schema", "sweep_id", "status", "error", "method", "model", "draft", "K", "bs", "ctx", "dataset",
+            "limit", "temperature", "max_new_tokens", "dtype", "device", "seed", "env", "metrics", "requests"]
+METRICS = ["new_tokens", "wall_s", "tokens_per_s", "steps", "tau", "accept_rate_per_pos", "accept_len_hist",
+           "time_s", "verify_share", "ttft_s", "tpot_s", "peak_mem_bytes", "energy_j", "speedup", "match_ar"]
+
+
+def test_job_records_and_reuses_ar(tiny_dirs, tmp_path):
+    cfg = tiny_cfg(tiny_dirs, tmp_path, bs=2, **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}})
+    recs = runner.job(cfg, sweep_id="s1")
+    assert [r["method"] for r in recs] == ["ar", "pld"]  # the AR baseline ran first
+    cfg2 = tiny_cfg(tiny_dirs, tmp_path, bs=2, **{"method": {"name": "leviathan"}})
+    recs2 = runner.job(cfg2, sweep_id="s1")
+    assert [r["method"] for r in recs2] == ["leviathan"]  # reused the sweep's AR job
+    lines = R.read(tmp_path / "records.jsonl")
+    assert len(lines) == 3
+    for rec in lines:
+        assert rec["status"] == "ok"
+        for k in REQUIRED:
+            assert k in rec, k
+        for k in METRICS:
+            assert k in rec["metrics"], k
+        m = rec["metrics"]
+        assert m["match_ar"] == 1.0  # greedy fp32: token-identical to AR
+        assert set(m["time_s"]) >= {"prefill", "draft", "verify", "accept", "other"}
+        assert len(rec["requests"]) == 8  # 4 questions x 2 turns
+        assert sum(m["accept_len_hist"]) == m["steps"]
+        assert rec["env"]["torch"] == torch.__version__
+    lev = lines[2]["metrics"]
+    assert len(lev["accept_rate_per_pos"]) == 4
+    assert lev["speedup"] == pytest.approx(lev["tokens_per_s"] / lines[0]["metrics"]["tokens_per_s"])
+    # a second sweep runs its own AR job; ar_baseline=any reuses the first
+    assert [r["method"] for r in runner.job(cfg2, sweep_id="s2")] == ["ar", "leviathan"]
+    cfg3 = tiny_cfg(tiny_dirs, tmp_path, bs=2, ar_baseline="any", **{"method": {"name": "pld"}})
+    assert [r["method"] for r in runner.job(cfg3, sweep_id="s3")] == ["pld"]
+
+
+
+
+def test_failing_jobs_are_recorded_and_the_sweep_goes_on(tiny_dirs, tmp_path, monkeypatch):
+    from methods.base import Proposer
+
+    class Exploding(Proposer):
+        name = "exploding"
+
+        def propose(self, state):
+            raise RuntimeError("kaboom\nsecond line")
+
+    class OOM(Proposer):
+        name = "oom"
+
+        def propose(self, state):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+
+    monkeypatch.setitem(methods.REGISTRY, "exploding", "x:y")
+    monkeypatch.setitem(methods.REGISTRY, "oom", "x:y")
+    real_get = methods.get
+    monkeypatch.setattr(methods, "get", lambda n: {"exploding": Exploding, "oom": OOM}.get(n) or real_get(n))
+    for name, status in (("exploding", "error"), ("oom", "oom")):
+        cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": name}})
+        recs = runner.job(cfg, sweep_id="f")
+        assert recs[-1]["status"] == status and recs[-1]["method"] == name
+        assert "\n" not in recs[-1]["error"]
+    cfg = tiny_cfg(tiny_dirs, tmp_path, K=0, **{"method": {"name": "pld"}})
+    assert runner.job(cfg, sweep_id="f")[0]["error"].startswith("K must be")
+    lines = R.read(tmp_path / "records.jsonl")
+    assert [r["status"] for r in lines] == ["ok", "error", "oom", "error"]  # ar ok, then the failures
+
+
+def test_ctx_prompts_have_exact_length(tiny_dirs, tmp_path, monkeypatch):
+    from specbench import data as D
+
+    monkeypatch.setattr(D, "long_texts", lambda: [" ".join(f"w{i % 90}" for i in range(400))])
+    cfg = tiny_cfg(tiny_dirs, tmp_path, ctx=64)
+    tok = runner.load_tokenizer(cfg.model)
+    qs = runner.build_requests(cfg, tok)
+    assert all(len(q.ctx_ids) == 64 and len(q.turns) == 1 for q in qs)
+    recs = runner.job(cfg, sweep_id="c")
+    assert all(r["prompt_tokens"] == 64 for r in recs[0]["requests"])
+    cfg = tiny_cfg(tiny_dirs, tmp_path, ctx=3)
+    with pytest.raises(ConfigError, match="shorter than the prompt"):
+        runner.build_requests(cfg, tok)
+
+
+def test_cli_sweep_end_to_end(tiny_dirs, tmp_path):
+    """`python -m specbench a=x,y` sweeps without -m and ends with the summary table."""
+    out = subprocess.run(
+        [sys.executable, "-m", "specbench", "model=hf", f"model.path={tiny_dirs['target']}", "dataset=jsonl",
+         f"dataset.path={tiny_dirs['questions']}", "method=pld,leviathan", "bs=1,3", "K=2", "limit=3",
+         "max_new_tokens=8", "draft.layers=1", f"results_dir={tmp_path}", "progress=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    recs = R.read(tmp_path / "records.jsonl")
+    assert sorted((r["method"], r["bs"]) for r in recs) == sorted(
+        [("ar", 1), ("pld", 1), ("leviathan", 1), ("ar", 3), ("pld", 3), ("leviathan", 3)])
+    assert len({r["sweep_id"] for r in recs}) == 1
+    assert "speedup" in out.stdout and "leviathan" in out.stdout and "verify" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "specbench", "method=medusa9"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "specbench: error: unknown method 'medusa9'; choices: ar, leviathan, pld"
+
+
+def test_records_reader_skips_a_cut_line(tmp_path):
+    p = tmp_path / "records.jsonl"
+    R.append(p, {"method": "ar", "status": "ok"})
+    with p.open("a") as f:
+        f.write('{"method": "pld", "sta')
+    assert [r["method"] for r in R.read(p)] == ["ar"]
+    assert json.loads(p.read_text().splitlines()[0])["status"] == "ok"

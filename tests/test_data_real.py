@@ -1,0 +1,48 @@
+"""The packaged prompt sets and the real default model (slow: loads SmolLM2-135M)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from specbench import data as D
+from specbench import records as R
+
+from conftest import REPO
+
+
+def test_packaged_prompt_sets():
+    mt = D.mt_bench()
+    assert len(mt) == 80 and all(len(q.turns) == 2 for q in mt)
+    assert {q.category for q in mt} >= {"writing", "coding", "math"}
+    he = D.humaneval()
+    assert len(he) == 164 and all("def " in q.turns[0] for q in he)
+    gsm = D.gsm8k()
+    assert len(gsm) == 100 and "boxed" in gsm[0].turns[0]
+
+
+@pytest.mark.slow
+def test_sharegpt_index():
+    sg = D.sharegpt()
+    assert len(sg) > 10000
+    longs = D.long_texts()
+    assert len(longs) == 256 and len(longs[0]) > 20000
+
+
+@pytest.mark.slow
+def test_smollm2_sweep(tmp_path):
+    """A short real sweep: AR, PLD and Leviathan on two MT-Bench turns of SmolLM2, token-identical."""
+    out = subprocess.run(
+        [sys.executable, "-m", "specbench", "method=pld,leviathan", "limit=1", "max_new_tokens=24",
+         "draft.layers=8", f"results_dir={tmp_path}", "progress=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    recs = R.read(tmp_path / "records.jsonl")
+    assert [r["method"] for r in recs] == ["ar", "pld", "leviathan"]
+    for r in recs:
+        assert r["status"] == "ok" and r["model"] == "smollm2-135m" and r["dtype"] == "float32"
+        assert r["metrics"]["match_ar"] == 1.0
+        assert [q["turn"] for q in r["requests"]] == [1, 2]
+        assert r["metrics"]["new_tokens"] > 0 and r["metrics"]["tokens_per_s"] > 0
+    assert recs[2]["draft"] == "self_layers:8"
+    assert "speedup" in out.stdout
