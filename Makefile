@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: setup run test test-fast bench-peers clean-cache
+.PHONY: setup run test test-fast bench-peers report regress regress-baseline profile clean-cache
 
 setup: $(STAMP)
 
@@ -34,6 +34,31 @@ test-fast: setup
 
 bench-peers: setup
 	$(BIN)/python -m specbench.peers $(ARGS)
+
+# Figures and tables from every record under results/ (ARGS: filters, --out DIR).
+report: setup
+	$(BIN)/python -m analysis.report results $(ARGS)
+
+profile: setup
+	$(BIN)/python -m analysis.profile $(ARGS)
+
+# A small deterministic benchmark compared with the committed baseline: greedy acceptance
+# counts, tau and token identity must match exactly; speed is reported, not failed on CPU.
+REGRESS_DIR  := results/regress
+REGRESS_ARGS := method=ar,pld,leviathan bs=1,3 K=3 limit=3 max_new_tokens=32 dataset=mt_bench \
+                draft.layers=4 dtype=fp32 device=cpu progress=false results_dir=$(REGRESS_DIR)
+
+regress: setup
+	rm -f $(REGRESS_DIR)/records.jsonl
+	$(BIN)/python -m specbench $(REGRESS_ARGS)
+	$(BIN)/python -m analysis.compare $(REGRESS_DIR)/records.jsonl results/baselines/regress.jsonl \
+		--bench-json $(REGRESS_DIR)/benchmark.json
+
+# Regenerate the committed baseline (after an intended change of acceptance behaviour).
+regress-baseline: setup
+	rm -f $(REGRESS_DIR)/records.jsonl
+	$(BIN)/python -m specbench $(REGRESS_ARGS)
+	cp $(REGRESS_DIR)/records.jsonl results/baselines/regress.jsonl
 
 clean-cache:
 	rm -rf $${SPECBENCH_CACHE:-$$HOME/.cache/specbench}

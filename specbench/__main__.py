@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-GROUPS = ("method", "model", "dataset", "draft")
+GROUPS = ("method", "model", "dataset", "draft", "logger")
 
 
 def preprocess(argv: list[str]) -> list[str]:

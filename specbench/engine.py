@@ -36,6 +36,7 @@ class Engine:
         self.dtype = dtype
         self.eos = set(eos_ids)
         self.timer = timer
+        self.iterations = 0  # decoding steps of the batch (one target forward each), summed over calls
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
@@ -68,6 +69,7 @@ class Engine:
         pending = pending[[i for i, d in enumerate(done) if not d]] if any(done) else pending
 
         while live:
+            self.iterations += 1
             with self.timer.phase("draft"):
                 draft = self.proposer.propose(state)
                 if draft is not None:

@@ -17,9 +17,11 @@ from omegaconf import DictConfig, OmegaConf
 
 import methods
 from specbench import data as D
+from specbench import loggers
 from specbench import records as R
 from specbench.models import (ConfigError, eos_ids, load_config, load_model, load_tokenizer, max_positions,
                               resolve_device, resolve_dtype, self_layers_draft)
+from specbench.monitor import NvmlMonitor
 from specbench.timing import PHASES, PhaseTimer, sync
 from specbench.verify import Sampling
 
@@ -57,6 +59,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"limit must be an integer >= 1 or null, got {cfg.limit!r}")
     if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {cfg.max_new_tokens!r}")
+    loggers.check(cfg)
     if cfg.temperature < 0:
         raise ConfigError(f"temperature must be >= 0, got {cfg.temperature}")
     if not 0.0 < float(cfg.top_p) <= 1.0:
@@ -154,39 +157,6 @@ class PeakMemory:
             self.peak = max(self.peak, self.rss())
 
 
-class Energy:
-    """Whole-job GPU energy from NVML's counter (guarded: None without a GPU or pynvml)."""
-
-    def __init__(self, device):
-        self.joules = None
-        self.h = None
-        if device.type != "cuda":
-            return
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.nv = pynvml
-            self.h = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-        except Exception:  # noqa: BLE001 - NVML is optional
-            self.h = None
-
-    def __enter__(self):
-        if self.h is not None:
-            try:
-                self.e0 = self.nv.nvmlDeviceGetTotalEnergyConsumption(self.h)
-            except Exception:  # noqa: BLE001
-                self.h = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.h is not None:
-            try:
-                self.joules = (self.nv.nvmlDeviceGetTotalEnergyConsumption(self.h) - self.e0) / 1000.0
-            except Exception:  # noqa: BLE001
-                self.joules = None
-
-
 def encode_accepts(lens: list[int]) -> str:
     """Per-step accepted draft counts, one base-36 digit a step."""
     return "".join("0123456789abcdefghijklmnopqrstuvwxyz"[min(x, 35)] for x in lens)
@@ -230,7 +200,7 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
     gen = torch.Generator(device).manual_seed(int(cfg.seed))
     torch.manual_seed(int(cfg.seed))
     requests, wall, n_batches = [], 0.0, 0
-    with PeakMemory(device) as mem, Energy(device) as energy:
+    with PeakMemory(device) as mem, NvmlMonitor(device) as nvml:
         for start in range(0, len(questions), cfg.bs):
             batch = questions[start:start + cfg.bs]
             history = [[] for _ in batch]
@@ -283,6 +253,7 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
         "wall_s": wall,
         "tokens_per_s": new_tokens / wall if wall > 0 else None,
         "steps": row_steps,
+        "iterations": eng.iterations,
         "batches": n_batches,
         "tau": 1.0 + sum(all_lens) / row_steps if row_steps else 1.0,
         "accept_rate_per_pos": [sum(1 for x in all_lens if x >= i) / row_steps for i in range(1, depth + 1)]
@@ -294,7 +265,8 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
         "ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
         "tpot_s": sum(tpots) / len(tpots) if tpots else None,
         "peak_mem_bytes": mem.peak,
-        "energy_j": energy.joules,
+        "energy_j": nvml.energy_j,
+        "nvml": nvml.result,
         "speedup": None,
         "match_ar": None,
     }
@@ -406,6 +378,10 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
                 fill_against_ar(rec, ar)
             R.append(cfg.records, rec)
             written.append(rec)
+            try:
+                loggers.log_record(cfg, rec)
+            except Exception as e:  # noqa: BLE001 - a logger never costs a measurement
+                print(f"specbench: warning: logger failed: {_one_line(e)}", file=sys.stderr)
     finally:
         bar.close()
     return written

@@ -19,7 +19,7 @@ from specbench.models import ConfigError
 from conftest import REPO
 
 CONF = str(REPO / "conf")
-GROUPS = ["method", "model", "dataset", "draft"]
+GROUPS = ["method", "model", "dataset", "draft", "logger"]
 
 
 def composed(overrides=()):

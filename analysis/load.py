@@ -1,0 +1,89 @@
+"""Records -> pandas, with the derived quantities the figures and tables need."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from analysis import theory
+from specbench import records as R
+
+KEY = list(R.BASELINE_KEYS)
+
+
+def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok_only=True) -> pd.DataFrame:
+    """One row per job. ``method``/``model``/``dataset``/``sweep`` filter (a value or a list)."""
+    recs = R.read(path)
+    if ok_only:
+        recs = [r for r in recs if r.get("status") == "ok" and r.get("metrics")]
+    rows = []
+    for r in recs:
+        m = r["metrics"]
+        row = {k: r.get(k) for k in ("sweep_id", "method", "model", "draft", "K", "bs", "ctx", "dataset", "limit",
+                                     "temperature", "top_k", "top_p", "max_new_tokens", "dtype", "device", "seed",
+                                     "status", "error", "lossless")}
+        row.update({k: m.get(k) for k in ("new_tokens", "wall_s", "tokens_per_s", "steps", "iterations", "tau",
+                                          "speedup", "match_ar", "verify_share", "engine_overhead", "ttft_s",
+                                          "tpot_s", "peak_mem_bytes", "energy_j")})
+        for ph, v in (m.get("time_s") or {}).items():
+            row[f"t_{ph}"] = v
+        row["alphas"] = m.get("accept_rate_per_pos") or []
+        row["hist"] = m.get("accept_len_hist") or []
+        row["requests"] = r.get("requests") or []
+        row["_key"] = json.dumps([r.get(k) for k in KEY], default=str)
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    for col, val in (("method", method), ("model", model), ("dataset", dataset), ("sweep_id", sweep)):
+        if val is not None:
+            vals = val if isinstance(val, (list, tuple)) else [val]
+            df = df[df[col].isin(vals)]
+    df = df.copy()
+    df["label"] = df.apply(label, axis=1)
+    return add_theory(df)
+
+
+def label(row) -> str:
+    if row["method"] == "ar":
+        return "ar"
+    if row["method"] == "leviathan" and row.get("draft"):
+        return f"leviathan ({row['draft']})"
+    return str(row["method"])
+
+
+def add_theory(df: pd.DataFrame) -> pd.DataFrame:
+    """Per job: the measured cost ratio c, the i.i.d. alpha and the two closed-form bounds."""
+    ar = df[df["method"] == "ar"].drop_duplicates("_key", keep="last").set_index("_key")
+    cs, alphas, lev, pos = [], [], [], []
+    for _, r in df.iterrows():
+        c = a = s_lev = s_pos = float("nan")
+        if r["method"] != "ar" and r["K"] and r["_key"] in ar.index and r.get("iterations"):
+            base = ar.loc[r["_key"]]
+            t_target = base["t_verify"] / base["iterations"] if base.get("iterations") else float("nan")
+            t_draft_tok = r["t_draft"] / r["iterations"] / r["K"]
+            c = t_draft_tok / t_target if t_target and t_target > 0 else float("nan")
+            a = theory.alpha_from_positions(r["alphas"][: int(r["K"])])
+            s_lev = theory.leviathan_speedup(a, int(r["K"]), c)
+            s_pos = theory.per_position_tokens(r["alphas"]) / (int(r["K"]) * c + 1.0)
+        cs.append(c)
+        alphas.append(a)
+        lev.append(s_lev)
+        pos.append(s_pos)
+    df["c"] = cs
+    df["alpha"] = alphas
+    df["bound_leviathan"] = lev
+    df["bound_per_position"] = pos
+    return df
+
+
+def load_cost_curves(path: str | Path) -> list[dict]:
+    p = Path(path)
+    files = sorted(p.rglob("cost_curves*.jsonl")) if p.is_dir() else [p.parent / "cost_curves.jsonl"]
+    out = []
+    for f in files:
+        if f.exists():
+            out += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+    return out

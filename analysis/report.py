@@ -1,0 +1,406 @@
+"""Figures (vector PDF + PNG) and tables (Markdown + LaTeX) from records.
+
+    python -m analysis.report results/ [--method pld leviathan] [--model ...] [--dataset ...]
+                              [--sweep ID] [--out reports/NAME]
+
+Figures: speedup vs batch size; acceptance per position; time split by phase; measured
+speedup against the theoretical bounds; speedup vs K and vs context length; acceptance-
+length histogram; the trace-driven simulator's policies beside the measurement.
+Tables: per category (Spec-Bench style) and the sweep table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from analysis import simulate, theory  # noqa: E402
+from analysis.load import load, load_cost_curves  # noqa: E402
+from analysis.profile import interp  # noqa: E402
+
+PHASES = ["prefill", "draft", "verify", "accept", "other"]
+PHASE_COLORS = {"prefill": "#9e9e9e", "draft": "#4c72b0", "verify": "#dd8452", "accept": "#55a868", "other": "#c4c4c4"}
+PALETTE = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c", "#ccb974"]
+
+plt.rcParams.update({
+    "font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.fontsize": 8, "xtick.labelsize": 8,
+    "ytick.labelsize": 8, "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
+    "grid.alpha": 0.3, "figure.dpi": 150, "savefig.bbox": "tight", "pdf.fonttype": 42,
+})
+
+
+def colors(labels) -> dict:
+    return {lab: PALETTE[i % len(PALETTE)] for i, lab in enumerate(sorted(set(labels)))}
+
+
+def subtitle(df: pd.DataFrame) -> str:
+    parts = []
+    for col in ("model", "dataset", "device", "dtype"):
+        vals = sorted({str(v).split("/")[-1] for v in df[col].dropna()})
+        if vals:
+            parts.append(", ".join(vals))
+    temps = sorted(set(df["temperature"]))
+    parts.append("greedy" if temps == [0.0] else "T=" + ",".join(f"{t:g}" for t in temps))
+    return " · ".join(parts)
+
+
+def save(fig, out: Path, name: str, written: list) -> None:
+    for ext in ("pdf", "png"):
+        p = out / f"{name}.{ext}"
+        fig.savefig(p)
+        written.append(p)
+    plt.close(fig)
+
+
+def _sd(df):
+    return df[df["method"] != "ar"]
+
+
+# ---------------------------------------------------------------------------- figures
+def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
+    sd = _sd(df).dropna(subset=["speedup"])
+    sd = sd[sd[xcol].notna()]
+    if sd.empty or sd[xcol].nunique() < 2:
+        return
+    cmap = colors(sd["label"])
+    fig, ax = plt.subplots(figsize=(4.2, 3.0))
+    for lab, g in sd.groupby("label"):
+        g = g.groupby(xcol, as_index=False)["speedup"].mean().sort_values(xcol)
+        ax.plot(g[xcol], g["speedup"], marker="o", ms=4, lw=1.5, color=cmap[lab], label=lab)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--", label="AR (1.0x)")
+    if log2:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(sd[xcol].unique()))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("speedup over AR (tokens/s ratio)")
+    ax.set_title(f"Speedup vs {xlabel.split(' (')[0]}\n{subtitle(df)}")
+    ax.legend(frameon=False)
+    save(fig, out, name, written)
+
+
+def fig_acceptance(df, out, written):
+    sd = _sd(df)
+    sd = sd[sd["alphas"].map(len) > 0]
+    if sd.empty:
+        return
+    # one line per (label, K): the largest batch size only would hide nothing for greedy
+    cmap = colors(sd["label"])
+    fig, ax = plt.subplots(figsize=(4.2, 3.0))
+    seen = set()
+    for (lab, K), g in sd.groupby(["label", "K"]):
+        r = g.iloc[-1]
+        a = r["alphas"]
+        style = "-" if (lab, K) == max(((lab, k) for k in g["K"]), default=None) else "-"
+        ax.plot(range(1, len(a) + 1), a, marker="o", ms=3.5, lw=1.3, ls=style, color=cmap[lab],
+                alpha=1.0 if lab not in seen else 0.55, label=f"{lab}, K={int(K)}")
+        seen.add(lab)
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel(r"acceptance rate $\alpha_i$ (share of steps)")
+    ax.set_ylim(0, 1.02)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_title(f"Acceptance per position\n{subtitle(df)}")
+    ax.legend(frameon=False, ncol=1 if len(seen) < 4 else 2)
+    save(fig, out, "acceptance_per_position", written)
+
+
+def fig_time_split(df, out, written):
+    rows = df.dropna(subset=["wall_s"]).copy()
+    if rows.empty:
+        return
+    rows["name"] = rows.apply(lambda r: r["label"] + ("" if r["method"] == "ar" else f" K={int(r['K'])}")
+                              + f" bs={int(r['bs'])}", axis=1)
+    rows = rows.drop_duplicates("name", keep="last").sort_values(["bs", "method", "K"], na_position="first")
+    if len(rows) > 14:
+        rows = rows[rows["bs"] == rows["bs"].min()]
+    fig, ax = plt.subplots(figsize=(5.2, 0.42 * len(rows) + 1.2))
+    y = np.arange(len(rows))
+    left = np.zeros(len(rows))
+    for ph in PHASES:
+        share = (rows[f"t_{ph}"].fillna(0) / rows["wall_s"]).to_numpy()
+        ax.barh(y, share, left=left, color=PHASE_COLORS[ph], label=ph, height=0.65)
+        left += share
+    for i, (_, r) in enumerate(rows.iterrows()):
+        ax.text(1.01, i, f"verify {r['verify_share']:.0%}", va="center", fontsize=7.5)
+    ax.set_yticks(y, rows["name"])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.0)
+    ax.set_xlabel("share of generation time")
+    ax.grid(axis="y", visible=False)
+    ax.set_title(f"Where the time goes\n{subtitle(df)}")
+    ax.legend(frameon=False, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / len(rows)))
+    save(fig, out, "time_split", written)
+
+
+def batch_aware(df, curves) -> pd.Series:
+    """S(b) from the cost curve that matches each job's model/device/dtype (nearest ctx)."""
+    vals = []
+    for _, r in df.iterrows():
+        s = math.nan
+        cand = [c for c in curves if str(c.get("model")) == str(r["model"]) and c.get("device") == r["device"]
+                and c.get("dtype") == r["dtype"]]
+        if r["method"] != "ar" and cand and r.get("iterations"):
+            c = cand[-1]
+            T = c["target"]
+            t_ar = interp(T, int(r["bs"]), 1)
+            t_ver = interp(T, int(r["bs"]), int(r["K"]) + 1)
+            t_draft = r["t_draft"] / r["iterations"]
+            s = theory.batch_aware_speedup(r["tau"], t_ar, t_draft, t_ver)
+        vals.append(s)
+    return pd.Series(vals, index=df.index)
+
+
+def fig_bounds(df, out, written, curves):
+    sd = _sd(df).dropna(subset=["speedup"]).copy()
+    if sd.empty:
+        return
+    sd["bound_batch"] = batch_aware(sd, curves)
+    sd["name"] = sd.apply(lambda r: f"{r['label'].replace(' (', chr(10) + '(')}\nK={int(r['K'])} bs={int(r['bs'])}",
+                          axis=1)
+    sd = sd.drop_duplicates("name", keep="last")
+    if len(sd) > 10:
+        sd = sd[sd["bs"] == sd["bs"].min()].tail(10)
+    series = [("measured", "speedup", "#222222"), ("Leviathan closed form", "bound_leviathan", "#4c72b0"),
+              ("per-position form", "bound_per_position", "#55a868"), ("batch-aware (cost curve)", "bound_batch", "#dd8452")]
+    series = [s for s in series if sd[s[1]].notna().any()]
+    fig, ax = plt.subplots(figsize=(max(4.2, 1.1 * len(sd) + 1.5), 3.2))
+    x = np.arange(len(sd))
+    w = 0.8 / len(series)
+    for i, (lab, col, colr) in enumerate(series):
+        ax.bar(x + (i - (len(series) - 1) / 2) * w, sd[col].fillna(0), width=w, color=colr, label=lab,
+               edgecolor="white", lw=0.5)
+    for j, (_, r) in enumerate(sd.iterrows()):
+        # the gap: measured as a share of the tightest (smallest) bound available
+        bounds = [b for b in (r.get("bound_leviathan"), r.get("bound_per_position"), r.get("bound_batch"))
+                  if b is not None and np.isfinite(b) and b > 0]
+        if bounds:
+            top = max(bounds + [r["speedup"]])
+            ax.text(x[j], top + 0.03 * max(1.0, top), f"{r['speedup'] / min(bounds):.0%}\nof bound", ha="center",
+                    fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(x, sd["name"])
+    ax.set_ylabel("speedup over AR")
+    ax.grid(axis="x", visible=False)
+    ax.set_title(f"Measured speedup against the theoretical bounds\n{subtitle(df)}")
+    ax.legend(frameon=False, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ymax = np.nanmax(sd[[s[1] for s in series]].to_numpy(dtype=float))
+    ax.set_ylim(0, max(1.3, ymax * 1.25))
+    save(fig, out, "speedup_vs_bound", written)
+
+
+def fig_hist(df, out, written):
+    sd = _sd(df)
+    sd = sd[sd["hist"].map(lambda h: sum(h) > 0)]
+    if sd.empty:
+        return
+    sd = sd.drop_duplicates("label", keep="last")
+    fig, ax = plt.subplots(figsize=(4.2, 3.0))
+    cmap = colors(sd["label"])
+    n = len(sd)
+    w = 0.8 / n
+    for i, (_, r) in enumerate(sd.iterrows()):
+        h = np.array(r["hist"], dtype=float)
+        h = h / h.sum()
+        xs = np.arange(len(h)) + 1 + (i - (n - 1) / 2) * w
+        ax.bar(xs, h, width=w, color=cmap[r["label"]], label=f"{r['label']} K={int(r['K'])} (tau {r['tau']:.2f})")
+    ax.set_xlabel("tokens emitted per step (accepted drafts + 1)")
+    ax.set_ylabel("share of steps")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_title(f"Acceptance-length histogram\n{subtitle(df)}")
+    ax.legend(frameon=False)
+    save(fig, out, "accept_length_hist", written)
+
+
+def simulated(df, curves) -> pd.DataFrame:
+    rows = []
+    sd = _sd(df)
+    for (model, bs, dev, dt, ds), g in sd.groupby(["model", "bs", "device", "dtype", "dataset"]):
+        cand = [c for c in curves if str(c.get("model")) == str(model) and c.get("device") == dev
+                and c.get("dtype") == dt]
+        if not cand:
+            continue
+        curve = cand[-1]["target"]
+
+        def T(n, _b=int(bs)):
+            return interp(curve, _b, n)
+
+        jobs = {}
+        for _, r in g.iterrows():
+            if not r.get("iterations") or not r["K"]:
+                continue
+            d = r["t_draft"] / r["iterations"] / r["K"]
+            sim = simulate.simulate_job(r["requests"], int(r["K"]), d, T)
+            name = f"{r['label']} K={int(r['K'])}"
+            rows.append({"name": name, "bs": bs, "dataset": ds, "measured": r["speedup"], **sim})
+            if r["temperature"] == 0:
+                jobs[name] = (r["requests"], d)
+        if len(jobs) > 1:
+            rows.append({"name": "combined oracle", "bs": bs, "dataset": ds, "measured": math.nan,
+                         "fixed_k": math.nan, "oracle_k": simulate.simulate_combined(jobs, lambda n, _b=int(bs): interp(curve, _b, n))})
+    return pd.DataFrame(rows)
+
+
+def fig_simulator(sim: pd.DataFrame, df, out, written):
+    if sim.empty:
+        return
+    sim = sim[sim["bs"] == sim["bs"].min()].drop_duplicates("name", keep="last")
+    fig, ax = plt.subplots(figsize=(max(4.2, 0.9 * len(sim) + 1.5), 3.0))
+    x = np.arange(len(sim))
+    w = 0.27
+    ax.bar(x - w, sim["measured"].fillna(0), w, color="#222222", label="measured")
+    ax.bar(x, sim["fixed_k"].fillna(0), w, color="#4c72b0", label="simulated fixed K")
+    ax.bar(x + w, sim["oracle_k"].fillna(0), w, color="#dd8452", label="oracle K (upper bound)")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(x, sim["name"], rotation=15, ha="right")
+    ax.set_ylabel("speedup over AR")
+    ax.grid(axis="x", visible=False)
+    ax.set_title(f"Trace-driven simulation, bs={int(sim['bs'].iloc[0])}\n{subtitle(df)}")
+    ax.legend(frameon=False, fontsize=7.5)
+    save(fig, out, "simulator", written)
+
+
+# ---------------------------------------------------------------------------- tables
+def per_category(df: pd.DataFrame) -> pd.DataFrame:
+    """Spec-Bench style: speedup and tau per category (and overall) for each method, at each
+    batch size; speedup from per-request tokens and wall time against the AR job."""
+    rows = []
+    ar = df[df["method"] == "ar"].drop_duplicates("_key", keep="last").set_index("_key")
+    for _, r in _sd(df).iterrows():
+        if r["_key"] not in ar.index:
+            continue
+        base = pd.DataFrame(ar.loc[r["_key"]]["requests"])
+        mine = pd.DataFrame(r["requests"])
+        if base.empty or mine.empty:
+            continue
+        for cat, g in list(mine.groupby("category")) + [("overall", mine)]:
+            b = base[base["category"] == cat] if cat != "overall" else base
+            tps = g["new_tokens"].sum() / g["wall_s"].sum()
+            tps_ar = b["new_tokens"].sum() / b["wall_s"].sum()
+            steps = g["steps"].sum()
+            tau = 1 + g["accepted"].sum() / steps if steps else float("nan")
+            rows.append({"method": r["label"], "K": int(r["K"]), "bs": int(r["bs"]), "category": cat,
+                         "speedup": tps / tps_ar, "tau": tau})
+    if not rows:
+        return pd.DataFrame()
+    t = pd.DataFrame(rows).drop_duplicates(["method", "K", "bs", "category"], keep="last")
+    wide = t.pivot_table(index=["method", "K", "bs"], columns="category", values=["speedup", "tau"])
+    cats = [c for c in sorted(t["category"].unique()) if c != "overall"] + ["overall"]
+    wide = wide.reindex(columns=pd.MultiIndex.from_product([["speedup", "tau"], cats]))
+    return wide
+
+
+def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
+    cols = ["label", "model", "dataset", "bs", "K", "ctx", "tokens_per_s", "speedup", "tau", "alpha", "c",
+            "bound_leviathan", "verify_share", "match_ar", "peak_mem_bytes"]
+    t = df[cols].copy()
+    t["model"] = t["model"].map(lambda s: str(s).split("/")[-1])
+    t["peak_mem_bytes"] = t["peak_mem_bytes"] / 2**20
+    for col in ("bs", "K", "ctx"):
+        t[col] = t[col].astype("Int64")
+    t["verify_share"] = 100 * t["verify_share"]
+    t["match_ar"] = 100 * t["match_ar"]
+    t = t.rename(columns={"label": "method", "tokens_per_s": "tok/s", "bound_leviathan": "bound",
+                          "verify_share": "verify %", "match_ar": "match AR %", "peak_mem_bytes": "peak MiB"})
+    return t.sort_values(["model", "dataset", "bs", "method", "K"], na_position="first").reset_index(drop=True)
+
+
+def fmt(x, spec=".2f"):
+    if x is None or x is pd.NA or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    if isinstance(x, (int, np.integer)):
+        return str(x)
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def to_markdown(t: pd.DataFrame) -> str:
+    if isinstance(t.columns, pd.MultiIndex):
+        t = t.copy()
+        t.columns = [f"{a} {b}" for a, b in t.columns]
+        t = t.reset_index()
+    head = "| " + " | ".join(map(str, t.columns)) + " |"
+    sep = "|" + "|".join("---" for _ in t.columns) + "|"
+    body = ["| " + " | ".join(fmt(v) for v in row) + " |" for row in t.itertuples(index=False)]
+    return "\n".join([head, sep, *body]) + "\n"
+
+
+def to_latex(t: pd.DataFrame, caption: str, label: str) -> str:
+    if isinstance(t.columns, pd.MultiIndex):
+        t = t.copy()
+        t.columns = [f"{a} {b}" for a, b in t.columns]
+        t = t.reset_index()
+
+    def esc(s):
+        return str(s).replace("_", r"\_").replace("%", r"\%").replace("&", r"\&")
+
+    lines = [r"\begin{table}[t]", r"\centering", r"\small", r"\begin{tabular}{" + "l" * 1 + "r" * (len(t.columns) - 1) + "}",
+             r"\toprule", " & ".join(esc(c) for c in t.columns) + r" \\", r"\midrule"]
+    for row in t.itertuples(index=False):
+        lines.append(" & ".join(esc(fmt(v)) for v in row) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}", rf"\caption{{{esc(caption)}}}", rf"\label{{{label}}}", r"\end{table}"]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- main
+def build(records, out: Path, **filters) -> list[Path]:
+    df = load(records, **filters)
+    if df.empty:
+        raise SystemExit(f"no ok records in {records} (after filters {filters})")
+    out.mkdir(parents=True, exist_ok=True)
+    curves = load_cost_curves(records)
+    written: list[Path] = []
+    fig_speedup_vs(df, out, written, "bs", "batch size (log2)", "speedup_vs_batch", log2=True)
+    fig_speedup_vs(df, out, written, "K", "speculation length K", "speedup_vs_k")
+    fig_speedup_vs(df, out, written, "ctx", "context length (tokens)", "speedup_vs_ctx", log2=True)
+    fig_acceptance(df, out, written)
+    fig_time_split(df, out, written)
+    fig_bounds(df, out, written, curves)
+    fig_hist(df, out, written)
+    sim = simulated(df, curves)
+    fig_simulator(sim, df, out, written)
+    tables = {"sweep": (sweep_table(df), "Sweep: tokens/s, speedup over AR, mean accepted length, bound"),
+              "per_category": (per_category(df), "Speedup and mean accepted length per category")}
+    if not sim.empty:
+        tables["simulator"] = (sim, "Trace-driven simulation: measured, fixed-K and oracle-K speedups")
+    for name, (t, cap) in tables.items():
+        if t.empty:
+            continue
+        (out / f"{name}.md").write_text(to_markdown(t))
+        (out / f"{name}.tex").write_text(to_latex(t, cap, f"tab:{name}"))
+        written += [out / f"{name}.md", out / f"{name}.tex"]
+    return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("records", nargs="?", default="results", help="a records file or a folder of them")
+    ap.add_argument("--method", nargs="*")
+    ap.add_argument("--model", nargs="*")
+    ap.add_argument("--dataset", nargs="*")
+    ap.add_argument("--sweep", nargs="*")
+    ap.add_argument("--out", default=None, help="report folder (default results/reports/<time>)")
+    a = ap.parse_args(argv)
+    out = Path(a.out) if a.out else Path("results") / "reports" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    filters = {"method": a.method, "model": a.model, "dataset": a.dataset, "sweep": a.sweep}
+    if a.method and "ar" not in a.method:
+        filters["method"] = list(a.method) + ["ar"]  # speedups and bounds need the AR jobs
+    written = build(a.records, out, **filters)
+    print(f"report: {len(written)} files in {out}")
+    for p in written:
+        print(f"  {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

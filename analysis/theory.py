@@ -1,0 +1,79 @@
+"""The bounds measured speedups are compared against (DESIGN.md section 5).
+
+- Leviathan et al. 2023 (arXiv 2211.17192), i.i.d. acceptance alpha, draft length gamma,
+  cost ratio c = draft step time / target step time:
+      E[tokens per step] = (1 - alpha^(gamma+1)) / (1 - alpha)
+      S = (1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1))
+- per-position form: E[tokens per step] = 1 + sum_i alpha_i
+- batch-aware form: S(b) = tau T_ar(b) / (T_draft(b) + T_verify(b, n_nodes)), the T's from
+  the target's measured cost curve.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Leviathan's E[tokens per step] for i.i.d. acceptance alpha and gamma drafts."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if gamma < 0:
+        raise ValueError("gamma must be >= 0")
+    if alpha == 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Leviathan's expected walltime improvement S."""
+    return expected_tokens(alpha, gamma) / (gamma * c + 1.0)
+
+
+def per_position_tokens(alphas: Sequence[float]) -> float:
+    """E[tokens per step] = 1 + sum_i alpha_i from measured acceptance per position."""
+    return 1.0 + float(sum(alphas))
+
+
+def alpha_from_positions(alphas: Sequence[float]) -> float:
+    """The i.i.d. alpha that best explains per-position rates: accepted / attempted drafts
+    (position i is attempted exactly when position i-1 was accepted; alpha_0 = 1)."""
+    if not alphas:
+        return 0.0
+    attempted = 1.0 + sum(alphas[:-1])
+    return float(sum(alphas)) / attempted
+
+
+def alpha_from_tau(tau: float, gamma: int, tol: float = 1e-10) -> float:
+    """Invert E[tokens] = tau for alpha (bisection)."""
+    if tau <= 1.0:
+        return 0.0
+    if tau >= gamma + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        if expected_tokens(mid, gamma) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def batch_aware_speedup(tau: float, t_ar: float, t_draft: float, t_verify: float) -> float:
+    """S(b) = tau T_ar(b) / (T_draft(b) + T_verify(b, n_nodes))."""
+    denom = t_draft + t_verify
+    if denom <= 0:
+        return math.nan
+    return tau * t_ar / denom
+
+
+def tree_expected_tokens(parents: Sequence[int], accept: Sequence[float]) -> float:
+    """Sequoia's expected tokens for a tree: 1 + sum over nodes of the product of the
+    conditional acceptance probabilities along the node's path. parents[i] is node i+1's
+    parent (0 = root); accept[i] is node i+1's acceptance given its parent was accepted."""
+    reach = [1.0]
+    for p, a in zip(parents, accept):
+        reach.append(reach[p] * a)
+    return float(sum(reach))

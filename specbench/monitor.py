@@ -1,0 +1,79 @@
+"""Optional NVML sampling over a whole job: power, energy, memory and SM clock. Needs the
+`nvidia-ml-py` distribution (imported as `pynvml`) and a GPU; without them every reading is
+None and nothing fails."""
+
+from __future__ import annotations
+
+import threading
+
+
+class NvmlMonitor:
+    def __init__(self, device=None, index: int | None = None, interval_s: float = 0.05):
+        self.interval = interval_s
+        self.h = None
+        self.nv = None
+        self.result: dict | None = None
+        if index is None:
+            if device is None or getattr(device, "type", None) != "cuda":
+                return
+            index = device.index or 0
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nv = pynvml
+            self.h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception:  # noqa: BLE001 - NVML is optional: no driver, no library, no GPU
+            self.h = None
+
+    def _read(self) -> tuple:
+        nv, h = self.nv, self.h
+        return (nv.nvmlDeviceGetPowerUsage(h) / 1000.0, nv.nvmlDeviceGetMemoryInfo(h).used,
+                nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
+
+    def __enter__(self):
+        if self.h is None:
+            return self
+        self.samples: list[tuple] = []
+        self._stop = threading.Event()
+        try:
+            self.e0 = self.nv.nvmlDeviceGetTotalEnergyConsumption(self.h)
+        except Exception:  # noqa: BLE001 - older GPUs have no energy counter
+            self.e0 = None
+
+        def loop():
+            while not self._stop.is_set():
+                try:
+                    self.samples.append(self._read())
+                except Exception:  # noqa: BLE001
+                    pass
+                self._stop.wait(self.interval)
+
+        self._t = threading.Thread(target=loop, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.h is None:
+            return
+        self._stop.set()
+        self._t.join()
+        energy = None
+        if self.e0 is not None:
+            try:
+                energy = (self.nv.nvmlDeviceGetTotalEnergyConsumption(self.h) - self.e0) / 1000.0
+            except Exception:  # noqa: BLE001
+                energy = None
+        s = self.samples
+        self.result = {
+            "energy_j": energy,
+            "power_w_mean": sum(x[0] for x in s) / len(s) if s else None,
+            "power_w_max": max(x[0] for x in s) if s else None,
+            "mem_used_max_bytes": max(x[1] for x in s) if s else None,
+            "sm_clock_mhz_mean": sum(x[2] for x in s) / len(s) if s else None,
+            "samples": len(s),
+        }
+
+    @property
+    def energy_j(self):
+        return None if self.result is None else self.result["energy_j"]

@@ -1,0 +1,204 @@
+"""Bound math against hand-computed values, the simulator on hand-made traces, the report
+against the fixture records file, the regression compare, NVML and wandb loggers."""
+
+import json
+import math
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from analysis import compare, report, simulate, theory
+from analysis.load import load
+from analysis.profile import interp
+from specbench import records as R
+
+FIX = Path(__file__).parent / "fixtures"
+
+
+def test_leviathan_closed_form_by_hand():
+    # alpha 0.8, gamma 4: (1 - 0.8^5) / 0.2 = (1 - 0.32768) / 0.2 = 3.3616
+    assert theory.expected_tokens(0.8, 4) == pytest.approx(3.3616)
+    # c = 0.1: S = 3.3616 / 1.4 = 2.40114...
+    assert theory.leviathan_speedup(0.8, 4, 0.1) == pytest.approx(3.3616 / 1.4)
+    assert theory.expected_tokens(1.0, 3) == 4.0
+    assert theory.expected_tokens(0.0, 5) == 1.0
+    with pytest.raises(ValueError):
+        theory.expected_tokens(1.5, 2)
+
+
+def test_per_position_and_alpha_estimates():
+    alphas = [0.8, 0.64, 0.512]  # i.i.d. 0.8 exactly
+    assert theory.per_position_tokens(alphas) == pytest.approx(2.952)
+    assert theory.alpha_from_positions(alphas) == pytest.approx(0.8)
+    assert theory.per_position_tokens(alphas) == pytest.approx(theory.expected_tokens(0.8, 3))
+    assert theory.alpha_from_tau(theory.expected_tokens(0.6, 4), 4) == pytest.approx(0.6, abs=1e-8)
+    assert theory.alpha_from_tau(1.0, 4) == 0.0 and theory.alpha_from_tau(9, 4) == 1.0
+
+
+def test_batch_aware_and_tree_forms():
+    # tau 2.5, T_ar 10 ms, draft 4 ms, verify 12 ms -> 2.5 * 10 / 16 = 1.5625
+    assert theory.batch_aware_speedup(2.5, 0.010, 0.004, 0.012) == pytest.approx(1.5625)
+    # root -> a (0.8), root -> b (0.5), a -> c (0.6): 1 + 0.8 + 0.5 + 0.48 = 2.78
+    assert theory.tree_expected_tokens([0, 0, 1], [0.8, 0.5, 0.6]) == pytest.approx(2.78)
+
+
+def test_interp_cost_curve():
+    curve = {"1": {"1": 0.010, "4": 0.016}, "8": {"1": 0.020, "4": 0.040}}
+    assert interp(curve, 1, 1) == 0.010
+    assert interp(curve, 1, 2) == pytest.approx(0.012)
+    assert interp(curve, 1, 7) == pytest.approx(0.022)  # extrapolated along the last slope
+    assert interp(curve, 6, 4) == 0.040  # nearest profiled batch size
+
+
+def test_simulator_by_hand():
+    T = {1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5}.get  # seconds per forward of n tokens
+    steps = [3, 0, 1]  # K=3, draft 0.1 s/token
+    tok, sec = simulate.fixed_k(steps, 3, 0.1, T)
+    assert (tok, sec) == (7, pytest.approx(3 * (0.3 + 2.5)))
+    tok, sec = simulate.oracle_k(steps, 0.1, T)
+    assert (tok, sec) == (7, pytest.approx((0.3 + 2.5) + 1.0 + (0.1 + 1.5)))
+    assert simulate.speedup(tok, sec, T) == pytest.approx(7 / 5.4)
+    # combined oracle: A accepts 3 at 0 then 0; B accepts 0 at 0, then 3 at position 1
+    tok, sec = simulate.combined_oracle({"A": [3, 0], "B": [0, 3]}, {"A": 0.0, "B": 0.0}, T)
+    assert tok == 5 and sec == pytest.approx(2.5 + 1.0)  # A's 4 tokens at position 0, then one AR step
+    assert simulate.decode_accepts("03a") == [0, 3, 10]
+
+
+def test_report_from_fixture(tmp_path):
+    written = report.build(FIX, tmp_path / "rep")
+    names = {p.name for p in written}
+    for fig in ("speedup_vs_batch", "speedup_vs_k", "acceptance_per_position", "time_split", "speedup_vs_bound",
+                "accept_length_hist", "simulator"):
+        assert f"{fig}.pdf" in names and f"{fig}.png" in names, fig
+        assert (tmp_path / "rep" / f"{fig}.png").stat().st_size > 10_000
+    for tab in ("sweep", "per_category"):
+        assert f"{tab}.md" in names and f"{tab}.tex" in names
+    md = (tmp_path / "rep" / "per_category.md").read_text()
+    assert "overall" in md and "writing" in md and "coding" in md
+    tex = (tmp_path / "rep" / "sweep.tex").read_text()
+    assert tex.startswith(r"\begin{table}") and r"\bottomrule" in tex
+
+
+def test_report_numbers_match_records():
+    df = load(FIX)
+    recs = [r for r in R.read(FIX / "records.jsonl") if r["status"] == "ok"]
+    assert len(df) == len(recs)
+    lev = df[(df["method"] == "leviathan") & (df["bs"] == 1) & (df["K"] == 4)].iloc[0]
+    raw = next(r for r in recs if r["method"] == "leviathan" and r["bs"] == 1 and r["K"] == 4)
+    ar = next(r for r in recs if r["method"] == "ar" and r["bs"] == 1)
+    c = (raw["metrics"]["time_s"]["draft"] / raw["metrics"]["iterations"] / 4) / (
+        ar["metrics"]["time_s"]["verify"] / ar["metrics"]["iterations"])
+    assert lev["c"] == pytest.approx(c)
+    a = raw["metrics"]["accept_rate_per_pos"]
+    assert lev["alpha"] == pytest.approx(sum(a) / (1 + sum(a[:-1])))
+    assert lev["bound_leviathan"] == pytest.approx(theory.leviathan_speedup(lev["alpha"], 4, c))
+    cat = report.per_category(df)
+    overall = cat[("tau", "overall")].loc[("leviathan (self_layers:1)", 4, 1)]
+    assert overall == pytest.approx(raw["metrics"]["tau"])
+
+
+def test_report_cli_filters(tmp_path, capsys):
+    from analysis.report import main
+
+    assert main([str(FIX / "records.jsonl"), "--method", "pld", "--out", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "speedup_vs_k.png" in out
+    sweep = (tmp_path / "r" / "sweep.md").read_text()
+    assert "pld" in sweep and "leviathan" not in sweep
+
+
+def test_compare_passes_on_itself_and_fails_on_broken_acceptance(tmp_path, capsys):
+    base = FIX / "records.jsonl"
+    assert compare.main([str(base), str(base), "--bench-json", str(tmp_path / "b.json")]) == 0
+    entries = json.loads((tmp_path / "b.json").read_text())
+    assert all({"name", "unit", "value"} <= set(e) for e in entries) and entries
+    # a method whose acceptance broke: pld's accepted-length counts shift
+    recs = R.read(base)
+    for r in recs:
+        if r["method"] == "pld" and r["bs"] == 1 and r["K"] == 2:
+            h = r["metrics"]["accept_len_hist"]
+            h[0] += 1
+            h[-1] -= 1
+            r["metrics"]["tau"] -= 0.01
+    broken = tmp_path / "new.jsonl"
+    for r in recs:
+        R.append(broken, r)
+    assert compare.main([str(broken), str(base)]) == 1
+    out = capsys.readouterr().out
+    assert "REGRESSION" in out and "accept_len_hist changed" in out and "pld K=2 bs=1" in out
+
+
+def test_compare_speed_is_reported_not_failed(tmp_path, capsys):
+    base = FIX / "records.jsonl"
+    recs = R.read(base)
+    for r in recs:
+        if r.get("metrics"):
+            r["metrics"]["tokens_per_s"] *= 0.5
+    slow = tmp_path / "slow.jsonl"
+    for r in recs:
+        R.append(slow, r)
+    assert compare.main([str(slow), str(base)]) == 0
+    assert "slower than the baseline" in capsys.readouterr().out
+    assert compare.main([str(slow), str(base), "--fail-on-speed"]) == 1
+
+
+def test_compare_missing_job_fails(tmp_path):
+    base = FIX / "records.jsonl"
+    recs = R.read(base)[:-1]
+    part = tmp_path / "part.jsonl"
+    for r in recs:
+        R.append(part, r)
+    assert compare.main([str(part), str(base)]) == 1
+
+
+def test_nvml_monitor_with_a_fake_driver(monkeypatch):
+    fake = types.SimpleNamespace(
+        NVML_CLOCK_SM=1, nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: "h",
+        nvmlDeviceGetPowerUsage=lambda h: 150_000, nvmlDeviceGetClockInfo=lambda h, c: 1500,
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=2 << 30),
+    )
+    counter = iter([1_000_000, 1_250_000])
+    fake.nvmlDeviceGetTotalEnergyConsumption = lambda h: next(counter)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    from specbench.monitor import NvmlMonitor
+
+    with NvmlMonitor(index=0, interval_s=0.01) as mon:
+        import time
+
+        time.sleep(0.05)
+    r = mon.result
+    assert r["energy_j"] == pytest.approx(250.0) and r["power_w_mean"] == 150.0
+    assert r["mem_used_max_bytes"] == 2 << 30 and r["sm_clock_mhz_mean"] == 1500 and r["samples"] >= 1
+
+
+def test_nvml_monitor_without_gpu_is_silent():
+    import torch
+
+    from specbench.monitor import NvmlMonitor
+
+    with NvmlMonitor(torch.device("cpu")) as mon:
+        pass
+    assert mon.result is None and mon.energy_j is None
+
+
+def test_wandb_logger_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from omegaconf import OmegaConf
+
+    from specbench import loggers
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    rec = next(r for r in R.read(FIX / "records.jsonl") if r["method"] == "leviathan")
+    cfg = OmegaConf.create({"logger": {"name": "wandb", "project": "specbench-test", "entity": None},
+                            "results_dir": str(tmp_path)})
+    loggers.log_record(cfg, rec)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs, "no offline run written"
+    tables = list(runs[0].rglob("accept_rate_per_pos_*.table.json"))
+    assert tables, "the per-position acceptance table was not logged"
+    data = json.loads(tables[0].read_text())["data"]
+    assert [row[1] for row in data] == pytest.approx(rec["metrics"]["accept_rate_per_pos"])
