@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import sys
 import threading
 import time
@@ -19,6 +20,7 @@ import methods
 from specbench import data as D
 from specbench import loggers
 from specbench import records as R
+from specbench.drafters import is_draft_checkpoint, load_draft
 from specbench.models import (ConfigError, eos_ids, load_config, load_model, load_tokenizer, max_positions,
                               resolve_device, resolve_dtype, self_layers_draft)
 from specbench.monitor import NvmlMonitor
@@ -35,10 +37,23 @@ def group_options(group: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- validation
+REPO = CONF_DIR.parent
+
+
+def resolve_path(p) -> str:
+    """A relative path that does not exist from the working directory is taken from the
+    repository root (shipped checkpoints work from anywhere)."""
+    q = Path(str(p)).expanduser()
+    if not q.is_absolute() and not q.exists() and (REPO / q).exists():
+        return str(REPO / q)
+    return str(q) if q.exists() else str(p)
+
+
 def draft_model_cfg(cfg: DictConfig):
-    """The model config of the draft when it is a separate model (None for self_layers)."""
+    """The model config of the draft when it is a separate HF model (None for self_layers
+    and trained drafter checkpoints)."""
     d = cfg.draft
-    if d.name == "self_layers":
+    if d.name == "self_layers" or is_draft_checkpoint(resolve_path(d.path)):
         return None
     path = str(d.path)
     if path in group_options("model"):
@@ -82,7 +97,14 @@ def validate(cfg: DictConfig) -> None:
                               f"model's {npos} positions")
     if cfg.method.name == "leviathan":
         dm = draft_model_cfg(cfg)
-        if dm is None:
+        if cfg.draft.name != "self_layers" and dm is None:
+            meta = json.loads((Path(resolve_path(cfg.draft.path)) / "drafter.json").read_text())
+            tv = getattr(mconf.get_text_config() if hasattr(mconf, "get_text_config") else mconf, "vocab_size", None)
+            model_id = str(cfg.model.path or cfg.model.name)
+            if meta.get("target") not in (model_id, cfg.model.name) or tv != meta.get("target_vocab_size"):
+                raise ConfigError(f"draft '{cfg.draft.path}' was trained for {meta.get('target')}, not {model_id}; "
+                                  "use draft=self_layers or a draft trained for this model (python -m specbench.train)")
+        elif dm is None:
             n_layers = getattr(mconf.get_text_config() if hasattr(mconf, "get_text_config") else mconf,
                                "num_hidden_layers", None)
             layers = cfg.draft.layers
@@ -109,6 +131,8 @@ def get_model(mcfg, device, dtype):
 
 
 def load_draft_model(cfg, target, device, dtype):
+    if cfg.draft.name != "self_layers" and is_draft_checkpoint(resolve_path(cfg.draft.path)):
+        return load_draft(resolve_path(cfg.draft.path), target, device, dtype)
     dm = draft_model_cfg(cfg)
     if dm is None:
         return self_layers_draft(target, int(cfg.draft.layers))
@@ -273,13 +297,18 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
     return metrics, requests, proposer
 
 
+def draft_label(cfg) -> str:
+    if cfg.draft.name == "self_layers":
+        return f"self_layers:{cfg.draft.layers}"
+    return str(cfg.draft.get("label") or cfg.draft.path)
+
+
 def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
     return {
         "schema": R.SCHEMA, "sweep_id": sweep_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "status": "ok", "error": None, "method": method_name,
         "model": cfg.model.path or cfg.model.name,
-        "draft": (cfg.draft.path if cfg.draft.name != "self_layers" else f"self_layers:{cfg.draft.layers}")
-        if method_name == "leviathan" else None,
+        "draft": draft_label(cfg) if method_name == "leviathan" else None,
         "K": None if method_name == "ar" else int(cfg.K), "bs": int(cfg.bs), "ctx": cfg.ctx,
         "dataset": cfg.dataset.name if cfg.dataset.name != "jsonl" else f"jsonl:{cfg.dataset.path}",
         "limit": cfg.limit, "temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),

@@ -211,3 +211,27 @@ def test_records_reader_skips_a_cut_line(tmp_path):
         f.write('{"method": "pld", "sta')
     assert [r["method"] for r in R.read(p)] == ["ar"]
     assert json.loads(p.read_text().splitlines()[0])["status"] == "ok"
+
+
+def test_trained_draft_for_another_model_is_refused(tiny_dirs, tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "drafter.json").write_text(json.dumps({"kind": "draft_lm", "target": "smollm2-135m",
+                                                 "target_vocab_size": 49152, "layers": 1}))
+    (ck / "model.safetensors").write_bytes(b"")
+    cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "leviathan"}})
+    with open_dict(cfg):
+        cfg.draft = {"name": "hf", "path": str(ck), "layers": None}
+    with pytest.raises(ConfigError, match="was trained for smollm2-135m"):
+        runner.validate(cfg)
+
+
+def test_shipped_draft_config_points_at_a_checkpoint():
+    cfg = OmegaConf.load(REPO / "conf" / "draft" / "smollm2-135m-draft.yaml")
+    from specbench.drafters import is_draft_checkpoint
+
+    path = runner.resolve_path(cfg.path)
+    if not is_draft_checkpoint(path):
+        pytest.skip("no shipped draft checkpoint in this checkout")
+    meta = json.loads((REPO / cfg.path / "drafter.json").read_text())
+    assert meta["target"] == "smollm2-135m" and meta["target_vocab_size"] == 49152

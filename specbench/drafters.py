@@ -1,0 +1,137 @@
+"""Trained drafters that reuse parts of their target.
+
+``DraftLM``: a small causal LM with the target's tokenizer. Its token embedding is the
+target's (shared, frozen); its transformer layers are its own (initialised from the
+target's first layers); its output layer is the target's head restricted to the
+``draft_vocab`` most frequent tokens of the distillation data. On a 49k vocabulary the
+output layer dominates a small model's cost, so a frequency-ranked head cuts the draft's
+cost severalfold; tokens outside it get probability 0 in the draft, which speculative
+sampling handles exactly (q = 0 there; the verifier samples them from the residual).
+
+The forward has the signature the engine's cache calls (input_ids, attention_mask,
+position_ids, past_key_values, use_cache, logits_to_keep) and returns logits over the
+full vocabulary (-inf outside the draft vocabulary).
+
+A checkpoint folder holds ``drafter.json`` (shape, target, vocabulary size), ``model.safetensors``
+(the draft's own weights: layers, final norm, vocabulary map) and a ``README.md`` card.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+@dataclass
+class DraftOutput:
+    logits: torch.Tensor
+    hidden_states: tuple | None = None
+
+
+class DraftLM(nn.Module):
+    def __init__(self, target, n_layers: int, vocab_ids: torch.Tensor, init_from_target: bool = True):
+        super().__init__()
+        from transformers import AutoModel
+
+        tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        cfg = copy.deepcopy(tcfg)
+        cfg.num_hidden_layers = n_layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = list(cfg.layer_types[:n_layers])
+        self.config = cfg
+        with torch.device("meta"):
+            body = AutoModel.from_config(cfg)
+        tbody = target.model
+        # own layers and norm (trainable); shared embedding and rotary tables (frozen)
+        body.layers = nn.ModuleList([copy.deepcopy(tbody.layers[i]) for i in range(n_layers)]) if init_from_target \
+            else nn.ModuleList([type(tbody.layers[0])(cfg, i) for i in range(n_layers)])
+        body.norm = copy.deepcopy(tbody.norm)
+        for name, child in tbody.named_children():
+            if name not in ("layers", "norm"):
+                setattr(body, name, child)
+        self.body = body
+        self.vocab_size = int(cfg.vocab_size)
+        self.register_buffer("vocab_ids", vocab_ids.clone().long(), persistent=True)
+        self._target_head = [target.get_output_embeddings()]  # not a submodule: never saved, never trained
+        self.head_bias = None
+        for p in self.body.parameters():
+            p.requires_grad_(False)
+        for p in list(self.body.layers.parameters()) + list(self.body.norm.parameters()):
+            p.requires_grad_(True)
+
+    # the head is a slice of the target's head, gathered on use so it follows the target's device/dtype
+    def head_weight(self) -> torch.Tensor:
+        w = self._target_head[0].weight
+        c = getattr(self, "_head_cache", None)
+        if c is None or c[0] is not w or c[1].device != w.device or \
+                (torch.is_inference(c[1]) and not torch.is_inference_mode_enabled()):
+            self._head_cache = (w, w.detach()[self.vocab_ids.to(w.device)])
+        return self._head_cache[1]
+
+    def own_state(self) -> dict:
+        """What a checkpoint stores: every weight that is not the target's."""
+        out = {}
+        for name, t in self.state_dict().items():
+            if name.startswith("body.embed_tokens") or name.startswith("body.rotary"):
+                continue
+            out[name] = t
+        return out
+
+    def reduced_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.head_weight().T
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True,
+                logits_to_keep: int = 0, output_hidden_states: bool = False, **_):
+        out = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        past_key_values=past_key_values, use_cache=use_cache)
+        h = out.last_hidden_state
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        small = self.reduced_logits(h)
+        full = torch.full((*small.shape[:-1], self.vocab_size), float("-inf"), dtype=small.dtype, device=small.device)
+        full[..., self.vocab_ids.to(small.device)] = small
+        return DraftOutput(logits=full, hidden_states=(h,) if output_hidden_states else None)
+
+
+def save_draft(draft: DraftLM, folder: Path, meta: dict, dtype=torch.bfloat16) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in draft.own_state().items()}
+    tmp = folder / "model.safetensors.tmp"
+    save_file(state, str(tmp))
+    tmp.rename(folder / "model.safetensors")
+    (folder / "drafter.json").write_text(json.dumps(meta, indent=1))
+
+
+def is_draft_checkpoint(path) -> bool:
+    p = Path(str(path)).expanduser()
+    return (p / "drafter.json").exists() and (p / "model.safetensors").exists()
+
+
+def load_draft(folder, target, device, dtype) -> DraftLM:
+    from safetensors.torch import load_file
+
+    folder = Path(folder).expanduser()
+    meta = json.loads((folder / "drafter.json").read_text())
+    if meta.get("kind") != "draft_lm":
+        raise ValueError(f"{folder}: unknown drafter kind {meta.get('kind')!r}")
+    tv = int(target.config.get_text_config().vocab_size if hasattr(target.config, "get_text_config")
+             else target.config.vocab_size)
+    if int(meta["target_vocab_size"]) != tv:
+        raise ValueError(f"{folder} was trained for a target with {meta['target_vocab_size']} tokens, "
+                         f"this target has {tv}")
+    state = load_file(str(folder / "model.safetensors"))
+    draft = DraftLM(target, int(meta["layers"]), state["vocab_ids"], init_from_target=True)
+    missing, unexpected = draft.load_state_dict({k: v for k, v in state.items()}, strict=False)
+    bad = [k for k in missing if not k.startswith(("body.embed_tokens", "body.rotary"))]
+    if bad or unexpected:
+        raise ValueError(f"{folder}: checkpoint does not fit the drafter (missing {bad[:3]}, unexpected {unexpected[:3]})")
+    for p in draft.parameters():
+        p.requires_grad_(False)
+    return draft.to(device=device, dtype=dtype).eval()

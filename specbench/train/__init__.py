@@ -1,0 +1,1 @@
+"""Training drafters by self-distillation from the target: `python -m specbench.train`."""

@@ -1,0 +1,214 @@
+"""Training a drafter on the distillation set: soft cross-entropy (KL up to a constant)
+against the target's top-k distribution at every position, with resumable checkpoints and
+a fixed seed."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from specbench.drafters import DraftLM, save_draft
+
+
+def pick_vocab(items: list[dict], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
+    """The ``size`` most frequent tokens of the distillation set (teacher top-1 targets and
+    the text itself), always keeping special tokens. Sorted ids."""
+    cnt = Counter()
+    for it in items:
+        cnt.update(it["tokens"].tolist())
+        cnt.update(it["ids"][:, 0].tolist())
+    chosen = set(always)
+    for tok, _ in cnt.most_common():
+        if len(chosen) >= size:
+            break
+        chosen.add(int(tok))
+    # a vocabulary larger than what the data shows: fill with the lowest ids (byte-level pieces)
+    t = 0
+    while len(chosen) < min(size, vocab_size):
+        chosen.add(t)
+        t += 1
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def batches(items, batch_size: int, seq_len: int, gen: random.Random):
+    order = list(range(len(items)))
+    while True:
+        gen.shuffle(order)
+        for s in range(0, len(order) - batch_size + 1, batch_size):
+            yield [items[i] for i in order[s:s + batch_size]]
+
+
+def collate(batch, seq_len: int, lookup: torch.Tensor, train_on_prompt: bool):
+    """tokens [B, L], attention mask, teacher ids mapped into the draft vocabulary [B, L, k]
+    (-1 = outside), teacher probs [B, L, k], loss weight per position [B, L]."""
+    L = min(seq_len, max(len(it["tokens"]) for it in batch))
+    B = len(batch)
+    k = batch[0]["ids"].shape[1]
+    tok = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    tid = torch.full((B, L, k), -1, dtype=torch.long)
+    tp = torch.zeros(B, L, k)
+    w = torch.zeros(B, L)
+    for b, it in enumerate(batch):
+        n = min(L, len(it["tokens"]))
+        tok[b, :n] = it["tokens"][:n].long()
+        mask[b, :n] = 1
+        tid[b, :n] = lookup[it["ids"][:n].long()]
+        tp[b, :n] = it["logp"][:n].float().exp()
+        start = 0 if train_on_prompt else max(0, it["prompt_len"] - 1)
+        w[b, start:n - 1] = 1.0  # the last position has no next token in the data (its teacher row still counts)
+        w[b, n - 1] = 1.0 if n == len(it["tokens"]) else 0.0
+    return tok, mask, tid, tp, w
+
+
+def loss_fn(draft: DraftLM, tok, mask, tid, tp, w):
+    h = draft.body(input_ids=tok, attention_mask=mask).last_hidden_state
+    logq = torch.log_softmax(draft.reduced_logits(h).float(), dim=-1)  # [B, L, V']
+    inside = tid >= 0
+    p = tp * inside
+    mass = p.sum(-1, keepdim=True)
+    p = p / mass.clamp(min=1e-9)  # the teacher's top-k mass inside the draft vocabulary, renormalised
+    lq = logq.gather(-1, tid.clamp(min=0))
+    ce = -(p * lq).sum(-1)  # [B, L]
+    ent = -(p * torch.log(p.clamp(min=1e-12))).sum(-1)
+    valid = w * (mass.squeeze(-1) > 0)
+    denom = valid.sum().clamp(min=1)
+    loss = (ce * valid).sum() / denom
+    kl = ((ce - ent) * valid).sum() / denom
+    agree = (((logq.argmax(-1) == tid[..., 0]) & (tid[..., 0] >= 0)).float() * valid).sum() / denom
+    return loss, kl.detach(), agree.detach()
+
+
+def train(cfg, target, items: list[dict], out: Path, eos: set[int], progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    tcfg, dr = cfg.train, cfg.drafter
+    torch.manual_seed(int(cfg.seed))
+    rng = random.Random(int(cfg.seed))
+    V = int(target.config.vocab_size)
+    vocab_ids = pick_vocab(items, int(dr.draft_vocab) if dr.draft_vocab else V, V, eos)
+    lookup = torch.full((V,), -1, dtype=torch.long)
+    lookup[vocab_ids] = torch.arange(len(vocab_ids))
+    draft = DraftLM(target, int(dr.layers), vocab_ids, init_from_target=dr.init == "target")
+    draft.train()
+    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
+    evals, trains = items[:n_eval], items[n_eval:]
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=float(tcfg.lr), weight_decay=float(tcfg.weight_decay), betas=(0.9, 0.95))
+    steps = int(tcfg.steps)
+    warm = int(tcfg.warmup)
+
+    def lr_at(s):
+        if s < warm:
+            return (s + 1) / warm
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    state_path = out / "_train_state.pt"
+    start = 0
+    if state_path.exists() and cfg.resume:
+        st = torch.load(state_path, weights_only=False)
+        draft.load_state_dict(st["model"], strict=False)
+        opt.load_state_dict(st["opt"])
+        sched.load_state_dict(st["sched"])
+        torch.set_rng_state(st["torch_rng"])
+        start = st["step"]
+        print(f"[train] resumed at step {start}", file=sys.stderr)
+    it = batches(trains, int(tcfg.batch_size), int(tcfg.seq_len), rng)
+    for _ in range(start):  # the data order comes from the seed alone: replay it up to the resumed step
+        next(it)
+    history = []
+    bar = tqdm(range(start, steps), desc=f"train {dr.name}", disable=not progress, file=sys.stderr)
+    t0 = time.time()
+    for step in bar:
+        batch = collate(next(it), int(tcfg.seq_len), lookup, bool(tcfg.train_on_prompt))
+        loss, kl, agree = loss_fn(draft, *batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, float(tcfg.grad_clip))
+        opt.step()
+        sched.step()
+        history.append((loss.item(), kl.item(), agree.item()))
+        bar.set_postfix(loss=f"{history[-1][0]:.3f}", kl=f"{history[-1][1]:.3f}", top1=f"{history[-1][2]:.2f}")
+        if (step + 1) % int(tcfg.save_every) == 0 or step + 1 == steps:
+            tmp = state_path.with_suffix(".tmp")
+            torch.save({"model": draft.own_state(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "torch_rng": torch.get_rng_state(), "step": step + 1}, tmp)
+            tmp.rename(state_path)
+    bar.close()
+    draft.eval()
+    with torch.no_grad():
+        ev = [loss_fn(draft, *collate(evals[i:i + 8], int(tcfg.seq_len), lookup, bool(tcfg.train_on_prompt)))
+              for i in range(0, len(evals), 8)]
+    ev_loss = sum(float(x[0]) for x in ev) / len(ev)
+    ev_kl = sum(float(x[1]) for x in ev) / len(ev)
+    ev_agree = sum(float(x[2]) for x in ev) / len(ev)
+    last = history[-min(20, len(history)):] if history else [(math.nan,) * 3]
+    summary = {
+        "steps": steps, "train_loss_last20": sum(h[0] for h in last) / len(last),
+        "train_kl_last20": sum(h[1] for h in last) / len(last),
+        "eval_loss": ev_loss, "eval_kl": ev_kl, "eval_top1_agreement": ev_agree,
+        "train_seconds_this_run": time.time() - t0, "eval_sequences": len(evals), "train_sequences": len(trains),
+        "trainable_params": sum(p.numel() for p in params), "draft_vocab": len(vocab_ids),
+    }
+    return {"draft": draft, "summary": summary, "loss_curve": [round(h[0], 4) for h in history[::10]]}
+
+
+def write_card(out: Path, meta: dict, command: str) -> None:
+    s = meta["train_summary"]
+    d = meta["data"]
+    lines = [
+        f"# {meta['name']}: a draft LM for {meta['target']}",
+        "",
+        f"A {meta['layers']}-layer causal LM with {meta['target']}'s tokenizer for `method=leviathan`: the target's "
+        f"token embedding (shared, frozen), {meta['layers']} transformer layer(s) of its own (initialised from the "
+        f"target's first layers), and the target's output layer restricted to the {meta['draft_vocab']} most "
+        "frequent tokens of the distillation data.",
+        "",
+        "## Data",
+        f"- {d['sequences']} ShareGPT first turns ({d['dropped_for_benchmark_overlap']} dropped for overlapping "
+        f"MT-Bench / HumanEval / GSM prompts), {d['answered']} of them answered by the target itself "
+        f"(greedy, up to {meta['data_settings']['max_new_tokens']} tokens)",
+        f"- {d['tokens']} token positions with the target's top-{meta['data_settings']['topk']} distribution, "
+        f"{d['response_tokens']} of them in the target's own answers",
+        "",
+        "## Training",
+        f"- {s['steps']} steps, batch {meta['train_settings']['batch_size']} x up to "
+        f"{meta['train_settings']['seq_len']} tokens, AdamW lr {meta['train_settings']['lr']}, seed {meta['seed']}",
+        f"- trainable parameters: {s['trainable_params']:,}",
+        f"- final train loss (soft cross-entropy, last 20 steps): {s['train_loss_last20']:.3f}; "
+        f"KL to the teacher's top-k: {s['train_kl_last20']:.3f}",
+        f"- held-out ({s['eval_sequences']} sequences): loss {s['eval_loss']:.3f}, KL {s['eval_kl']:.3f}, "
+        f"top-1 agreement with the target {s['eval_top1_agreement']:.1%}",
+        "",
+        "## Reproduce",
+        "```bash",
+        command,
+        "```",
+        "",
+    ]
+    if meta.get("measured"):
+        lines += ["## Measured", "", meta["measured"], ""]
+    (out / "README.md").write_text("\n".join(lines))
+    (out / "drafter.json").write_text(json.dumps(meta, indent=1, default=str))
+
+
+def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, command: str) -> None:
+    draft = result["draft"]
+    meta = {
+        "kind": "draft_lm", "name": cfg.drafter.name, "target": target_name,
+        "target_vocab_size": int(draft.vocab_size), "layers": int(cfg.drafter.layers),
+        "draft_vocab": int(len(draft.vocab_ids)), "seed": int(cfg.seed),
+        "data": data_meta, "data_settings": {k: cfg.data[k] for k in cfg.data},
+        "train_settings": {k: cfg.train[k] for k in cfg.train}, "train_summary": result["summary"],
+        "loss_curve_every_10_steps": result["loss_curve"],
+    }
+    save_draft(draft, out, meta)
+    write_card(out, meta, command)
