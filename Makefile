@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: setup run test test-fast bench-peers report regress regress-baseline profile clean-cache
+.PHONY: setup run test test-fast bench-peers bench-draft train-draft report regress regress-baseline profile clean-cache
 
 setup: $(STAMP)
 
@@ -35,6 +35,18 @@ test-fast: setup
 bench-peers: setup
 	$(BIN)/python -m specbench.peers $(ARGS)
 
+# The shipped SmolLM2 draft: K = 1..8 on MT-Bench and HumanEval, greedy and T=0.7, with a report.
+BENCH_DRAFT_DIR := results/bench-draft
+bench-draft: setup
+	$(BIN)/python -m specbench method=leviathan draft=smollm2-135m-draft K=1,2,3,4,6,8 \
+		dataset=mt_bench,humaneval temperature=0,0.7 limit=5 max_new_tokens=64 results_dir=$(BENCH_DRAFT_DIR) $(ARGS)
+	$(BIN)/python -m analysis.profile --bs 1 --n 1,2,3,4,5,7,9 --draft-layers 0 --results-dir $(BENCH_DRAFT_DIR)
+	$(BIN)/python -m analysis.report $(BENCH_DRAFT_DIR) --out $(BENCH_DRAFT_DIR)/report
+
+# Reproduce the shipped draft (self-distillation data from the target, then training).
+train-draft: setup
+	$(BIN)/python -m specbench.train $(ARGS)
+
 # Figures and tables from every record under results/ (ARGS: filters, --out DIR).
 report: setup
 	$(BIN)/python -m analysis.report results $(ARGS)
@@ -46,7 +58,7 @@ profile: setup
 # counts, tau and token identity must match exactly; speed is reported, not failed on CPU.
 REGRESS_DIR  := results/regress
 REGRESS_ARGS := method=ar,pld,leviathan bs=1,3 K=3 limit=3 max_new_tokens=32 dataset=mt_bench \
-                draft.layers=4 dtype=fp32 device=cpu progress=false results_dir=$(REGRESS_DIR)
+                draft=smollm2-135m-draft dtype=fp32 device=cpu progress=false results_dir=$(REGRESS_DIR)
 
 regress: setup
 	rm -f $(REGRESS_DIR)/records.jsonl

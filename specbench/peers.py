@@ -94,7 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--K", type=int, default=4)
     ap.add_argument("--ngram", type=int, default=3)
-    ap.add_argument("--draft-layers", type=int, default=8)
+    ap.add_argument("--draft-layers", type=int, default=4,
+                    help="draft = the target's first n layers (an HF model, as assisted generation needs)")
     ap.add_argument("--bs", default="1,8", help="batch sizes for the AR comparison")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     prompts = [D.render(tok, [], q.turns[0], chat) for q in qs]
     cfg = OmegaConf.create({"K": a.K, "method": {"name": "pld", "max_ngram": a.ngram, "min_ngram": 1},
                             "draft": {"name": "self_layers", "layers": a.draft_layers}})
-    draft = self_layers_draft(model, a.draft_layers)
+    draft, draft_name = self_layers_draft(model, a.draft_layers), f"self_layers:{a.draft_layers}"
     print(f"[peers] {a.model} {dtype} on {device}, {len(prompts)} prompts x {a.max_new} new tokens", file=sys.stderr)
 
     # warm both paths up (untimed)
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
 
     result = {"model": a.model, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
               "prompts": len(prompts), "max_new_tokens": a.max_new, "K": a.K, "ngram": a.ngram,
-              "draft": f"self_layers:{a.draft_layers}"}
+              "draft": draft_name}
     rows = []
 
     def compare(label, batches, make_ours, hf_kwargs, tau=True):

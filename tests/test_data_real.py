@@ -31,10 +31,11 @@ def test_sharegpt_index():
 
 @pytest.mark.slow
 def test_smollm2_sweep(tmp_path):
-    """A short real sweep: AR, PLD and Leviathan on two MT-Bench turns of SmolLM2, token-identical."""
+    """A short real sweep: AR, PLD and Leviathan (the shipped draft, the default) on two MT-Bench
+    turns of SmolLM2, token-identical."""
     out = subprocess.run(
         [sys.executable, "-m", "specbench", "method=pld,leviathan", "limit=1", "max_new_tokens=24",
-         "draft.layers=8", f"results_dir={tmp_path}", "progress=false"],
+         f"results_dir={tmp_path}", "progress=false"],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     recs = R.read(tmp_path / "records.jsonl")
@@ -44,5 +45,5 @@ def test_smollm2_sweep(tmp_path):
         assert r["metrics"]["match_ar"] == 1.0
         assert [q["turn"] for q in r["requests"]] == [1, 2]
         assert r["metrics"]["new_tokens"] > 0 and r["metrics"]["tokens_per_s"] > 0
-    assert recs[2]["draft"] == "self_layers:8"
+    assert recs[2]["draft"] == "smollm2-135m-draft"
     assert "speedup" in out.stdout
