@@ -63,7 +63,14 @@ def save(fig, out: Path, name: str, written: list) -> None:
 
 
 def _sd(df):
-    return df[df["method"] != "ar"]
+    sd = df[df["method"] != "ar"].copy()
+    if sd.empty:
+        return sd
+    multi_ds = sd["dataset"].nunique() > 1
+    multi_t = sd["temperature"].nunique() > 1
+    sd["series"] = sd.apply(lambda r: r["label"] + (f", {r['dataset']}" if multi_ds else "")
+                            + (f", T={r['temperature']:g}" if multi_t else ""), axis=1)
+    return sd
 
 
 # ---------------------------------------------------------------------------- figures
@@ -72,9 +79,9 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
     sd = sd[sd[xcol].notna()]
     if sd.empty or sd[xcol].nunique() < 2:
         return
-    cmap = colors(sd["label"])
-    fig, ax = plt.subplots(figsize=(4.2, 3.0))
-    for lab, g in sd.groupby("label"):
+    cmap = colors(sd["series"])
+    fig, ax = plt.subplots(figsize=(4.6, 3.2))
+    for lab, g in sd.groupby("series"):
         g = g.groupby(xcol, as_index=False)["speedup"].mean().sort_values(xcol)
         ax.plot(g[xcol], g["speedup"], marker="o", ms=4, lw=1.5, color=cmap[lab], label=lab)
     ax.axhline(1.0, color="k", lw=0.8, ls="--", label="AR (1.0x)")
@@ -85,7 +92,7 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
     ax.set_xlabel(xlabel)
     ax.set_ylabel("speedup over AR (tokens/s ratio)")
     ax.set_title(f"Speedup vs {xlabel.split(' (')[0]}\n{subtitle(df)}")
-    ax.legend(frameon=False)
+    ax.legend(frameon=False, fontsize=7, loc="best")
     save(fig, out, name, written)
 
 
@@ -95,22 +102,21 @@ def fig_acceptance(df, out, written):
     if sd.empty:
         return
     # one line per (label, K): the largest batch size only would hide nothing for greedy
-    cmap = colors(sd["label"])
-    fig, ax = plt.subplots(figsize=(4.2, 3.0))
+    # the largest K of each series shows every position; smaller K repeat its prefix
+    cmap = colors(sd["series"])
+    fig, ax = plt.subplots(figsize=(4.6, 3.2))
     seen = set()
-    for (lab, K), g in sd.groupby(["label", "K"]):
-        r = g.iloc[-1]
+    for lab, g in sd.groupby("series"):
+        r = g.sort_values("K").iloc[-1]
         a = r["alphas"]
-        style = "-" if (lab, K) == max(((lab, k) for k in g["K"]), default=None) else "-"
-        ax.plot(range(1, len(a) + 1), a, marker="o", ms=3.5, lw=1.3, ls=style, color=cmap[lab],
-                alpha=1.0 if lab not in seen else 0.55, label=f"{lab}, K={int(K)}")
+        ax.plot(range(1, len(a) + 1), a, marker="o", ms=3.5, lw=1.3, color=cmap[lab], label=f"{lab}, K={int(r['K'])}")
         seen.add(lab)
     ax.set_xlabel("draft position i")
     ax.set_ylabel(r"acceptance rate $\alpha_i$ (share of steps)")
     ax.set_ylim(0, 1.02)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_title(f"Acceptance per position\n{subtitle(df)}")
-    ax.legend(frameon=False, ncol=1 if len(seen) < 4 else 2)
+    ax.legend(frameon=False, fontsize=7, ncol=1 if len(seen) < 5 else 2)
     save(fig, out, "acceptance_per_position", written)
 
 
@@ -165,33 +171,38 @@ def fig_bounds(df, out, written, curves):
     if sd.empty:
         return
     sd["bound_batch"] = batch_aware(sd, curves)
-    sd["name"] = sd.apply(lambda r: f"{r['label'].replace(' (', chr(10) + '(')}\nK={int(r['K'])} bs={int(r['bs'])}",
-                          axis=1)
+    one = sd["label"].nunique() == 1  # a single method: name it once, in the title
+
+    def short(r):
+        lab = r["series"][len(r["label"]):].lstrip(", ") if one else r["series"]
+        lab = lab.replace(" (", "\n(").replace(", ", "\n")
+        return (lab + "\n" if lab else "") + f"K={int(r['K'])} bs={int(r['bs'])}"
+
+    sd["name"] = sd.apply(short, axis=1)
     sd = sd.drop_duplicates("name", keep="last")
     if len(sd) > 10:
-        sd = sd[sd["bs"] == sd["bs"].min()].tail(10)
+        sd = sd[(sd["bs"] == sd["bs"].min()) & (sd["temperature"] == sd["temperature"].min())].tail(10)
     series = [("measured", "speedup", "#222222"), ("Leviathan closed form", "bound_leviathan", "#4c72b0"),
               ("per-position form", "bound_per_position", "#55a868"), ("batch-aware (cost curve)", "bound_batch", "#dd8452")]
     series = [s for s in series if sd[s[1]].notna().any()]
-    fig, ax = plt.subplots(figsize=(max(4.2, 1.1 * len(sd) + 1.5), 3.2))
+    fig, ax = plt.subplots(figsize=(max(4.6, 1.35 * len(sd) + 1.5), 3.4))
     x = np.arange(len(sd))
     w = 0.8 / len(series)
     for i, (lab, col, colr) in enumerate(series):
         ax.bar(x + (i - (len(series) - 1) / 2) * w, sd[col].fillna(0), width=w, color=colr, label=lab,
                edgecolor="white", lw=0.5)
     for j, (_, r) in enumerate(sd.iterrows()):
-        # the gap: measured as a share of the tightest (smallest) bound available
-        bounds = [b for b in (r.get("bound_leviathan"), r.get("bound_per_position"), r.get("bound_batch"))
-                  if b is not None and np.isfinite(b) and b > 0]
-        if bounds:
-            top = max(bounds + [r["speedup"]])
-            ax.text(x[j], top + 0.03 * max(1.0, top), f"{r['speedup'] / min(bounds):.0%}\nof bound", ha="center",
-                    fontsize=7)
+        # the gap: measured as a share of the Leviathan closed form
+        b = r.get("bound_leviathan")
+        if b is not None and np.isfinite(b) and b > 0:
+            top = np.nanmax([r["speedup"], b, r.get("bound_per_position", np.nan), r.get("bound_batch", np.nan)])
+            ax.text(x[j], top + 0.03 * max(1.0, top), f"{r['speedup'] / b:.0%}", ha="center", fontsize=7)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_xticks(x, sd["name"])
+    ax.set_xticks(x, sd["name"], fontsize=7)
     ax.set_ylabel("speedup over AR")
     ax.grid(axis="x", visible=False)
-    ax.set_title(f"Measured speedup against the theoretical bounds\n{subtitle(df)}")
+    what = f"{sd['label'].iloc[0]}: measured" if one else "Measured"
+    ax.set_title(f"{what} speedup against the theoretical bounds (% = measured / closed form)\n{subtitle(df)}")
     ax.legend(frameon=False, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ymax = np.nanmax(sd[[s[1] for s in series]].to_numpy(dtype=float))
     ax.set_ylim(0, max(1.3, ymax * 1.25))
@@ -203,28 +214,28 @@ def fig_hist(df, out, written):
     sd = sd[sd["hist"].map(lambda h: sum(h) > 0)]
     if sd.empty:
         return
-    sd = sd.drop_duplicates("label", keep="last")
-    fig, ax = plt.subplots(figsize=(4.2, 3.0))
-    cmap = colors(sd["label"])
+    sd = sd.sort_values("K").drop_duplicates("series", keep="last")
+    fig, ax = plt.subplots(figsize=(4.6, 3.2))
+    cmap = colors(sd["series"])
     n = len(sd)
     w = 0.8 / n
     for i, (_, r) in enumerate(sd.iterrows()):
         h = np.array(r["hist"], dtype=float)
         h = h / h.sum()
         xs = np.arange(len(h)) + 1 + (i - (n - 1) / 2) * w
-        ax.bar(xs, h, width=w, color=cmap[r["label"]], label=f"{r['label']} K={int(r['K'])} (tau {r['tau']:.2f})")
+        ax.bar(xs, h, width=w, color=cmap[r["series"]], label=f"{r['series']}, K={int(r['K'])} (tau {r['tau']:.2f})")
     ax.set_xlabel("tokens emitted per step (accepted drafts + 1)")
     ax.set_ylabel("share of steps")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_title(f"Acceptance-length histogram\n{subtitle(df)}")
-    ax.legend(frameon=False)
+    ax.legend(frameon=False, fontsize=7)
     save(fig, out, "accept_length_hist", written)
 
 
 def simulated(df, curves) -> pd.DataFrame:
     rows = []
     sd = _sd(df)
-    for (model, bs, dev, dt, ds), g in sd.groupby(["model", "bs", "device", "dtype", "dataset"]):
+    for (model, bs, dev, dt, ds, temp), g in sd.groupby(["model", "bs", "device", "dtype", "dataset", "temperature"]):
         cand = [c for c in curves if str(c.get("model")) == str(model) and c.get("device") == dev
                 and c.get("dtype") == dt]
         if not cand:
@@ -240,7 +251,7 @@ def simulated(df, curves) -> pd.DataFrame:
                 continue
             d = r["t_draft"] / r["iterations"] / r["K"]
             sim = simulate.simulate_job(r["requests"], int(r["K"]), d, T)
-            name = f"{r['label']} K={int(r['K'])}"
+            name = f"{r['label']} K={int(r['K'])}" + (f" T={r['temperature']:g}" if r["temperature"] else "")
             rows.append({"name": name, "bs": bs, "dataset": ds, "measured": r["speedup"], **sim})
             if r["temperature"] == 0:
                 jobs[name] = (r["requests"], d)
@@ -253,7 +264,8 @@ def simulated(df, curves) -> pd.DataFrame:
 def fig_simulator(sim: pd.DataFrame, df, out, written):
     if sim.empty:
         return
-    sim = sim[sim["bs"] == sim["bs"].min()].drop_duplicates("name", keep="last")
+    sim = sim[(sim["bs"] == sim["bs"].min()) & (sim["dataset"] == sim["dataset"].iloc[0])].drop_duplicates("name",
+                                                                                                          keep="last")
     fig, ax = plt.subplots(figsize=(max(4.2, 0.9 * len(sim) + 1.5), 3.0))
     x = np.arange(len(sim))
     w = 0.27
@@ -264,8 +276,8 @@ def fig_simulator(sim: pd.DataFrame, df, out, written):
     ax.set_xticks(x, sim["name"], rotation=15, ha="right")
     ax.set_ylabel("speedup over AR")
     ax.grid(axis="x", visible=False)
-    ax.set_title(f"Trace-driven simulation, bs={int(sim['bs'].iloc[0])}\n{subtitle(df)}")
-    ax.legend(frameon=False, fontsize=7.5)
+    ax.set_title(f"Trace-driven simulation, bs={int(sim['bs'].iloc[0])}, {sim['dataset'].iloc[0]}\n{subtitle(df)}")
+    ax.legend(frameon=False, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     save(fig, out, "simulator", written)
 
 
@@ -288,19 +300,20 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
             tps_ar = b["new_tokens"].sum() / b["wall_s"].sum()
             steps = g["steps"].sum()
             tau = 1 + g["accepted"].sum() / steps if steps else float("nan")
-            rows.append({"method": r["label"], "K": int(r["K"]), "bs": int(r["bs"]), "category": cat,
+            rows.append({"method": r["label"], "T": float(r["temperature"]), "K": int(r["K"]), "bs": int(r["bs"]),
+                         "category": cat,
                          "speedup": tps / tps_ar, "tau": tau})
     if not rows:
         return pd.DataFrame()
-    t = pd.DataFrame(rows).drop_duplicates(["method", "K", "bs", "category"], keep="last")
-    wide = t.pivot_table(index=["method", "K", "bs"], columns="category", values=["speedup", "tau"])
+    t = pd.DataFrame(rows).drop_duplicates(["method", "T", "K", "bs", "category"], keep="last")
+    wide = t.pivot_table(index=["method", "T", "K", "bs"], columns="category", values=["speedup", "tau"])
     cats = [c for c in sorted(t["category"].unique()) if c != "overall"] + ["overall"]
     wide = wide.reindex(columns=pd.MultiIndex.from_product([["speedup", "tau"], cats]))
     return wide
 
 
 def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
-    cols = ["label", "model", "dataset", "bs", "K", "ctx", "tokens_per_s", "speedup", "tau", "alpha", "c",
+    cols = ["label", "model", "dataset", "temperature", "bs", "K", "ctx", "tokens_per_s", "speedup", "tau", "alpha", "c",
             "bound_leviathan", "verify_share", "match_ar", "peak_mem_bytes"]
     t = df[cols].copy()
     t["model"] = t["model"].map(lambda s: str(s).split("/")[-1])
@@ -309,9 +322,9 @@ def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
         t[col] = t[col].astype("Int64")
     t["verify_share"] = 100 * t["verify_share"]
     t["match_ar"] = 100 * t["match_ar"]
-    t = t.rename(columns={"label": "method", "tokens_per_s": "tok/s", "bound_leviathan": "bound",
+    t = t.rename(columns={"label": "method", "temperature": "T", "tokens_per_s": "tok/s", "bound_leviathan": "bound",
                           "verify_share": "verify %", "match_ar": "match AR %", "peak_mem_bytes": "peak MiB"})
-    return t.sort_values(["model", "dataset", "bs", "method", "K"], na_position="first").reset_index(drop=True)
+    return t.sort_values(["model", "dataset", "T", "bs", "method", "K"], na_position="first").reset_index(drop=True)
 
 
 def fmt(x, spec=".2f"):

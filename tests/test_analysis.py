@@ -96,7 +96,7 @@ def test_report_numbers_match_records():
     assert lev["alpha"] == pytest.approx(sum(a) / (1 + sum(a[:-1])))
     assert lev["bound_leviathan"] == pytest.approx(theory.leviathan_speedup(lev["alpha"], 4, c))
     cat = report.per_category(df)
-    overall = cat[("tau", "overall")].loc[("leviathan (self_layers:1)", 4, 1)]
+    overall = cat[("tau", "overall")].loc[("leviathan (self_layers:1)", 0.0, 4, 1)]
     assert overall == pytest.approx(raw["metrics"]["tau"])
 
 
