@@ -228,7 +228,7 @@ def fig_hist(df, out, written):
     ax.set_ylabel("share of steps")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_title(f"Acceptance-length histogram\n{subtitle(df)}")
-    ax.legend(frameon=False, fontsize=7)
+    ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     save(fig, out, "accept_length_hist", written)
 
 
