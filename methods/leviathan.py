@@ -53,7 +53,6 @@ class Leviathan(Proposer):
         keep_len = []
         for b in range(B):
             fed, seq = self.fed[b], state.seqs[b]
-            j = 0
             n = min(len(fed), len(seq) - 1)
             # the fed tokens differ from seq only in the last K positions
             j = max(0, n - self.K - 1)
