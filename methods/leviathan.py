@@ -12,6 +12,7 @@ import torch
 from methods.base import BatchState, Proposer
 from specbench.draft import Draft
 from specbench.kv import RaggedCache
+from specbench.models import text_config
 from specbench.verify import sample, warp
 
 
@@ -26,8 +27,7 @@ class Leviathan(Proposer):
 
             draft_model = load_draft_model(cfg, target, device, dtype)
         self.draft = draft_model
-        self.V = int(target.config.get_text_config().vocab_size) if hasattr(target.config, "get_text_config") \
-            else int(target.config.vocab_size)
+        self.V = int(text_config(target.config).vocab_size)
         self.dcache: RaggedCache | None = None
         self.fed: list[list[int]] = []
 

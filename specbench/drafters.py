@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specbench.models import text_config
+
 
 @dataclass
 class DraftOutput:
@@ -38,8 +40,7 @@ class DraftLM(nn.Module):
         super().__init__()
         from transformers import AutoModel
 
-        tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-        cfg = copy.deepcopy(tcfg)
+        cfg = copy.deepcopy(text_config(target.config))
         cfg.num_hidden_layers = n_layers
         if getattr(cfg, "layer_types", None):
             cfg.layer_types = list(cfg.layer_types[:n_layers])
@@ -58,7 +59,6 @@ class DraftLM(nn.Module):
         self.vocab_size = int(cfg.vocab_size)
         self.register_buffer("vocab_ids", vocab_ids.clone().long(), persistent=True)
         self._target_head = [target.get_output_embeddings()]  # not a submodule: never saved, never trained
-        self.head_bias = None
         for p in self.body.parameters():
             p.requires_grad_(False)
         for p in list(self.body.layers.parameters()) + list(self.body.norm.parameters()):
@@ -121,14 +121,13 @@ def load_draft(folder, target, device, dtype) -> DraftLM:
     meta = json.loads((folder / "drafter.json").read_text())
     if meta.get("kind") != "draft_lm":
         raise ValueError(f"{folder}: unknown drafter kind {meta.get('kind')!r}")
-    tv = int(target.config.get_text_config().vocab_size if hasattr(target.config, "get_text_config")
-             else target.config.vocab_size)
+    tv = int(text_config(target.config).vocab_size)
     if int(meta["target_vocab_size"]) != tv:
         raise ValueError(f"{folder} was trained for a target with {meta['target_vocab_size']} tokens, "
                          f"this target has {tv}")
     state = load_file(str(folder / "model.safetensors"))
     draft = DraftLM(target, int(meta["layers"]), state["vocab_ids"], init_from_target=True)
-    missing, unexpected = draft.load_state_dict({k: v for k, v in state.items()}, strict=False)
+    missing, unexpected = draft.load_state_dict(state, strict=False)
     bad = [k for k in missing if not k.startswith(("body.embed_tokens", "body.rotary"))]
     if bad or unexpected:
         raise ValueError(f"{folder}: checkpoint does not fit the drafter (missing {bad[:3]}, unexpected {unexpected[:3]})")

@@ -65,8 +65,7 @@ class Engine:
         with self.timer.phase("draft"):
             self.proposer.start(state)
         pending = torch.tensor(first, dtype=torch.long, device=self.device)
-        self._drop_finished(done, live, state, cache)
-        pending = pending[[i for i, d in enumerate(done) if not d]] if any(done) else pending
+        pending = self._drop_finished(done, live, state, cache, pending)
 
         while live:
             self.iterations += 1
@@ -116,11 +115,7 @@ class Engine:
                 if self.proposer.needs_hidden:
                     hidden = (out.hidden_states[-1], v.keep, v.counts)
                 self.proposer.update(state, v.accepted, hidden)
-                pending = v.extra
-                if any(done):
-                    keep = [i for i, d in enumerate(done) if not d]
-                    pending = pending[keep]
-                    self._drop_finished(done, live, state, cache)
+                pending = self._drop_finished(done, live, state, cache, v.extra)
         sync(self.device)
         return res
 
@@ -144,9 +139,12 @@ class Engine:
             draft.valid = ok if draft.valid is None else draft.valid & ok
         return draft
 
-    def _drop_finished(self, done: list[bool], live: list[int], state: BatchState, cache: RaggedCache) -> None:
+    def _drop_finished(self, done: list[bool], live: list[int], state: BatchState, cache: RaggedCache,
+                       pending: torch.Tensor) -> torch.Tensor:
+        """Finished rows leave the batch (engine, cache and method); returns the pending
+        tokens of the rows that stay."""
         if not any(done):
-            return
+            return pending
         keep = [i for i, d in enumerate(done) if not d]
         live[:] = [live[i] for i in keep]
         state.seqs[:] = [state.seqs[i] for i in keep]
@@ -154,3 +152,4 @@ class Engine:
         if keep:
             cache.select_rows(torch.tensor(keep, dtype=torch.long, device=self.device))
             self.proposer.select_rows(keep)
+        return pending[keep]

@@ -130,6 +130,11 @@ def load_model(mcfg, device: torch.device, dtype: torch.dtype):
     return model
 
 
+def text_config(config):
+    """The language-model part of a config (the config itself for plain causal LMs)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def max_positions(config) -> int:
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         v = getattr(config, key, None)

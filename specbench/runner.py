@@ -22,7 +22,7 @@ from specbench import loggers
 from specbench import records as R
 from specbench.drafters import is_draft_checkpoint, load_draft
 from specbench.models import (ConfigError, eos_ids, load_config, load_model, load_tokenizer, max_positions,
-                              resolve_device, resolve_dtype, self_layers_draft)
+                              resolve_device, resolve_dtype, self_layers_draft, text_config)
 from specbench.monitor import NvmlMonitor
 from specbench.timing import PHASES, PhaseTimer, sync
 from specbench.verify import Sampling
@@ -99,14 +99,13 @@ def validate(cfg: DictConfig) -> None:
         dm = draft_model_cfg(cfg)
         if cfg.draft.name != "self_layers" and dm is None:
             meta = json.loads((Path(resolve_path(cfg.draft.path)) / "drafter.json").read_text())
-            tv = getattr(mconf.get_text_config() if hasattr(mconf, "get_text_config") else mconf, "vocab_size", None)
+            tv = getattr(text_config(mconf), "vocab_size", None)
             model_id = str(cfg.model.path or cfg.model.name)
             if meta.get("target") not in (model_id, cfg.model.name) or tv != meta.get("target_vocab_size"):
                 raise ConfigError(f"draft '{cfg.draft.path}' was trained for {meta.get('target')}, not {model_id}; "
                                   "use draft=self_layers or a draft trained for this model (python -m specbench.train)")
         elif dm is None:
-            n_layers = getattr(mconf.get_text_config() if hasattr(mconf, "get_text_config") else mconf,
-                               "num_hidden_layers", None)
+            n_layers = getattr(text_config(mconf), "num_hidden_layers", None)
             layers = cfg.draft.layers
             if not isinstance(layers, int) or n_layers is not None and not 1 <= layers < n_layers:
                 raise ConfigError(f"draft.layers must be an integer in 1..{(n_layers or 2) - 1}, got {layers!r}")
