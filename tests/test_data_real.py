@@ -22,28 +22,39 @@ def test_packaged_prompt_sets():
 
 
 @pytest.mark.slow
-def test_sharegpt_index():
+def test_sharegpt_slices_are_disjoint():
+    """The `sharegpt` prompt set and the `ctx` filler come from the evaluation slice; drafter
+    training reads only the conversations after it."""
     sg = D.sharegpt()
-    assert len(sg) > 10000
+    assert 1900 < len(sg) <= D.SHAREGPT_EVAL
     longs = D.long_texts()
     assert len(longs) == 256 and len(longs[0]) > 20000
+    train = D.sharegpt_training()
+    assert len(train) > 10000
+    assert all(c["turns"][0][0] == "user" for c in train)
+    eval_ids = {q.id.removeprefix("sharegpt-") for q in sg}
+    assert not eval_ids & {c["id"] for c in train}
+    filler_ids = {r["id"] for r in D._sharegpt_cache()["long"]}
+    assert len(filler_ids) > 200 and not filler_ids & {c["id"] for c in train}
 
 
 @pytest.mark.slow
 def test_smollm2_sweep(tmp_path):
-    """A short real sweep: AR, PLD and Leviathan (the shipped draft, the default) on two MT-Bench
-    turns of SmolLM2, token-identical."""
+    """A short real sweep: AR, PLD, Leviathan (the shipped draft, the default), Medusa and EAGLE
+    (the shipped heads) on two MT-Bench turns of SmolLM2, token-identical."""
     out = subprocess.run(
-        [sys.executable, "-m", "specbench", "method=pld,leviathan", "limit=1", "max_new_tokens=24",
+        [sys.executable, "-m", "specbench", "method=pld,leviathan,medusa,eagle", "limit=1", "max_new_tokens=24",
          f"results_dir={tmp_path}", "progress=false"],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     recs = R.read(tmp_path / "records.jsonl")
-    assert [r["method"] for r in recs] == ["ar", "pld", "leviathan"]
+    assert [r["method"] for r in recs] == ["ar", "pld", "leviathan", "medusa", "eagle"]
     for r in recs:
         assert r["status"] == "ok" and r["model"] == "smollm2-135m" and r["dtype"] == "float32"
         assert r["metrics"]["match_ar"] == 1.0
         assert [q["turn"] for q in r["requests"]] == [1, 2]
         assert r["metrics"]["new_tokens"] > 0 and r["metrics"]["tokens_per_s"] > 0
     assert recs[2]["draft"] == "smollm2-135m-draft"
+    assert recs[4]["method_cfg"]["draft_vocab"] == 16384 and recs[3]["method_cfg"]["nodes"] > 4
+    assert all(r["metrics"]["tau"] > 1.2 for r in recs[3:])  # the trained heads are really accepted from
     assert "speedup" in out.stdout

@@ -49,10 +49,10 @@ def drop_overlap(texts: list[str], bench: list[str]) -> tuple[list[str], int]:
 
 
 def training_prompts(n: int, seed: int) -> tuple[list[str], int]:
-    """n ShareGPT first turns, shuffled with the seed, with benchmark overlaps removed.
-    Returns the prompts and how many were dropped for overlap."""
+    """n ShareGPT first turns of the training slice, shuffled with the seed, with benchmark
+    overlaps removed. Returns the prompts and how many were dropped for overlap."""
     bench = benchmark_texts()
-    firsts = [r["text"] for r in D._sharegpt_cache()["first_turns"]]
+    firsts = [c["turns"][0][1] for c in D.sharegpt_training()]
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(firsts), generator=g).tolist()
     out, dropped = [], 0
