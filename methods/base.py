@@ -27,7 +27,9 @@ class BatchState:
 class Proposer:
     name = "base"
     lossless = True  # False for relaxed acceptance rules; recorded with every job
-    needs_hidden = False  # True: the engine passes target hidden states of kept nodes to update()
+    # target hidden states the method drafts from ("final" = after the final norm, or a
+    # decoder layer index); the engine hands them to start() and update() (specbench.hidden)
+    hidden_layers: tuple = ()
 
     def __init__(self, cfg, target, tokenizer, device: torch.device, dtype: torch.dtype):
         self.cfg = cfg
@@ -36,12 +38,23 @@ class Proposer:
         self.device = device
         self.dtype = dtype
 
+    @classmethod
+    def check(cls, cfg, target_config) -> None:
+        """Refuse a bad ``cfg.method`` (or draft) in one ``ConfigError`` line, before any
+        weights load. ``target_config``: the target's HF config."""
+
+    @classmethod
+    def draft_label(cls, cfg) -> str | None:
+        """The draft model this job runs, for the record (None: the method has none)."""
+        return None
+
     def modules(self) -> list[torch.nn.Module]:
         """Extra models the method runs (their forward time counts as model time)."""
         return []
 
-    def start(self, state: BatchState) -> None:
-        """A new batch was prefilled; ``state.seqs`` hold prompt + first token."""
+    def start(self, state: BatchState, hidden=None) -> None:
+        """A new batch was prefilled; ``state.seqs`` hold prompt + first token. ``hidden``
+        (a ``specbench.hidden.Hidden``): the prompt tokens' states when asked for."""
 
     def propose(self, state: BatchState) -> Draft | None:
         """Return a draft tree per row, or None to take a plain decoding step."""
@@ -49,7 +62,8 @@ class Proposer:
 
     def update(self, state: BatchState, accepted: list[list[int]], hidden=None) -> None:
         """After a step: ``accepted[b]`` are row b's accepted draft tokens; ``state.seqs``
-        already hold them plus the extra token."""
+        already hold them plus the extra token. ``hidden``: the states of the tokens just
+        committed to the target cache (the step's root and its accepted drafts)."""
 
     def select_rows(self, keep: list[int]) -> None:
         """Finished rows left the batch: keep only the rows at these indices."""

@@ -7,7 +7,8 @@ index (a chain is parents = [0, 1, 2, ...]). Rows may have different numbers of 
 
 ``q`` is optional: for a node, the exact distribution its token was drawn from (after the
 same temperature/top-k/top-p warping the target gets). Nodes without ``q`` are
-deterministic candidates (top-k children, n-grams, retrieval). ``candidate`` False marks
+deterministic candidates (top-k children, n-grams, retrieval). ``typical`` asks for
+Medusa's (lossy) typical acceptance instead of the lossless rule when sampling. ``candidate`` False marks
 extra nodes a method wants the target's outputs for (Lookahead's Jacobi window) that can
 never be accepted.
 """
@@ -27,12 +28,14 @@ class Draft:
     q: torch.Tensor | None = None  # [B, n, V] float: distribution node i's token was drawn from
     candidate: torch.Tensor | None = None  # [B, n] bool
     is_chain: bool = False
+    typical: tuple[float, float] | None = None  # (eps, delta): Medusa's lossy typical acceptance under sampling
 
     @staticmethod
-    def chain(tokens: torch.Tensor, valid: torch.Tensor | None = None, q: torch.Tensor | None = None) -> "Draft":
+    def chain(tokens: torch.Tensor, valid: torch.Tensor | None = None, q: torch.Tensor | None = None,
+              typical: tuple[float, float] | None = None) -> "Draft":
         B, n = tokens.shape
         parents = torch.arange(n, device=tokens.device)[None].expand(B, n).clone()
-        return Draft(tokens=tokens, parents=parents, valid=valid, q=q, is_chain=True)
+        return Draft(tokens=tokens, parents=parents, valid=valid, q=q, is_chain=True, typical=typical)
 
     @staticmethod
     def from_lists(rows: list[list[int]], device) -> "Draft":

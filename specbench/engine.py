@@ -10,6 +10,7 @@ import torch
 
 from methods.base import BatchState, Proposer
 from specbench.draft import Draft, tree_geometry
+from specbench.hidden import Hidden, Tap
 from specbench.kv import RaggedCache
 from specbench.timing import PhaseTimer, sync
 from specbench.verify import Sampling, sample, verify, warp
@@ -41,6 +42,10 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  gen: torch.Generator | None = None) -> list[RowResult]:
+        with Tap(self.target, self.proposer.hidden_layers) as tap:
+            return self._generate(prompts, max_new_tokens, gen, tap)
+
+    def _generate(self, prompts, max_new_tokens, gen, tap: Tap) -> list[RowResult]:
         B = len(prompts)
         res = [RowResult() for _ in range(B)]
         live = list(range(B))  # original index of each active row
@@ -53,6 +58,12 @@ class Engine:
             last = out.logits[:, -1]
             first = last.argmax(-1) if s.greedy else sample(warp(last, s), gen)
             first = first.tolist()
+            hidden = None
+            if tap.names:  # left-padded prompts: each row's own positions, left-aligned
+                lens = torch.tensor([len(p) for p in prompts], device=self.device)
+                P = int(lens.max())
+                idx = (torch.arange(P, device=self.device)[None] + (P - lens)[:, None]).clamp(max=P - 1)
+                hidden = Hidden(tap.take(), torch.ones_like(lens)).gather(idx, lens)
         now = time.perf_counter() - t0
         seqs = [list(p) + [t] for p, t in zip(prompts, first)]
         for b, t in enumerate(first):
@@ -63,7 +74,7 @@ class Engine:
                            device=self.device, eos=self.eos)
         done = [res[b].hit_eos or max_new_tokens <= 1 for b in range(B)]
         with self.timer.phase("draft"):
-            self.proposer.start(state)
+            self.proposer.start(state, hidden)
         pending = torch.tensor(first, dtype=torch.long, device=self.device)
         pending = self._drop_finished(done, live, state, cache, pending)
 
@@ -86,7 +97,7 @@ class Engine:
                         anc = None
                     else:
                         depth, anc = tree_geometry(draft.parents)
-                out = cache.forward(tokens, depth, anc, output_hidden_states=self.proposer.needs_hidden)
+                out = cache.forward(tokens, depth, anc)
             with self.timer.phase("accept"):
                 v = verify(out.logits, draft, s, gen)
                 cache.commit(v.keep, v.counts)
@@ -111,9 +122,7 @@ class Engine:
                     r.drafted.append(int(n_cand[i]))
                     r.t_done = now
                     done.append(r.hit_eos or len(r.tokens) >= max_new_tokens)
-                hidden = None
-                if self.proposer.needs_hidden:
-                    hidden = (out.hidden_states[-1], v.keep, v.counts)
+                hidden = Hidden(tap.take(), v.counts).gather(v.keep, v.counts) if tap.names else None
                 self.proposer.update(state, v.accepted, hidden)
                 pending = self._drop_finished(done, live, state, cache, v.extra)
         sync(self.device)
@@ -132,7 +141,7 @@ class Engine:
         if cap < draft.n:
             draft = Draft(tokens=draft.tokens[:, :cap], parents=draft.parents[:, :cap],
                           valid=None if draft.valid is None else draft.valid[:, :cap],
-                          q=None if draft.q is None else draft.q[:, :cap], is_chain=True)
+                          q=None if draft.q is None else draft.q[:, :cap], is_chain=True, typical=draft.typical)
         if min(room) - 1 < draft.n:
             lim = torch.tensor(room, device=self.device)[:, None] - 1
             ok = torch.arange(draft.n, device=self.device)[None] < lim

@@ -75,6 +75,8 @@ def verify(logits: torch.Tensor, draft: Draft | None, s: Sampling, gen: torch.Ge
         )
     if s.greedy:
         return _greedy(logits, draft)
+    if draft.typical is not None:
+        return _typical(logits, draft, s, gen)
     return _sampled(logits, draft, s, gen)
 
 
@@ -91,29 +93,57 @@ def _greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
         keep = torch.arange(m, device=dev)[None].expand(B, m).clone()
         counts = n_acc + 1
     else:
-        par = draft.parents
-        depth, anc = tree_geometry(par)
-        ok = (draft.tokens == amax.gather(1, par)) & draft.accept_mask()
-        acc = torch.zeros(B, N, dtype=torch.bool, device=dev)
-        acc[:, 0] = True
-        for i in range(1, N):
-            acc[:, i] = ok[:, i - 1] & acc[rows, par[:, i - 1]]
-        idx = torch.arange(N, device=dev)
-        score = torch.where(acc, depth * (N + 1) - idx[None], torch.full_like(depth, -1))
-        best = score.argmax(1)
-        on_path = anc[rows, best]  # [B, N]
-        counts = on_path.sum(1)
-        order = torch.where(on_path, idx[None], idx[None] + N).sort(dim=1).values
-        m = int(counts.max())
-        keep = order[:, :m] % N  # entries past counts[b] are padding
+        ok = (draft.tokens == amax.gather(1, draft.parents)) & draft.accept_mask()
+        keep, counts, best = _walk(ok, draft.parents)
         n_acc = counts - 1
-    extra = amax[rows, best]
-    tok_all = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), draft.tokens], dim=1)
-    acc_tokens = tok_all.gather(1, keep)
+    return _verdict(draft, keep, counts, n_acc, amax[rows, best])
+
+
+def _walk(ok: torch.Tensor, par: torch.Tensor):
+    """The deepest node (lowest index on ties) whose whole path passes ``ok`` [B, n].
+    Returns keep [B, m] (the path, root first, padded), counts [B], best node [B]."""
+    B, n = ok.shape
+    N = n + 1
+    dev = ok.device
+    rows = torch.arange(B, device=dev)
+    depth, anc = tree_geometry(par)
+    acc = torch.zeros(B, N, dtype=torch.bool, device=dev)
+    acc[:, 0] = True
+    for i in range(1, N):
+        acc[:, i] = ok[:, i - 1] & acc[rows, par[:, i - 1]]
+    idx = torch.arange(N, device=dev)
+    score = torch.where(acc, depth * (N + 1) - idx[None], torch.full_like(depth, -1))
+    best = score.argmax(1)
+    on_path = anc[rows, best]  # [B, N]
+    counts = on_path.sum(1)
+    order = torch.where(on_path, idx[None], idx[None] + N).sort(dim=1).values
+    keep = order[:, :int(counts.max())] % N  # entries past counts[b] are padding
+    return keep, counts, best
+
+
+def _verdict(draft: Draft, keep, counts, n_acc, extra) -> Verdict:
+    B = keep.shape[0]
+    tok_all = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=keep.device), draft.tokens], dim=1)
+    acc_lists = tok_all.gather(1, keep).tolist()
     n_list = n_acc.tolist()
-    acc_lists = acc_tokens.tolist()
     accepted = [acc_lists[b][1 : 1 + n_list[b]] for b in range(B)]
     return Verdict(keep=keep, counts=counts, accepted=accepted, extra=extra)
+
+
+def _typical(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
+    """Medusa's typical acceptance (lossy): a node passes when the target's (warped)
+    probability of its token at its parent exceeds min(eps, delta * exp(-H)); the longest
+    passing path is kept and the extra token is sampled at its end."""
+    eps, delta = draft.typical
+    p = warp(logits, s)  # [B, N, V]
+    ent = -(p * torch.log(p.clamp(min=1e-30))).sum(-1)  # [B, N]
+    thr = torch.clamp(delta * torch.exp(-ent), max=eps)
+    par = draft.parents
+    rows = torch.arange(p.shape[0], device=p.device)
+    px = p[rows[:, None], par, draft.tokens]
+    ok = (px > thr.gather(1, par)) & draft.accept_mask()
+    keep, counts, best = _walk(ok, par)
+    return _verdict(draft, keep, counts, counts - 1, sample(p[rows, best], gen))
 
 
 def _sampled(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:

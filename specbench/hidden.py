@@ -1,0 +1,76 @@
+"""Target hidden states for methods that draft from them (Medusa, EAGLE).
+
+A method names the layers it needs in ``Proposer.hidden_layers``: ``"final"`` is the
+last hidden state after the final norm (what the output layer reads), an integer ``i`` is
+the output of decoder layer ``i`` (negative counts from the end). ``Tap`` catches those
+tensors with forward hooks during the target's forwards, so no forward returns every
+layer's states. ``Hidden`` is what the engine hands ``Proposer.start`` / ``update``: per
+layer a ``[B, m, d]`` tensor whose first ``counts[b]`` rows are row b's newly committed
+tokens, in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Hidden:
+    layers: dict  # layer name -> [B, m, d] tensor
+    counts: torch.Tensor  # [B] long
+
+    def last(self, layer="final") -> torch.Tensor:
+        """[B, d]: each row's hidden state at its last new token."""
+        h = self.layers[layer]
+        return h[torch.arange(h.shape[0], device=h.device), self.counts - 1]
+
+    def gather(self, index: torch.Tensor, counts: torch.Tensor) -> "Hidden":
+        """Rows of every layer at ``index`` [B, m] (node indices of the last forward)."""
+        idx = index[..., None]
+        return Hidden({k: v.gather(1, idx.expand(-1, -1, v.shape[-1])) for k, v in self.layers.items()}, counts)
+
+
+def decoder_layers(model):
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    norm = getattr(base, "norm", None)
+    if layers is None or norm is None:
+        raise ValueError(f"{type(model).__name__}: hidden states need a decoder with .model.layers and .model.norm")
+    return base, layers, norm
+
+
+class Tap:
+    """Forward hooks that keep the outputs of the named layers of the last forward."""
+
+    def __init__(self, model, names):
+        self.names = tuple(names)
+        self.out: dict = {}
+        self._handles = []
+        if not self.names:
+            return
+        _, layers, norm = decoder_layers(model)
+        for name in self.names:
+            mod = norm if name == "final" else layers[int(name)]
+            self._handles.append(mod.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name):
+        def fn(_m, _a, out):
+            self.out[name] = out[0] if isinstance(out, tuple) else out
+        return fn
+
+    def take(self) -> dict:
+        out, self.out = self.out, {}
+        return out
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
