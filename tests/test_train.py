@@ -4,9 +4,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from helpers import CPU, cfg_for, prompts_of, reference_greedy, run_engine, tiny_llama
+from helpers import CPU, cfg_for, prompts_of, reference_greedy, run_engine
 from methods.leviathan import Leviathan
-from specbench.drafters import DraftLM, is_draft_checkpoint, load_draft
+from specbench.drafters import is_draft_checkpoint
+from specbench.drafters import load as load_draft
+from specbench.drafters.draft_lm import DraftLM
 from specbench.train import distill, loop
 
 

@@ -7,6 +7,7 @@ card to `out` (default checkpoints/<target>/<drafter>).
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -16,24 +17,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 def main() -> int:
     import hydra
-    from omegaconf import OmegaConf
 
     @hydra.main(config_path="../../conf", config_name="train", version_base="1.3")
     def _app(cfg):
         import torch
 
-        from specbench.models import ConfigError, eos_ids, load_model, load_tokenizer, resolve_device, resolve_dtype
-        from specbench.runner import CONF_DIR, group_options
+        from specbench.models import (ConfigError, eos_ids, load_model, load_tokenizer, model_cfg, resolve_device,
+                                      resolve_dtype)
+        from specbench import drafters
         from specbench.train import distill, loop
 
         try:
-            if cfg.target in group_options("model"):
-                mcfg = OmegaConf.load(CONF_DIR / "model" / f"{cfg.target}.yaml")
-            else:
-                mcfg = OmegaConf.create({"name": Path(str(cfg.target)).name, "path": str(cfg.target), "chat": True,
-                                         "attn_implementation": "sdpa"})
-            if cfg.drafter.kind != "draft_lm":
-                raise ConfigError(f"drafter kind '{cfg.drafter.kind}' is not implemented yet; choices: draft_lm")
+            mcfg = model_cfg(str(cfg.target), "sdpa")
+            if cfg.drafter.kind not in drafters.KINDS:
+                raise ConfigError(f"unknown drafter kind '{cfg.drafter.kind}'; choices: {', '.join(drafters.KINDS)}")
             device = resolve_device(cfg.device)
             dtype = resolve_dtype(cfg.dtype, device)
             if dtype != torch.float32 and device.type == "cpu":
@@ -47,18 +44,30 @@ def main() -> int:
             p.requires_grad_(False)
         torch.manual_seed(int(cfg.seed))
         name = str(cfg.target)
-        root = distill.build(target, tok, name, cfg.data, device, dtype, chat=bool(mcfg.get("chat", True)),
-                             progress=bool(cfg.progress))
-        items = distill.load(root)
-        dmeta = {**distill.stats(items), **{k: v for k, v in
-                                            __import__("json").loads((root / "meta.json").read_text()).items()
-                                            if k in ("dropped_for_benchmark_overlap", "key")}}
         out = Path(str(cfg.out))
         if not out.is_absolute():
             out = REPO / out
         out.mkdir(parents=True, exist_ok=True)
-        res = loop.train(cfg, target, items, out, eos_ids(target, tok), progress=bool(cfg.progress))
         command = "python -m specbench.train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        if cfg.drafter.kind != "draft_lm":
+            from specbench.train import features, heads
+
+            root = features.build(target, tok, name, cfg.features, device, dtype, chat=bool(mcfg.get("chat", True)),
+                                  progress=bool(cfg.progress))
+            items = features.load(root)
+            meta = json.loads((root / "meta.json").read_text())
+            dmeta = {**features.stats(items), "dropped": meta["dropped"], "key": meta["key"]}
+            res = heads.train(cfg, target, items, out, eos_ids(target, tok), device, progress=bool(cfg.progress))
+            heads.finish(cfg, res, out, name, dmeta, command)
+            s = res["summary"]
+            print(f"[train] wrote {out}: held-out top-1 agreement {[round(x, 3) for x in s['eval_top1_agreement']]}")
+            return
+        root = distill.build(target, tok, name, cfg.data, device, dtype, chat=bool(mcfg.get("chat", True)),
+                             progress=bool(cfg.progress))
+        items = distill.load(root)
+        dmeta = {**distill.stats(items), **{k: v for k, v in json.loads((root / "meta.json").read_text()).items()
+                                            if k in ("dropped_for_benchmark_overlap", "key")}}
+        res = loop.train(cfg, target, items, out, eos_ids(target, tok), progress=bool(cfg.progress))
         loop.finish(cfg, res, out, name, dmeta, command)
         s = res["summary"]
         print(f"[train] wrote {out}: eval KL {s['eval_kl']:.3f}, top-1 agreement {s['eval_top1_agreement']:.1%}")

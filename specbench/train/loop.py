@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from specbench.drafters import DraftLM, save_draft
+from specbench.drafters import save as save_draft
+from specbench.drafters.draft_lm import DraftLM
 
 
 def pick_vocab(items: list[dict], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
@@ -86,9 +87,61 @@ def loss_fn(draft: DraftLM, tok, mask, tid, tp, w):
     return loss, kl.detach(), agree.detach()
 
 
-def train(cfg, target, items: list[dict], out: Path, eos: set[int], progress: bool = True) -> dict:
+def fit(model, params, step_fn, tcfg, state_path: Path, resume: bool, desc: str, progress: bool = True) -> list:
+    """The loop every drafter trains with: AdamW, linear warm-up then cosine decay to 10%,
+    gradient clipping, a progress bar, and a resumable checkpoint (``state_path``) every
+    ``save_every`` steps. ``step_fn()`` draws the next batch (the data order comes from the
+    seed alone, so a resumed run replays it) and returns (loss, *metrics). Returns the
+    history of (loss, *metrics) per step of this run."""
     from tqdm.auto import tqdm
 
+    opt = torch.optim.AdamW(params, lr=float(tcfg.lr), weight_decay=float(tcfg.weight_decay), betas=(0.9, 0.95))
+    steps, warm = int(tcfg.steps), int(tcfg.warmup)
+
+    def lr_at(s):
+        if s < warm:
+            return (s + 1) / warm
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    start = 0
+    if state_path.exists() and resume:
+        st = torch.load(state_path, weights_only=False)
+        model.load_state_dict(st["model"], strict=False)
+        opt.load_state_dict(st["opt"])
+        sched.load_state_dict(st["sched"])
+        torch.set_rng_state(st["torch_rng"])
+        start = st["step"]
+        print(f"[train] resumed at step {start}", file=sys.stderr)
+        with torch.no_grad():
+            for _ in range(start):  # replay the data order up to the resumed step
+                step_fn(skip=True)
+    history = []
+    bar = tqdm(range(start, steps), desc=desc, disable=not progress, file=sys.stderr)
+    model.train()
+    for step in bar:
+        loss, *metrics = step_fn()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, float(tcfg.grad_clip))
+        opt.step()
+        sched.step()
+        history.append((loss.item(), *(float(m) for m in metrics)))
+        bar.set_postfix_str(" ".join(f"{x:.3f}" for x in history[-1]))
+        if (step + 1) % int(tcfg.save_every) == 0 or step + 1 == steps:
+            if not progress:  # a log line per checkpoint when there is no bar
+                print(f"[train] {desc} step {step + 1}/{steps}: " + " ".join(f"{x:.4f}" for x in history[-1]),
+                      file=sys.stderr, flush=True)
+            tmp = state_path.with_suffix(".tmp")
+            torch.save({"model": model.own_state(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "torch_rng": torch.get_rng_state(), "step": step + 1}, tmp)
+            tmp.rename(state_path)
+    bar.close()
+    model.eval()
+    return history
+
+
+def train(cfg, target, items: list[dict], out: Path, eos: set[int], progress: bool = True) -> dict:
     tcfg, dr = cfg.train, cfg.drafter
     torch.manual_seed(int(cfg.seed))
     rng = random.Random(int(cfg.seed))
@@ -101,49 +154,14 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], progress: bo
     n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
     evals, trains = items[:n_eval], items[n_eval:]
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=float(tcfg.lr), weight_decay=float(tcfg.weight_decay), betas=(0.9, 0.95))
-    steps = int(tcfg.steps)
-    warm = int(tcfg.warmup)
-
-    def lr_at(s):
-        if s < warm:
-            return (s + 1) / warm
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    state_path = out / "_train_state.pt"
-    start = 0
-    if state_path.exists() and cfg.resume:
-        st = torch.load(state_path, weights_only=False)
-        draft.load_state_dict(st["model"], strict=False)
-        opt.load_state_dict(st["opt"])
-        sched.load_state_dict(st["sched"])
-        torch.set_rng_state(st["torch_rng"])
-        start = st["step"]
-        print(f"[train] resumed at step {start}", file=sys.stderr)
     it = batches(trains, int(tcfg.batch_size), int(tcfg.seq_len), rng)
-    for _ in range(start):  # the data order comes from the seed alone: replay it up to the resumed step
-        next(it)
-    history = []
-    bar = tqdm(range(start, steps), desc=f"train {dr.name}", disable=not progress, file=sys.stderr)
+
+    def step(skip=False):
+        b = next(it)
+        return None if skip else loss_fn(draft, *collate(b, int(tcfg.seq_len), lookup, bool(tcfg.train_on_prompt)))
+
     t0 = time.time()
-    for step in bar:
-        batch = collate(next(it), int(tcfg.seq_len), lookup, bool(tcfg.train_on_prompt))
-        loss, kl, agree = loss_fn(draft, *batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, float(tcfg.grad_clip))
-        opt.step()
-        sched.step()
-        history.append((loss.item(), kl.item(), agree.item()))
-        bar.set_postfix(loss=f"{history[-1][0]:.3f}", kl=f"{history[-1][1]:.3f}", top1=f"{history[-1][2]:.2f}")
-        if (step + 1) % int(tcfg.save_every) == 0 or step + 1 == steps:
-            tmp = state_path.with_suffix(".tmp")
-            torch.save({"model": draft.own_state(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "torch_rng": torch.get_rng_state(), "step": step + 1}, tmp)
-            tmp.rename(state_path)
-    bar.close()
-    draft.eval()
+    history = fit(draft, params, step, tcfg, out / "_train_state.pt", bool(cfg.resume), f"train {dr.name}", progress)
     with torch.no_grad():
         ev = [loss_fn(draft, *collate(evals[i:i + 8], int(tcfg.seq_len), lookup, bool(tcfg.train_on_prompt)))
               for i in range(0, len(evals), 8)]
@@ -152,7 +170,7 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], progress: bo
     ev_agree = sum(float(x[2]) for x in ev) / len(ev)
     last = history[-min(20, len(history)):] if history else [(math.nan,) * 3]
     summary = {
-        "steps": steps, "train_loss_last20": sum(h[0] for h in last) / len(last),
+        "steps": int(tcfg.steps), "train_loss_last20": sum(h[0] for h in last) / len(last),
         "train_kl_last20": sum(h[1] for h in last) / len(last),
         "eval_loss": ev_loss, "eval_kl": ev_kl, "eval_top1_agreement": ev_agree,
         "train_seconds_this_run": time.time() - t0, "eval_sequences": len(evals), "train_sequences": len(trains),

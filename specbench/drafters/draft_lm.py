@@ -12,16 +12,14 @@ The forward has the signature the engine's cache calls (input_ids, attention_mas
 position_ids, past_key_values, use_cache, logits_to_keep) and returns logits over the
 full vocabulary (-inf outside the draft vocabulary).
 
-A checkpoint folder holds ``drafter.json`` (shape, target, vocabulary size), ``model.safetensors``
+A checkpoint folder (see ``specbench.drafters``) holds ``drafter.json`` (shape, target, vocabulary size), ``model.safetensors``
 (the draft's own weights: layers, final norm, vocabulary map) and a ``README.md`` card.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -73,11 +71,15 @@ class DraftLM(nn.Module):
             self._head_cache = (w, w.detach()[self.vocab_ids.to(w.device)])
         return self._head_cache[1]
 
+    @staticmethod
+    def shared_prefixes() -> tuple:
+        return ("body.embed_tokens", "body.rotary")
+
     def own_state(self) -> dict:
         """What a checkpoint stores: every weight that is not the target's."""
         out = {}
         for name, t in self.state_dict().items():
-            if name.startswith("body.embed_tokens") or name.startswith("body.rotary"):
+            if name.startswith(self.shared_prefixes()):
                 continue
             out[name] = t
         return out
@@ -98,39 +100,6 @@ class DraftLM(nn.Module):
         return DraftOutput(logits=full, hidden_states=(h,) if output_hidden_states else None)
 
 
-def save_draft(draft: DraftLM, folder: Path, meta: dict, dtype=torch.bfloat16) -> None:
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in draft.own_state().items()}
-    tmp = folder / "model.safetensors.tmp"
-    save_file(state, str(tmp))
-    tmp.rename(folder / "model.safetensors")
-    (folder / "drafter.json").write_text(json.dumps(meta, indent=1))
-
-
-def is_draft_checkpoint(path) -> bool:
-    p = Path(str(path)).expanduser()
-    return (p / "drafter.json").exists() and (p / "model.safetensors").exists()
-
-
-def load_draft(folder, target, device, dtype) -> DraftLM:
-    from safetensors.torch import load_file
-
-    folder = Path(folder).expanduser()
-    meta = json.loads((folder / "drafter.json").read_text())
-    if meta.get("kind") != "draft_lm":
-        raise ValueError(f"{folder}: unknown drafter kind {meta.get('kind')!r}")
-    tv = int(text_config(target.config).vocab_size)
-    if int(meta["target_vocab_size"]) != tv:
-        raise ValueError(f"{folder} was trained for a target with {meta['target_vocab_size']} tokens, "
-                         f"this target has {tv}")
-    state = load_file(str(folder / "model.safetensors"))
-    draft = DraftLM(target, int(meta["layers"]), state["vocab_ids"], init_from_target=True)
-    missing, unexpected = draft.load_state_dict(state, strict=False)
-    bad = [k for k in missing if not k.startswith(("body.embed_tokens", "body.rotary"))]
-    if bad or unexpected:
-        raise ValueError(f"{folder}: checkpoint does not fit the drafter (missing {bad[:3]}, unexpected {unexpected[:3]})")
-    for p in draft.parameters():
-        p.requires_grad_(False)
-    return draft.to(device=device, dtype=dtype).eval()
+def build(meta: dict, state: dict, target) -> DraftLM:
+    """The drafter a checkpoint describes (weights loaded by ``drafters.load``)."""
+    return DraftLM(target, int(meta["layers"]), state["vocab_ids"], init_from_target=True)

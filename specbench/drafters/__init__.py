@@ -1,0 +1,131 @@
+"""Trained drafters: small models that reuse parts of their target (its token embedding,
+its output layer restricted to a draft vocabulary, its rotary tables) and carry only their
+own weights. One module per architecture:
+
+- ``draft_lm``: a small causal LM (``method=leviathan``);
+- ``medusa``: extra decoding heads on the target's last hidden state (``method=medusa``);
+- ``eagle``: a feature-level autoregressive head (``method=eagle``).
+
+A checkpoint folder holds ``drafter.json`` (``kind``, shape, target, vocabulary size, the
+training summary), ``model.safetensors`` (the drafter's own weights, bf16) and a
+``README.md`` card. ``load`` builds the drafter its ``kind`` names on top of a loaded target.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import torch
+
+from specbench.models import text_config
+
+KINDS = {"draft_lm": "specbench.drafters.draft_lm", "medusa": "specbench.drafters.medusa",
+         "eagle": "specbench.drafters.eagle"}
+
+
+def is_draft_checkpoint(path) -> bool:
+    p = Path(str(path)).expanduser()
+    return (p / "drafter.json").exists() and (p / "model.safetensors").exists()
+
+
+def read_meta(folder) -> dict:
+    return json.loads((Path(folder).expanduser() / "drafter.json").read_text())
+
+
+def check_fits(folder, cfg, target_config, kind: str, key: str) -> None:
+    """``folder`` (named by ``<key>=`` on the command line) holds a ``kind`` drafter trained
+    for this job's target; otherwise one ``ConfigError`` line saying how to get one."""
+    from specbench.models import ConfigError
+
+    label = f"{key} '{folder}'"
+    if not is_draft_checkpoint(folder):
+        raise ConfigError(f"{label} is not a drafter checkpoint (train one: python -m specbench.train "
+                          f"drafter={kind} target=<model>)")
+    meta = read_meta(folder)
+    model_id = str(cfg.model.path or cfg.model.name)
+    if meta.get("kind") != kind:
+        raise ConfigError(f"{label} holds a {meta.get('kind')} drafter, not a {kind} drafter "
+                          f"(python -m specbench.train drafter={kind} target={model_id})")
+    tv = getattr(text_config(target_config), "vocab_size", None)
+    if meta.get("target") not in (model_id, cfg.model.name) or meta.get("target_vocab_size") != tv:
+        raise ConfigError(f"{label} was trained for {meta.get('target')}, not {model_id}; train one for this model "
+                          f"(python -m specbench.train drafter={kind} target={model_id})")
+
+
+def save(drafter: torch.nn.Module, folder: Path, meta: dict, dtype=torch.bfloat16) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
+             for k, v in drafter.own_state().items()}
+    tmp = folder / "model.safetensors.tmp"
+    save_file(state, str(tmp))
+    tmp.rename(folder / "model.safetensors")
+    (folder / "drafter.json").write_text(json.dumps(meta, indent=1, default=str))
+
+
+def load(folder, target, device, dtype, kind: str | None = None):
+    """The drafter stored in ``folder``, on top of ``target``. ``kind`` (if given) must match."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder).expanduser()
+    meta = read_meta(folder)
+    if meta.get("kind") not in KINDS:
+        raise ValueError(f"{folder}: unknown drafter kind {meta.get('kind')!r}; choices: {', '.join(KINDS)}")
+    if kind is not None and meta["kind"] != kind:
+        raise ValueError(f"{folder} holds a '{meta['kind']}' drafter, not '{kind}'")
+    tv = int(text_config(target.config).vocab_size)
+    if int(meta["target_vocab_size"]) != tv:
+        raise ValueError(f"{folder} was trained for a target with {meta['target_vocab_size']} tokens, "
+                         f"this target has {tv}")
+    state = load_file(str(folder / "model.safetensors"))
+    drafter = importlib.import_module(KINDS[meta["kind"]]).build(meta, state, target)
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    shared = drafter.shared_prefixes()
+    bad = [k for k in missing if not k.startswith(shared)]
+    if bad or unexpected:
+        raise ValueError(f"{folder}: checkpoint does not fit the drafter (missing {bad[:3]}, unexpected {unexpected[:3]})")
+    for p in drafter.parameters():
+        p.requires_grad_(False)
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+class TargetParts:
+    """What a drafter borrows from its target without owning it: token embedding, output
+    layer rows of the draft vocabulary, rotary tables. Held outside the module tree, so
+    never saved and never trained."""
+
+    def __init__(self, target, vocab_ids: torch.Tensor):
+        self.target = target
+        self.vocab_ids = vocab_ids
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.target.get_input_embeddings()(tokens)
+
+    def head_weight(self) -> torch.Tensor:
+        """[V', d]: the target's output rows of the draft vocabulary (cached per weight)."""
+        w = self.target.get_output_embeddings().weight
+        c = getattr(self, "_head", None)
+        if c is None or c[0] is not w or c[1].device != w.device or c[1].dtype != w.dtype or \
+                (torch.is_inference(c[1]) and not torch.is_inference_mode_enabled()):
+            self._head = (w, w.detach()[self.vocab_ids.to(w.device)])
+        return self._head[1]
+
+    def rope(self, x: torch.Tensor, pos: torch.Tensor):
+        return self.target.model.rotary_emb(x, pos)
+
+
+def vocab_by_frequency(token_lists, size: int | None, vocab_size: int, always: set[int]) -> torch.Tensor:
+    """The ``size`` most frequent tokens (always keeping ``always``, e.g. EOS), sorted; the
+    lowest ids fill up a vocabulary larger than what the data show. None = every token."""
+    if not size or size >= vocab_size:
+        return torch.arange(vocab_size)
+    cnt = torch.zeros(vocab_size, dtype=torch.long)
+    for t in token_lists:
+        cnt += torch.bincount(t.long().flatten(), minlength=vocab_size)[:vocab_size]
+    for t in always:
+        cnt[t] = cnt.max() + 1
+    order = torch.argsort(-cnt, stable=True)  # ties: lowest id first
+    return order[:size].sort().values

@@ -1,0 +1,81 @@
+"""Medusa heads (Cai et al. 2024, arXiv 2401.10774).
+
+Head k (k = 1..n_heads) reads the target's last hidden state ``f_t`` at the last committed
+position (after the final norm, the state the target's own output layer turns into token
+t+1) and predicts token t+1+k:
+
+    logits_k = head(f_t + SiLU(W_k f_t + b_k))
+
+one residual block per head (W_k starts at zero, so every head starts as the target's own
+output layer), and the target's output layer restricted to the draft vocabulary, shared by
+all heads instead of one 49k-row copy per head (the paper's Medusa-1 copies it).
+
+The tree of candidates (top-i of head 1, then top-j of head 2 under it, ...) is chosen
+from the heads' measured top-i accuracies on held-out data, as the paper does: the paths
+with the largest product of accuracies, stored in the checkpoint (``acc``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specbench.drafters import TargetParts
+from specbench.models import text_config
+
+
+class MedusaHeads(nn.Module):
+    kind = "medusa"
+
+    def __init__(self, target, vocab_ids: torch.Tensor, n_heads: int):
+        super().__init__()
+        d = text_config(target.config).hidden_size
+        self.n_heads = n_heads
+        self.vocab_size = int(text_config(target.config).vocab_size)
+        self.weight = nn.Parameter(torch.zeros(n_heads, d, d))
+        self.bias = nn.Parameter(torch.zeros(n_heads, d))
+        self.register_buffer("vocab_ids", vocab_ids.clone().long(), persistent=True)
+        self.parts = TargetParts(target, self.vocab_ids)
+
+    @staticmethod
+    def shared_prefixes() -> tuple:
+        return ()
+
+    def own_state(self) -> dict:
+        return dict(self.state_dict())
+
+    def logits_of(self, f: torch.Tensor) -> torch.Tensor:
+        """The target's own logits over the draft vocabulary (what head 0 would be)."""
+        return f @ self.parts.head_weight().T.to(f.dtype)
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        """f [..., d] -> logits over the draft vocabulary [n_heads, ..., V']."""
+        w = self.weight.to(f.dtype)
+        shape = f.shape
+        x = f.reshape(-1, shape[-1])
+        h = x[None] + F.silu(torch.einsum("nd,hed->hne", x, w) + self.bias.to(f.dtype)[:, None])
+        out = h @ self.parts.head_weight().T.to(f.dtype)
+        return out.view(self.n_heads, *shape[:-1], -1)
+
+
+def sparse_tree(acc: list[list[float]], size: int) -> list[tuple[int, ...]]:
+    """The ``size`` paths (tuples of per-depth top-i ranks) with the largest product of
+    head accuracies ``acc[k][i]`` (head k+1's top-(i+1) accuracy), breadth first. A path's
+    prefix always has a larger product, so the set is a tree."""
+    import heapq
+
+    heap = [(-acc[0][i], (i,)) for i in range(len(acc[0]))]
+    heapq.heapify(heap)
+    out = []
+    while heap and len(out) < size:
+        negp, path = heapq.heappop(heap)
+        out.append(path)
+        if len(path) < len(acc):
+            for i in range(len(acc[len(path)])):
+                heapq.heappush(heap, (negp * acc[len(path)][i], path + (i,)))
+    return sorted(out, key=lambda p: (len(p), p))
+
+
+def build(meta: dict, state: dict, target) -> MedusaHeads:
+    return MedusaHeads(target, state["vocab_ids"], int(meta["heads"]))

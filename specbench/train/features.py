@@ -1,0 +1,183 @@
+"""The feature distillation set shared by every feature-level drafter (Medusa, EAGLE).
+
+Sequences: whole ShareGPT conversations of the training slice (both roles, rendered with
+the chat template, as EAGLE-1 trains), plus first turns answered by the target itself
+(greedy, as Medusa-2 / EAGLE-3 self-distil). Any conversation whose text overlaps an
+evaluation prompt (MT-Bench, HumanEval, GSM-Symbolic, the `sharegpt` set) is dropped; the
+`sharegpt` set and the `ctx` filler come from another slice of the file altogether
+(``specbench.data.SHAREGPT_EVAL``).
+
+One teacher forward per sequence stores, per position, the target's hidden states at the
+layers asked for (``final`` = after the final norm; EAGLE-3's low/mid/high layers by
+index) in fp16. Logits are not stored: the frozen output layer recomputes them. Shards sit
+in ``$SPECBENCH_CACHE/features/<target>-<key>``, keyed by the settings; an interrupted
+pass resumes at the next missing shard. ``sources.pt`` (the token ids before answering)
+is written first, so the pass can run on another machine without the data wheels
+(``features.sources=<file>``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from specbench import data as D
+from specbench.hidden import Tap
+from specbench.models import cache_dir
+from specbench.train.distill import _norm, benchmark_texts, drop_overlap
+
+
+def settings_key(target_name: str, fcfg) -> str:
+    spec = {k: fcfg[k] for k in sorted(fcfg) if k not in ("dir", "sources", "gen_bs", "teacher_bs")}
+    raw = json.dumps({"target": target_name, **spec}, sort_keys=True, default=str)
+    return hashlib.sha1(raw.encode()).hexdigest()[:12]
+
+
+def eval_first_turns() -> set[str]:
+    return {_norm(r["text"])[:160] for r in D._sharegpt_cache()["first_turns"]}
+
+
+def sources(tokenizer, fcfg, chat: bool = True, convs: list[dict] | None = None) -> tuple[list[dict], dict]:
+    """Token ids of every sequence before answering: ``respond`` first turns (to be answered
+    by the target) then ``conversations`` whole conversations, from the training slice
+    shuffled with the seed. Returns (items, counts of what was dropped)."""
+    convs = D.sharegpt_training() if convs is None else convs
+    bench, seen_eval = benchmark_texts(), eval_first_turns()
+    order = list(range(len(convs)))
+    random.Random(int(fcfg.seed)).shuffle(order)
+    n_resp, n_conv = int(fcfg.respond), int(fcfg.conversations)
+    items, dropped = [], {"benchmark_overlap": 0, "eval_slice_duplicate": 0}
+    for i in order:
+        if len(items) >= n_resp + n_conv:
+            break
+        turns = convs[i]["turns"]
+        first = turns[0][1]
+        if not 8 <= len(first) <= 6000:
+            continue
+        if _norm(first)[:160] in seen_eval:
+            dropped["eval_slice_duplicate"] += 1
+            continue
+        if drop_overlap([t for _, t in turns[:2]], bench)[1]:
+            dropped["benchmark_overlap"] += 1
+            continue
+        answer = len(items) < n_resp
+        if answer:
+            ids = D.render(tokenizer, [], first, chat)[: int(fcfg.max_prompt_tokens)]
+        else:
+            ids = render_conversation(tokenizer, turns, chat)[: int(fcfg.max_tokens)]
+        if len(ids) >= 4:
+            items.append({"id": convs[i]["id"], "tokens": torch.tensor(ids, dtype=torch.int32), "answer": answer})
+    return items, dropped
+
+
+def render_conversation(tokenizer, turns, chat: bool) -> list[int]:
+    if chat and tokenizer.chat_template:
+        msgs = [{"role": r, "content": t} for r, t in turns]
+        ids = tokenizer.apply_chat_template(msgs, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer("\n\n".join(t for _, t in turns))["input_ids"]
+
+
+@torch.inference_mode()
+def teacher_hidden(model, seqs: list[torch.Tensor], layers, device) -> list[dict]:
+    """Right-padded forward; per sequence {layer: [L, d] fp16}."""
+    L = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = s.long()
+        mask[b, : len(s)] = 1
+    with Tap(model, layers) as tap:
+        model(input_ids=ids.to(device), attention_mask=mask.to(device), logits_to_keep=1)
+        got = tap.take()
+    return [{str(k): got[k][b, : len(s)].to(torch.float16).cpu() for k in layers} for b, s in enumerate(seqs)]
+
+
+def layer_names(fcfg) -> list:
+    return [x if x == "final" else int(x) for x in fcfg.layers]
+
+
+def build(target, tokenizer, target_name: str, fcfg, device, dtype, chat: bool = True, progress: bool = True,
+          convs: list[dict] | None = None) -> Path:
+    """Make (or resume) the feature set; returns its folder of shards."""
+    from tqdm.auto import tqdm
+
+    from methods.ar import AR
+    from specbench.engine import Engine
+    from specbench.models import eos_ids
+    from specbench.timing import PhaseTimer
+    from specbench.verify import Sampling
+
+    key = settings_key(target_name, fcfg)
+    root = Path(fcfg.get("dir") or cache_dir() / "features") / f"{target_name.replace('/', '_')}-{key}"
+    root.mkdir(parents=True, exist_ok=True)
+    src_path = Path(str(fcfg.sources)) if fcfg.get("sources") else root / "sources.pt"
+    if src_path.exists():
+        src = torch.load(src_path, weights_only=False)
+    else:
+        items, dropped = sources(tokenizer, fcfg, chat, convs)
+        src = {"items": items, "dropped": dropped}
+        tmp = src_path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(src, tmp)
+        tmp.rename(src_path)
+    items = src["items"]
+    layers = layer_names(fcfg)
+    shard = int(fcfg.shard_size)
+    n_shards = (len(items) + shard - 1) // shard
+    eos = eos_ids(target, tokenizer)
+    bar = tqdm(total=len(items), desc="feature set", unit="seq", disable=not progress, file=sys.stderr)
+    for si in range(n_shards):
+        path = root / f"shard_{si:04d}.pt"
+        part = items[si * shard:(si + 1) * shard]
+        if path.exists():
+            bar.update(len(part))
+            continue
+        seqs = [it["tokens"] for it in part]
+        ans = [j for j, it in enumerate(part) if it["answer"]]
+        gen = torch.Generator(device).manual_seed(int(fcfg.seed) + si)
+        for s in range(0, len(ans), int(fcfg.gen_bs)):
+            rows = ans[s:s + int(fcfg.gen_bs)]
+            eng = Engine(target, AR(None, target, tokenizer, device, dtype), Sampling(float(fcfg.temperature)),
+                         device, dtype, eos, PhaseTimer(device))
+            outs = eng.generate([seqs[j].tolist() for j in rows], int(fcfg.max_new_tokens), gen)
+            for j, r in zip(rows, outs):
+                seqs[j] = torch.cat([seqs[j], torch.tensor(r.tokens, dtype=torch.int32)])
+        order = sorted(range(len(seqs)), key=lambda j: len(seqs[j]))  # similar lengths share a batch
+        hidden = [None] * len(seqs)
+        for s in range(0, len(order), int(fcfg.teacher_bs)):
+            rows = order[s:s + int(fcfg.teacher_bs)]
+            for j, h in zip(rows, teacher_hidden(target, [seqs[j] for j in rows], layers, device)):
+                hidden[j] = h
+        out = [{"id": it["id"], "tokens": sq, "prompt_len": len(it["tokens"]), "answered": it["answer"], "hidden": h}
+               for it, sq, h in zip(part, seqs, hidden)]
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(out, tmp)
+        tmp.rename(path)  # a shard is either whole or absent
+        bar.update(len(part))
+    bar.close()
+    meta = {"target": target_name, "key": key, "settings": {k: fcfg[k] for k in fcfg}, "sequences": len(items),
+            "dropped": src["dropped"], "shards": n_shards}
+    (root / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    return root
+
+
+def load(root: Path) -> list[dict]:
+    items = []
+    for p in sorted(Path(root).glob("shard_*.pt")):
+        items += torch.load(p, weights_only=False)
+    return items
+
+
+def stats(items: list[dict]) -> dict:
+    tok = sum(len(it["tokens"]) for it in items)
+    resp = sum(len(it["tokens"]) - it["prompt_len"] for it in items if it["answered"])
+    return {"sequences": len(items), "tokens": tok, "answer_tokens": resp,
+            "answered": sum(1 for it in items if it["answered"])}

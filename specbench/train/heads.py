@@ -1,0 +1,233 @@
+"""Training the feature-level drafters (Medusa heads, EAGLE) on the feature set.
+
+Targets come from the frozen target itself: the teacher distribution at a position is the
+target's output layer applied to the stored final hidden state, restricted to the draft
+vocabulary (a softmax over a subset is the renormalised restriction). Losses:
+
+- Medusa: head k on f_t against the teacher's distribution for token t+1+k (which the
+  target computes from f_{t+k}); soft cross-entropy, weight 0.8^(k-1).
+- EAGLE: smooth L1 from the predicted to the real next feature plus ``cls_weight`` x soft
+  cross-entropy of their distributions, for each of ``ttt_steps`` unrolled steps
+  (training-time test), weight 0.8^(s-1); optional uniform noise on the input features.
+
+Held-out sequences give the summary: top-1 agreement with the target's greedy token per
+head / per unrolled step, and Medusa's per-rank accuracies that shape its tree.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specbench.drafters import vocab_by_frequency
+from specbench.drafters.eagle import EagleDrafter
+from specbench.drafters.medusa import MedusaHeads, sparse_tree
+from specbench.train.loop import fit
+
+RANKS = 10  # Medusa per-rank accuracies measured for the tree
+
+
+def collate(batch, seq_len: int, device, dtype=torch.float32):
+    """tokens [B, T], final features [B, T, d], valid [B, T]; sequences longer than
+    ``seq_len`` keep their start."""
+    T = min(seq_len, max(len(it["tokens"]) for it in batch))
+    d = batch[0]["hidden"]["final"].shape[-1]
+    tok = torch.zeros(len(batch), T, dtype=torch.long)
+    f = torch.zeros(len(batch), T, d, dtype=torch.float16)
+    valid = torch.zeros(len(batch), T, dtype=torch.bool)
+    for b, it in enumerate(batch):
+        n = min(T, len(it["tokens"]))
+        tok[b, :n] = it["tokens"][:n].long()
+        f[b, :n] = it["hidden"]["final"][:n]
+        valid[b, :n] = True
+    return tok.to(device), f.to(device=device, dtype=dtype), valid.to(device)
+
+
+def _soft_ce(logits, teacher_logits, w):
+    p = torch.softmax(teacher_logits.float(), -1)
+    ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1)
+    agree = (logits.argmax(-1) == teacher_logits.argmax(-1)).float()
+    den = w.sum().clamp(min=1)
+    return (ce * w).sum() / den, (agree * w).sum() / den
+
+
+def eagle_loss(model: EagleDrafter, tok, f, valid, steps: int, cls_weight: float, noise: float):
+    fin = f[:, :-1]
+    if noise > 0 and model.training:
+        fin = fin + (torch.rand_like(fin) * 2 - 1) * noise
+    preds = model.train_forward(fin, tok[:, 1:], valid[:, 1:], steps)  # [S, B, T-1, d]
+    target = f[:, 1:]
+    t_logits = model.logits(target)
+    T = target.shape[1]
+    total, agrees = 0.0, []
+    for s in range(steps):
+        w = (valid[:, 1:] & (torch.arange(T, device=f.device) >= s)[None]).float()
+        reg = (F.smooth_l1_loss(preds[s], target, reduction="none").mean(-1) * w).sum() / w.sum().clamp(min=1)
+        ce, agree = _soft_ce(model.logits(preds[s]), t_logits, w)
+        total = total + 0.8 ** s * (reg + cls_weight * ce)
+        agrees.append(agree.detach())
+    return (total, *agrees)
+
+
+def medusa_loss(model: MedusaHeads, tok, f, valid, ranks: bool = False):
+    H = model.n_heads
+    T = f.shape[1]
+    logits = model(f)  # [H, B, T, V']
+    t_logits = model.logits_of(f)
+    total, agrees, rank_hits = 0.0, [], []
+    for k in range(1, H + 1):
+        if T <= k:
+            agrees.append(torch.zeros(()))
+            continue
+        w = (valid[:, k:] & valid[:, :-k]).float()
+        ce, agree = _soft_ce(logits[k - 1][:, :-k], t_logits[:, k:], w)
+        total = total + 0.8 ** (k - 1) * ce
+        agrees.append(agree.detach())
+        if ranks:  # where the target's greedy token ranks among head k's candidates
+            want = t_logits[:, k:].argmax(-1)
+            top = logits[k - 1][:, :-k].topk(RANKS, dim=-1).indices
+            hit = (top == want[..., None]).float() * w[..., None]
+            rank_hits.append(hit.sum((0, 1)) / w.sum().clamp(min=1))
+    if ranks:
+        return total, agrees, rank_hits
+    return (total, *agrees)
+
+
+def train(cfg, target, items: list[dict], out: Path, eos: set[int], device, progress: bool = True) -> dict:
+    tcfg, dr = cfg.train, cfg.drafter
+    if device.type == "cuda":  # the drafter trains in TF32 on a GPU (the teacher pass ran in full fp32)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(int(cfg.seed))
+    rng = random.Random(int(cfg.seed))
+    V = int(target.config.get_text_config().vocab_size)
+    vocab_ids = vocab_by_frequency([it["tokens"] for it in items], dr.draft_vocab, V, eos)
+    if dr.kind == "eagle":
+        model = EagleDrafter(target, vocab_ids)
+        # start from the target's last layer: a decoder layer that already reads its features
+        if dr.get("init") == "target":
+            model.block.load_from(target.model.layers[-1])
+    elif dr.kind == "medusa":
+        model = MedusaHeads(target, vocab_ids, int(dr.heads))
+    else:
+        raise ValueError(f"unknown feature drafter kind {dr.kind!r}")
+    model.to(device)
+    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
+    evals, trains = items[:n_eval], items[n_eval:]
+    params = [p for p in model.parameters() if p.requires_grad]
+    order = list(range(len(trains)))
+    bs, L = int(tcfg.batch_size), int(tcfg.seq_len)
+
+    def batches():
+        while True:
+            rng.shuffle(order)
+            for s in range(0, len(order) - bs + 1, bs):
+                yield [trains[i] for i in order[s:s + bs]]
+
+    it = batches()
+
+    def loss_of(batch):
+        tok, f, valid = collate(batch, L, device)
+        if dr.kind == "eagle":
+            return eagle_loss(model, tok, f, valid, int(dr.ttt_steps), float(dr.cls_weight), float(dr.noise))
+        return medusa_loss(model, tok, f, valid)
+
+    def step(skip=False):
+        b = next(it)
+        return None if skip else loss_of(b)
+
+    t0 = time.time()
+    history = fit(model, params, step, tcfg, out / "_train_state.pt", bool(cfg.resume), f"train {dr.name}", progress)
+    train_s = time.time() - t0
+    # held-out evaluation
+    sums, n = None, 0
+    rank_sum = None
+    with torch.no_grad():
+        for s in range(0, len(evals), bs):
+            batch = evals[s:s + bs]
+            tok, f, valid = collate(batch, L, device)
+            if dr.kind == "eagle":
+                vals = eagle_loss(model, tok, f, valid, max(int(dr.ttt_steps), 4), float(dr.cls_weight), 0.0)
+            else:
+                loss, agrees, ranks = medusa_loss(model, tok, f, valid, ranks=True)
+                vals = (loss, *agrees)
+                r = torch.stack(ranks).cpu()
+                rank_sum = r if rank_sum is None else rank_sum + r
+            v = torch.tensor([float(x) for x in vals])
+            sums = v if sums is None else sums + v
+            n += 1
+    ev = (sums / max(1, n)).tolist()
+    last = history[-min(20, len(history)):] if history else [(math.nan,)]
+    summary = {
+        "steps": int(tcfg.steps), "train_loss_last20": sum(h[0] for h in last) / len(last),
+        "eval_loss": ev[0], "eval_top1_agreement": ev[1:],
+        "train_seconds_this_run": train_s, "eval_sequences": len(evals), "train_sequences": len(trains),
+        "trainable_params": sum(p.numel() for p in params), "draft_vocab": len(vocab_ids),
+    }
+    extra = {}
+    if dr.kind == "medusa":
+        acc = (rank_sum / max(1, n)).tolist()
+        extra["acc"] = acc
+        summary["tree_expected_accepted"] = sum(math.prod(acc[d][i] for d, i in enumerate(p))
+                                                for p in sparse_tree(acc, int(dr.tree_size)))
+    return {"draft": model, "summary": summary, "extra": extra, "loss_curve": [round(h[0], 4) for h in history[::10]]}
+
+
+def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, command: str) -> None:
+    """Write the checkpoint (bf16 weights, drafter.json) and its card."""
+    from specbench.drafters import save
+
+    model, dr, s = result["draft"], cfg.drafter, result["summary"]
+    meta = {
+        "kind": dr.kind, "name": dr.name, "target": target_name, "target_vocab_size": int(model.vocab_size),
+        "draft_vocab": int(len(model.vocab_ids)), "seed": int(cfg.seed), "drafter": {k: dr[k] for k in dr},
+        "data": data_meta, "feature_settings": {k: cfg.features[k] for k in cfg.features},
+        "train_settings": {k: cfg.train[k] for k in cfg.train}, "train_summary": s,
+        "loss_curve_every_10_steps": result["loss_curve"], "command": command, **result["extra"],
+    }
+    if dr.kind == "medusa":
+        meta["heads"] = int(dr.heads)
+    save(model, out, meta)
+    write_card(out, meta)
+
+
+def write_card(out: Path, meta: dict) -> None:
+    s, d, fs, ts = meta["train_summary"], meta["data"], meta["feature_settings"], meta["train_settings"]
+    what = {
+        "eagle": "EAGLE feature-level drafter for `method=eagle`: fc([token embedding; target feature]) -> one "
+                 "decoder layer -> the target's output layer restricted to the draft vocabulary",
+        "medusa": f"{meta.get('heads')} Medusa heads for `method=medusa`: a residual SiLU block per head on the "
+                  "target's last hidden state, then the target's output layer restricted to the draft vocabulary",
+    }[meta["kind"]]
+    agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
+    per = "unrolled step (tree depth)" if meta["kind"] == "eagle" else "head"
+    lines = [
+        f"# {meta['name']}: {meta['kind']} drafter for {meta['target']}", "",
+        f"{what} ({meta['draft_vocab']} most frequent tokens of the feature set). Only the drafter's own weights "
+        f"are stored ({s['trainable_params']:,} parameters, bf16); the embedding and output layer are the target's.",
+        "", "## Data",
+        f"- {d['sequences']} sequences of the ShareGPT training slice ({d['tokens']:,} token positions): "
+        f"{d['answered']} first turns answered by the target itself (greedy, up to {fs['max_new_tokens']} tokens; "
+        f"{d['answer_tokens']:,} answer tokens) and {d['sequences'] - d['answered']} whole conversations "
+        f"(both roles, up to {fs['max_tokens']} tokens)",
+        f"- dropped: {d['dropped']} (overlap with MT-Bench / HumanEval / GSM-Symbolic prompts, or a duplicate of "
+        "the evaluation slice)",
+        f"- stored per position: the target's hidden states at layers {fs['layers']} (fp16); feature set key {d['key']}",
+        "", "## Training",
+        f"- {s['steps']} steps, batch {ts['batch_size']} x up to {ts['seq_len']} tokens, AdamW lr {ts['lr']}, "
+        f"seed {meta['seed']}, {s['train_seconds_this_run']:.0f} s",
+        f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}; held-out loss {s['eval_loss']:.3f} "
+        f"({s['eval_sequences']} sequences)",
+        f"- held-out top-1 agreement with the target's greedy token, per {per}: {agree}",
+    ]
+    if meta.get("acc"):
+        lines.append(f"- expected accepted drafts of the default {meta['drafter']['tree_size']}-node tree (product of "
+                     f"per-rank accuracies): {s['tree_expected_accepted']:.2f}")
+    lines += ["", "## Reproduce", "```bash", meta["command"], "```", ""]
+    if meta.get("measured"):
+        lines += ["## Measured", "", meta["measured"], ""]
+    (out / "README.md").write_text("\n".join(lines))
