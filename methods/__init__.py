@@ -11,6 +11,8 @@ REGISTRY: dict[str, str] = {
     "ar": "methods.ar:AR",
     "pld": "methods.pld:PromptLookup",
     "leviathan": "methods.leviathan:Leviathan",
+    "medusa": "methods.medusa:Medusa",
+    "eagle": "methods.eagle:Eagle",
 }
 
 

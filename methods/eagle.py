@@ -1,0 +1,191 @@
+"""EAGLE (Li et al. 2024, arXiv 2401.15077) with EAGLE-2's dynamic draft tree (arXiv
+2406.16858), on the shared engine at any batch size.
+
+The drafter (``specbench/drafters/eagle.py``) keeps its own per-row KV cache of pairs
+(target feature f_i, next token x_{i+1}). After every step the engine hands over the
+target's final hidden states of the tokens it just committed; the drafter appends those
+pairs (the real features, never its own guesses) and its output at the last one predicts
+the first draft token.
+
+Dynamic tree, per row: the top_k tokens of that prediction are depth 1; then, ``depth - 1``
+times, the top_k nodes of the newest depth by cumulative draft log-probability (the
+frontier) run one drafter step each (attending to the committed pairs and to their own
+ancestors' pairs) and each proposes top_k children; finally the ``total_tokens`` nodes with
+the highest cumulative log-probability (closed under ancestors) go to the verifier. Nodes
+are deterministic candidates (no q), so sampling uses the lossless tree rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from methods.base import BatchState, Proposer
+from specbench import drafters
+from specbench.draft import Draft
+from specbench.models import ConfigError, resolve_path
+
+AUTO_TOTAL = {"cuda": 60, "cpu": 8}  # verify width by device (see the cost curve in README)
+
+
+class Eagle(Proposer):
+    name = "eagle"
+    hidden_layers = ("final",)
+
+    @classmethod
+    def check(cls, cfg, target_config) -> None:
+        m = cfg.method
+        if int(m.get("version", 2)) != 2:
+            raise ConfigError(f"eagle.version={m.version}: only 2 (EAGLE-1's drafter with EAGLE-2's dynamic tree) "
+                              "is implemented")
+        for key in ("top_k", "depth"):
+            if not isinstance(m[key], int) or m[key] < 1:
+                raise ConfigError(f"eagle.{key} must be an integer >= 1, got {m[key]!r}")
+        t = m.total_tokens
+        if t != "auto" and (not isinstance(t, int) or t < 1):
+            raise ConfigError(f"eagle.total_tokens must be 'auto' or an integer >= 1, got {t!r}")
+        drafters.check_fits(resolve_path(m.checkpoint), cfg, target_config, "eagle", "eagle.checkpoint")
+
+    def __init__(self, cfg, target, tokenizer, device, dtype, drafter=None):
+        super().__init__(cfg, target, tokenizer, device, dtype)
+        m = cfg.method
+        self.top_k, self.depth = int(m.top_k), int(m.depth)
+        t = m.total_tokens
+        self.total = AUTO_TOTAL.get(device.type, 8) if t == "auto" else int(t)
+        if drafter is None:
+            drafter = drafters.load(resolve_path(m.checkpoint), target, device, dtype, kind="eagle")
+        self.d = drafter
+        self.h_last = None  # [B, d] the drafter's prediction of the root's feature
+
+    def modules(self):
+        return [self.d]
+
+    # ------------------------------------------------------------------ drafter cache
+    def start(self, state: BatchState, hidden=None) -> None:
+        B = len(state.seqs)
+        blk = self.d.block
+        dt = next(self.d.parameters()).dtype
+        self.Kc = torch.zeros(B, blk.Hk, 0, blk.Dh, device=self.device, dtype=dt)
+        self.Vc = torch.zeros_like(self.Kc)
+        self.len = torch.zeros(B, dtype=torch.long, device=self.device)
+        self._append(state, hidden)
+
+    def update(self, state: BatchState, accepted, hidden=None) -> None:
+        self._append(state, hidden)
+
+    def _append(self, state: BatchState, hidden) -> None:
+        """Append pairs (f_i, x_{i+1}) for the newly committed tokens: their features and
+        the tokens that followed them (the last ``counts[b]`` tokens of each sequence)."""
+        feats = hidden.layers["final"]
+        counts = hidden.counts
+        B, m = feats.shape[:2]
+        dev = self.device
+        toks = torch.zeros(B, m, dtype=torch.long)
+        for b, (seq, c) in enumerate(zip(state.seqs, counts.tolist())):
+            toks[b, :c] = torch.tensor(seq[len(seq) - c:], dtype=torch.long)
+        toks = toks.to(dev)
+        feats = feats.to(self.Kc.dtype)
+        C = self.Kc.shape[2]
+        j = torch.arange(m, device=dev)
+        pos = self.len[:, None] + j[None]
+        ctx = (torch.arange(C, device=dev)[None] < self.len[:, None])[:, None].expand(B, m, C)
+        own = (j[None, :] <= j[:, None])[None] & (j[None, None, :] < counts[:, None, None])
+        own = own | torch.eye(m, dtype=torch.bool, device=dev)[None]  # padded pairs see themselves
+        h, k, v = self.d.step(feats, toks, pos, self.Kc, self.Vc, torch.cat([ctx, own], dim=2))
+        new_C = int((self.len + counts).max())
+        if new_C > C:
+            pad = self.Kc.new_zeros(B, self.Kc.shape[1], new_C - C, self.Kc.shape[3])
+            self.Kc = torch.cat([self.Kc, pad], dim=2)
+            self.Vc = torch.cat([self.Vc, pad], dim=2)
+        sel = j[None] < counts[:, None]
+        rows = torch.arange(B, device=dev)[:, None].expand(B, m)[sel]
+        src = j[None].expand(B, m)[sel]
+        dst = (self.len[:, None] + j[None])[sel]
+        self.Kc[rows, :, dst] = k[rows, :, src]
+        self.Vc[rows, :, dst] = v[rows, :, src]
+        self.len = self.len + counts
+        self.h_last = h[torch.arange(B, device=dev), counts - 1]
+
+    def select_rows(self, keep: list[int]) -> None:
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.len = self.len[idx]
+        C = int(self.len.max()) if len(keep) else 0
+        self.Kc = self.Kc[idx, :, :C]
+        self.Vc = self.Vc[idx, :, :C]
+        self.h_last = self.h_last[idx]
+
+    # ------------------------------------------------------------------ the dynamic tree
+    def propose(self, state: BatchState) -> Draft:
+        d, k, dev = self.d, self.top_k, self.device
+        vid = d.vocab_ids.to(dev)
+        h0 = self.h_last
+        B, D = h0.shape
+        N = 1 + k + (self.depth - 1) * k * k
+        tok = torch.zeros(B, N, dtype=torch.long, device=dev)
+        par = torch.zeros(B, N, dtype=torch.long, device=dev)
+        score = torch.full((B, N), float("-inf"), device=dev)
+        anc = torch.zeros(B, N, N, dtype=torch.bool, device=dev)
+        anc[:, 0, 0] = True
+        lp = torch.log_softmax(d.logits(h0).float(), dim=-1)
+        s1, i1 = lp.topk(k, dim=-1)
+        first = torch.arange(1, k + 1, device=dev)
+        tok[:, first] = vid[i1]
+        score[:, first] = s1
+        anc[:, first, 0] = True
+        anc[:, first, first] = True
+        n = k + 1
+        frontier = first[None].expand(B, k)
+        feat = h0[:, None].expand(B, k, D)
+        Kp = self.Kc.new_zeros(B, self.Kc.shape[1], 0, self.Kc.shape[3])
+        Vp = Kp
+        pend = torch.zeros(B, 0, dtype=torch.long, device=dev)  # tree node of each pending pair
+        C = self.Kc.shape[2]
+        ctx = (torch.arange(C, device=dev)[None] < self.len[:, None])[:, None].expand(B, k, C)
+        eye = torch.eye(k, dtype=torch.bool, device=dev)[None].expand(B, k, k)
+        rows = torch.arange(B, device=dev)[:, None]
+        for dd in range(2, self.depth + 1):
+            a = anc.gather(1, frontier[..., None].expand(B, k, N))  # ancestors of each frontier node
+            seen = a.gather(2, pend[:, None, :].expand(B, k, pend.shape[1]))
+            mask = torch.cat([ctx, seen, eye], dim=2)
+            pos = (self.len + dd - 2)[:, None].expand(B, k)
+            h, kk, vv = d.step(feat, tok.gather(1, frontier), pos, torch.cat([self.Kc, Kp], 2),
+                               torch.cat([self.Vc, Vp], 2), mask)
+            Kp, Vp = torch.cat([Kp, kk], 2), torch.cat([Vp, vv], 2)
+            pend = torch.cat([pend, frontier], 1)
+            lp = torch.log_softmax(d.logits(h).float(), dim=-1)
+            cs, ci = lp.topk(k, dim=-1)  # [B, k, k]
+            kids = torch.arange(n, n + k * k, device=dev)
+            cscore = (score.gather(1, frontier)[..., None] + cs).reshape(B, k * k)
+            tok[:, kids] = vid[ci].reshape(B, k * k)
+            par[:, kids] = frontier.repeat_interleave(k, dim=1)
+            score[:, kids] = cscore
+            anc[:, kids] = a.repeat_interleave(k, dim=1)
+            anc[:, kids, kids] = True
+            best = cscore.topk(k, dim=-1).indices
+            frontier = kids[best]
+            feat = h.repeat_interleave(k, dim=1).gather(1, best[..., None].expand(B, k, D))
+            n += k * k
+        return self._select(tok[:, :n], par[:, :n], score[:, :n], rows)
+
+    def _select(self, tok, par, score, rows) -> Draft:
+        """The ``total`` best nodes per row, closed under ancestors, renumbered in order."""
+        B, n = tok.shape
+        T = min(self.total, n - 1)
+        sel = torch.zeros(B, n, dtype=torch.bool, device=tok.device)
+        sel.scatter_(1, score[:, 1:].topk(T, dim=-1).indices + 1, True)
+        sel[:, 0] = True
+        for _ in range(self.depth):  # a node whose parent lost a tie is dropped
+            sel = sel & sel.gather(1, par)
+        sel[:, 0] = False
+        idx = torch.arange(n, device=tok.device)
+        order = torch.where(sel, idx[None], idx[None] + n).sort(dim=1).values[:, :T] % n
+        valid = sel.gather(1, order)
+        newpos = torch.zeros(B, n, dtype=torch.long, device=tok.device)
+        newpos[rows, order] = torch.arange(1, T + 1, device=tok.device)[None].expand(B, T)
+        newpos[:, 0] = 0
+        parents = torch.where(valid, newpos.gather(1, par.gather(1, order)), torch.zeros_like(order))
+        return Draft(tokens=tok.gather(1, order), parents=parents, valid=valid)
+
+    def describe(self) -> dict:
+        return {"top_k": self.top_k, "depth": self.depth, "total_tokens": self.total,
+                "drafter_params": sum(p.numel() for p in self.d.parameters()),
+                "draft_vocab": int(self.d.vocab_ids.numel())}

@@ -1,0 +1,100 @@
+"""Medusa (Cai et al. 2024, arXiv 2401.10774) on the shared engine, at any batch size.
+
+The heads (``specbench/drafters/medusa.py``) read the target's final hidden state at each
+row's last committed token, which the engine hands over after every step; head k proposes
+candidates for the token k places after the pending root. The candidates form a fixed
+tree of (depth, rank) choices:
+
+- ``tree=default``: the ``tree_size`` paths with the largest product of the heads'
+  measured per-rank accuracies (stored in the checkpoint), as the paper builds its sparse
+  tree, over the first K heads;
+- ``tree=chain``: the top-1 candidate of each of the first K heads.
+
+Verification: exact (greedy, or lossless sampling with the candidates as deterministic
+nodes) or, with ``accept=typical`` under sampling, the paper's typical acceptance (a
+candidate passes when p(x) > min(eps, delta * exp(-H(p)))), recorded ``lossless: false``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from methods.base import BatchState, Proposer
+from specbench import drafters
+from specbench.draft import Draft
+from specbench.drafters.medusa import sparse_tree
+from specbench.models import ConfigError, resolve_path
+
+
+class Medusa(Proposer):
+    name = "medusa"
+    hidden_layers = ("final",)
+
+    @classmethod
+    def check(cls, cfg, target_config) -> None:
+        m = cfg.method
+        if m.tree not in ("default", "chain"):
+            raise ConfigError(f"medusa.tree must be 'default' or 'chain', got {m.tree!r}")
+        if m.accept not in ("exact", "typical"):
+            raise ConfigError(f"medusa.accept must be 'exact' or 'typical', got {m.accept!r}")
+        if m.tree_size is not None and (not isinstance(m.tree_size, int) or m.tree_size < 1):
+            raise ConfigError(f"medusa.tree_size must be an integer >= 1 or null, got {m.tree_size!r}")
+        if not 0 < float(m.eps) < 1 or float(m.delta) <= 0:
+            raise ConfigError(f"medusa.eps must be in (0, 1) and medusa.delta > 0, got {m.eps}, {m.delta}")
+        drafters.check_fits(resolve_path(m.checkpoint), cfg, target_config, "medusa", "medusa.checkpoint")
+
+    def __init__(self, cfg, target, tokenizer, device, dtype, heads=None, acc=None):
+        super().__init__(cfg, target, tokenizer, device, dtype)
+        m = cfg.method
+        if heads is None:
+            folder = resolve_path(m.checkpoint)
+            heads = drafters.load(folder, target, device, dtype, kind="medusa")
+            meta = drafters.read_meta(folder)
+            acc = meta["acc"]
+            size = m.tree_size or meta["drafter"]["tree_size"]
+        else:
+            size = m.tree_size or 16
+        self.heads = heads
+        self.K = min(int(cfg.K), heads.n_heads)
+        self.tree = m.tree
+        if m.tree == "chain" or acc is None:
+            paths = [(0,) * d for d in range(1, self.K + 1)]
+        else:
+            paths = sparse_tree([list(a) for a in acc[: self.K]], int(size))
+        self.paths = paths
+        index = {p: i + 1 for i, p in enumerate(paths)}
+        self.node_head = torch.tensor([len(p) - 1 for p in paths], device=device)
+        self.node_rank = torch.tensor([p[-1] for p in paths], device=device)
+        self.parents = torch.tensor([index.get(p[:-1], 0) for p in paths], device=device)
+        self.ranks = int(self.node_rank.max()) + 1
+        self.typical = (float(m.eps), float(m.delta)) if m.accept == "typical" else None
+        self.lossless = self.typical is None
+        self.f = None
+
+    def modules(self):
+        return [self.heads]
+
+    def start(self, state: BatchState, hidden=None) -> None:
+        self.f = hidden.last("final")
+
+    def update(self, state: BatchState, accepted, hidden=None) -> None:
+        self.f = hidden.last("final")
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.f = self.f[torch.tensor(keep, dtype=torch.long, device=self.device)]
+
+    def propose(self, state: BatchState) -> Draft:
+        logits = self.heads(self.f.to(next(self.heads.parameters()).dtype))[: self.K]  # [K, B, V']
+        top = logits.topk(self.ranks, dim=-1).indices  # [K, B, R]
+        cand = self.heads.vocab_ids.to(self.device)[top[self.node_head, :, self.node_rank]].T  # [B, n]
+        B = cand.shape[0]
+        parents = self.parents[None].expand(B, -1)
+        if self.tree == "chain":
+            return Draft.chain(cand, typical=self.typical)
+        return Draft(tokens=cand, parents=parents, typical=self.typical)
+
+    def describe(self) -> dict:
+        return {"tree": self.tree, "nodes": len(self.paths), "heads_used": self.K,
+                "accept": "typical" if self.typical else "exact",
+                "typical_eps_delta": list(self.typical) if self.typical else None,
+                "draft_vocab": int(self.heads.vocab_ids.numel())}

@@ -1,0 +1,328 @@
+"""EAGLE and Medusa: token identity with plain greedy decoding (fp32, tiny random models,
+bs 1 and 4, ragged prompts), the drafter's tree expansion against its training-time
+unrolling, losslessness under sampling, typical acceptance, and the trainers end to end."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from helpers import CPU, chi2_pvalue, prompts_of, reference_greedy, run_engine, tiny_llama
+from methods.eagle import Eagle
+from methods.medusa import Medusa
+from specbench.draft import Draft
+from specbench.drafters.eagle import EagleDrafter
+from specbench.drafters.medusa import MedusaHeads, sparse_tree
+from specbench.hidden import Tap
+from specbench.verify import Sampling, verify
+
+N_NEW = 20
+
+
+def cfg(method, K=4):
+    return OmegaConf.create({"K": K, "method": method})
+
+
+def eagle_cfg(**kw):
+    m = {"name": "eagle", "version": 2, "checkpoint": None, "top_k": 3, "depth": 4, "total_tokens": 10}
+    m.update(kw)
+    return cfg(m)
+
+
+def medusa_cfg(**kw):
+    m = {"name": "medusa", "checkpoint": None, "tree": "default", "tree_size": 9, "accept": "exact",
+         "eps": 0.09, "delta": 0.3}
+    m.update(kw)
+    return cfg(m, K=3)
+
+
+def random_eagle(target, seed=0, vocab=None):
+    torch.manual_seed(seed)
+    V = target.config.vocab_size
+    d = EagleDrafter(target, torch.arange(V) if vocab is None else vocab)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.normal_(0, 0.3)
+    return d.eval()
+
+
+def random_medusa(target, seed=0, heads=3):
+    torch.manual_seed(seed)
+    m = MedusaHeads(target, torch.arange(target.config.vocab_size), heads)
+    with torch.no_grad():
+        m.weight.normal_(0, 0.2)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=0, scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def cases(model):
+    out = {}
+    for lengths in ([7], [5, 11, 3, 8]):
+        ps = prompts_of(lengths)
+        out[len(lengths)] = (ps, [reference_greedy(model, p, N_NEW) for p in ps])
+    return out
+
+
+def make(name, model):
+    if name == "eagle":
+        return Eagle(eagle_cfg(), model, None, CPU, torch.float32, drafter=random_eagle(model))
+    if name == "eagle_small_vocab":  # a draft vocabulary that misses tokens the target emits
+        return Eagle(eagle_cfg(top_k=2, depth=3, total_tokens=5), model, None, CPU, torch.float32,
+                     drafter=random_eagle(model, vocab=torch.arange(0, 96, 2)))
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
+    if name == "medusa":
+        return Medusa(medusa_cfg(), model, None, CPU, torch.float32, heads=random_medusa(model), acc=acc)
+    if name == "medusa_chain":
+        return Medusa(medusa_cfg(tree="chain"), model, None, CPU, torch.float32, heads=random_medusa(model), acc=acc)
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+@pytest.mark.parametrize("name", ["eagle", "eagle_small_vocab", "medusa", "medusa_chain"])
+def test_greedy_identity(model, cases, name, bs):
+    prompts, refs = cases[bs]
+    res = run_engine(model, make(name, model), prompts, N_NEW)
+    for r, ref in zip(res, refs):
+        assert r.tokens == ref
+        assert len(r.accept_lens) == r.steps
+
+
+@torch.no_grad()
+def test_eagle_tree_expansion_matches_training_unroll(model):
+    """With top_k=1 the dynamic tree is a chain; each drafted token must be what the
+    training-time unrolling (the same drafter, the same real prefix) predicts."""
+    d = random_eagle(model, seed=4)
+    prompt = prompts_of([9], seed=5)[0]
+    seq = prompt + reference_greedy(model, prompt, 1)
+    with Tap(model, ["final"]) as tap:
+        model(torch.tensor([seq[:-1]]))
+        f = tap.take()["final"]
+    depth = 4
+    prop = Eagle(eagle_cfg(top_k=1, depth=depth, total_tokens=depth), model, None, CPU, torch.float32, drafter=d)
+    res = run_engine(model, prop, [prompt], 2)
+    assert res[0].tokens[0] == seq[-1]
+    # the drafter's chain from this prefix, step by step through train_forward
+    from methods.base import BatchState
+    from specbench.hidden import Hidden
+
+    st = BatchState(seqs=[list(seq)], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=CPU)
+    prop.start(st, Hidden({"final": f}, torch.tensor([f.shape[1]])))
+    chain = prop.propose(st).tokens[0].tolist()
+    toks = list(seq)
+    for s in range(depth):
+        T = len(toks) - 1
+        feats = torch.zeros(1, T, f.shape[-1])
+        feats[0, : f.shape[1]] = f[0]
+        out = d.train_forward(feats, torch.tensor([toks[1:]]), torch.ones(1, T, dtype=torch.bool), steps=s + 1)
+        nxt = int(d.logits(out[s, 0, T - 1]).argmax())
+        assert nxt == chain[s], (s, nxt, chain)
+        toks.append(nxt)
+
+
+def test_medusa_sparse_tree():
+    acc = [[0.6, 0.2], [0.5, 0.3], [0.4, 0.1]]
+    t = sparse_tree(acc, 5)
+    assert t == [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]  # products .6 .2 .3 .18 .12 beat .1 (1,0)
+    assert all(p[:-1] in t for p in t if len(p) > 1)
+
+
+# ----------------------------------------------------------------------- sampling
+V = 12
+
+
+@pytest.mark.parametrize("name", ["eagle", "medusa"])
+def test_sampling_follows_target(name):
+    """Seeded rows of one prompt: the 2nd generated token (drafted by the tree, verified
+    with the lossless rule) follows the target's exact marginal."""
+    from test_verify import exact_marginals
+
+    target = tiny_llama(seed=0, vocab=V, scale=3.0)
+    if name == "eagle":
+        prop = Eagle(eagle_cfg(top_k=3, depth=2, total_tokens=6), target, None, CPU, torch.float32,
+                     drafter=random_eagle(target, seed=2))
+    else:
+        prop = Medusa(medusa_cfg(tree_size=6), target, None, CPU, torch.float32, heads=random_medusa(target, seed=2),
+                      acc=[[0.5, 0.3, 0.2], [0.5, 0.3, 0.2], [0.5, 0.3, 0.2]])
+    prompt = [3, 5, 7, 9]
+    n = 3000
+    s = Sampling(1.0)
+    res = run_engine(target, prop, [prompt] * n, 3, sampling=s, gen=torch.Generator().manual_seed(5))
+    m2, m3 = exact_marginals(target, prompt, s)
+    assert sum(sum(r.accept_lens) for r in res) > n // 4  # the tree was really accepted from
+    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[1] for r in res]), minlength=V), m2) > 1e-3
+    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V), m3) > 1e-3
+
+
+def test_typical_acceptance_rule():
+    """A node passes when p(x) > min(eps, delta exp(-H)); the longest passing path is kept."""
+    logits = torch.full((1, 3, V), -4.0)
+    logits[0, 0, 5] = 3.0  # root: 5 is likely, 6 is not
+    logits[0, 0, 6] = -1.0
+    logits[0, 1, 7] = 3.0
+    d = Draft(tokens=torch.tensor([[6, 5]]), parents=torch.tensor([[0, 0]]), typical=(0.09, 0.3))
+    v = verify(logits, d, Sampling(1.0), torch.Generator().manual_seed(0))
+    assert v.accepted == [[5]] and v.keep[0, :2].tolist() == [0, 2]
+    d = Draft(tokens=torch.tensor([[5, 7]]), parents=torch.tensor([[0, 1]]), typical=(0.09, 0.3))
+    v = verify(logits, d, Sampling(1.0), torch.Generator().manual_seed(0))
+    assert v.accepted == [[5, 7]] and v.counts.tolist() == [3]
+
+
+def test_typical_is_recorded_lossy(model):
+    p = Medusa(medusa_cfg(accept="typical"), model, None, CPU, torch.float32, heads=random_medusa(model),
+               acc=[[0.5]] * 3)
+    assert p.lossless is False and p.describe()["accept"] == "typical"
+    assert make("medusa", model).lossless is True
+
+
+@pytest.mark.parametrize("name", ["eagle", "medusa"])
+def test_rows_finish_alone(model, cases, name):
+    """A row that hits EOS leaves the batch; the method's per-row state follows."""
+    prompts, refs = cases[4]
+    eos = refs[1][4]
+    res = run_engine(model, make(name, model), prompts, N_NEW, eos={eos})
+    for r, ref in zip(res, refs):
+        want = ref[:ref.index(eos) + 1] if eos in ref else ref
+        assert r.tokens == want
+
+
+# ----------------------------------------------------------------------- feature set and trainers
+@pytest.fixture(scope="module")
+def feature_setup(tmp_path_factory):
+    from conftest import save_tiny_hf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("features")
+    folder = save_tiny_hf(root / "target", seed=0)
+    target = AutoModelForCausalLM.from_pretrained(folder).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(folder)
+
+    def words(i, n):
+        return " ".join(f"w{(i * 11 + j * 7) % 90}" for j in range(n))
+
+    convs = [{"id": f"c{i}", "turns": [("user", words(i, 4 + i % 5)), ("assistant", words(i + 50, 6 + i % 7)),
+                                       ("user", words(i + 3, 3))]} for i in range(40)]
+    cfg = OmegaConf.create({
+        "seed": 0, "resume": True,
+        "drafter": {"kind": "eagle", "name": "tiny_eagle", "draft_vocab": 64, "init": "random", "ttt_steps": 2,
+                    "cls_weight": 0.1, "noise": 0.0},
+        "features": {"respond": 12, "conversations": 20, "max_prompt_tokens": 32, "max_tokens": 40,
+                     "max_new_tokens": 10, "temperature": 0.0, "layers": ["final"], "gen_bs": 6, "teacher_bs": 8,
+                     "shard_size": 12, "seed": 0, "sources": None, "dir": str(root / "features")},
+        "train": {"steps": 40, "batch_size": 4, "seq_len": 48, "lr": 3e-3, "weight_decay": 0.0, "warmup": 3,
+                  "grad_clip": 1.0, "save_every": 10, "eval_frac": 0.15, "train_on_prompt": True},
+    })
+    return target, tok, convs, cfg, root
+
+
+def _features(feature_setup, monkeypatch):
+    from specbench.train import features
+
+    target, tok, convs, cfg, root = feature_setup
+    # the first conversation's opening turn stands for a prompt of the evaluation slice
+    monkeypatch.setattr(features, "eval_first_turns", lambda: {features._norm(convs[0]["turns"][0][1])[:160]})
+    monkeypatch.setattr(features, "benchmark_texts", lambda: [])
+    return features, features.build(target, tok, "tiny", cfg.features, CPU, torch.float32, progress=False, convs=convs)
+
+
+def test_feature_set(feature_setup, monkeypatch):
+    target, tok, convs, cfg, root = feature_setup
+    features, fs = _features(feature_setup, monkeypatch)
+    assert sorted(p.name for p in fs.glob("shard_*.pt")) == ["shard_0000.pt", "shard_0001.pt", "shard_0002.pt"]
+    items = features.load(fs)
+    st = features.stats(items)
+    assert st["sequences"] == 32 and st["answered"] == 12
+    assert "c0" not in {it["id"] for it in items}  # the evaluation-slice duplicate was dropped
+    import json
+    assert json.loads((fs / "meta.json").read_text())["dropped"]["eval_slice_duplicate"] == 1
+    ans = next(it for it in items if it["answered"])
+    plen = ans["prompt_len"]
+    assert ans["tokens"][plen:].tolist() == reference_greedy(target, ans["tokens"][:plen].tolist(),
+                                                             len(ans["tokens"]) - plen)
+    conv = next(it for it in items if not it["answered"])
+    assert len(conv["tokens"]) == conv["prompt_len"] <= 40  # whole conversation, cut at max_tokens
+    # the stored features are the target's final hidden states (fp16)
+    with Tap(target, ["final"]) as tap:
+        target(conv["tokens"][None].long())
+        want = tap.take()["final"][0]
+    assert torch.allclose(conv["hidden"]["final"].float(), want, atol=2e-2)
+    # a second build does no target work
+    mtimes = {p: p.stat().st_mtime for p in fs.glob("shard_*.pt")}
+    _features(feature_setup, monkeypatch)
+    assert mtimes == {p: p.stat().st_mtime for p in fs.glob("shard_*.pt")}
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_trainer_end_to_end(feature_setup, monkeypatch, kind):
+    from specbench import drafters
+    from specbench.train import heads
+
+    target, tok, convs, cfg, root = feature_setup
+    features, fs = _features(feature_setup, monkeypatch)
+    items = features.load(fs)
+    dr = cfg.drafter if kind == "eagle" else {"kind": "medusa", "name": "tiny_medusa", "heads": 3, "draft_vocab": 64,
+                                                "tree_size": 8}
+    c = OmegaConf.merge(cfg, {"drafter": dr})
+    if kind == "medusa":
+        c.drafter = OmegaConf.create(dr)
+    untrained = OmegaConf.merge(c, {"train": {"steps": 1, "lr": 1e-9}})
+    out0, out = root / f"{kind}0", root / kind
+    out0.mkdir()
+    out.mkdir()
+    before = heads.train(untrained, target, items, out0, {2}, CPU, progress=False)["summary"]
+    res = heads.train(c, target, items, out, {2}, CPU, progress=False)
+    s = res["summary"]
+    assert s["eval_loss"] < before["eval_loss"]  # it learned
+    assert len(s["eval_top1_agreement"]) == (4 if kind == "eagle" else 3)  # per unrolled step / per head
+    heads.finish(c, res, out, "tiny", {**features.stats(items), "dropped": {}, "key": "k"}, "python -m specbench.train")
+    assert drafters.is_draft_checkpoint(out) and (out / "README.md").read_text().startswith(f"# tiny_{kind}")
+    d = drafters.load(out, target, CPU, torch.float32, kind=kind)
+    with pytest.raises(ValueError, match="not 'draft_lm'"):
+        drafters.load(out, target, CPU, torch.float32, kind="draft_lm")
+    # decoding with the trained drafter: token-identical to plain greedy, drafts accepted
+    ps = [features.load(fs)[i]["tokens"][:8].tolist() for i in (0, 5)]
+    refs = [reference_greedy(target, p, 16) for p in ps]
+    if kind == "eagle":
+        prop = Eagle(eagle_cfg(), target, None, CPU, torch.float32, drafter=d)
+    else:
+        prop = Medusa(medusa_cfg(), target, None, CPU, torch.float32, heads=d,
+                      acc=drafters.read_meta(out)["acc"])
+    got = run_engine(target, prop, ps, 16)
+    assert [r.tokens for r in got] == refs
+    assert sum(sum(r.accept_lens) for r in got) > 0
+
+
+def test_feature_trainer_resumes(feature_setup, monkeypatch):
+    from specbench.train import heads
+
+    target, tok, convs, cfg, root = feature_setup
+    features, fs = _features(feature_setup, monkeypatch)
+    items = features.load(fs)
+    c = OmegaConf.merge(cfg, {"train": {"steps": 20}})
+    full_dir, part_dir = root / "full", root / "part"
+    full_dir.mkdir()
+    part_dir.mkdir()
+    full = heads.train(c, target, items, full_dir, {2}, CPU, progress=False)
+    real, calls = heads.eagle_loss, {"n": 0}
+
+    def crash_after_10(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > 10:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(heads, "eagle_loss", crash_after_10)
+    with pytest.raises(KeyboardInterrupt):
+        heads.train(c, target, items, part_dir, {2}, CPU, progress=False)
+    monkeypatch.setattr(heads, "eagle_loss", real)
+    assert (part_dir / "_train_state.pt").exists()
+    resumed = heads.train(c, target, items, part_dir, {2}, CPU, progress=False)
+    a, b = full["draft"].own_state(), resumed["draft"].own_state()
+    for k in a:
+        if a[k].is_floating_point():
+            assert torch.allclose(a[k], b[k], atol=1e-5), k
