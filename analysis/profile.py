@@ -9,7 +9,6 @@ feeds the batch-aware bound and the trace-driven simulator.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ from omegaconf import OmegaConf
 from specbench import records as R
 from specbench.kv import RaggedCache
 from specbench.models import load_model, resolve_device, resolve_dtype, self_layers_draft
-from specbench.runner import CONF_DIR
+from specbench.models import CONF_DIR
 from specbench.timing import sync
 
 

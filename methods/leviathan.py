@@ -10,22 +10,73 @@ from __future__ import annotations
 import torch
 
 from methods.base import BatchState, Proposer
+from specbench import drafters
 from specbench.draft import Draft
 from specbench.kv import RaggedCache
-from specbench.models import text_config
+from specbench.models import (ConfigError, cached_model, load_tokenizer, model_cfg, resolve_path, self_layers_draft,
+                              text_config)
 from specbench.verify import sample, warp
+
+
+def trained_draft(cfg) -> str | None:
+    """The folder of a trained ``draft_lm`` checkpoint named by ``cfg.draft`` (or None)."""
+    if cfg.draft.name == "self_layers":
+        return None
+    path = resolve_path(cfg.draft.path)
+    return path if drafters.is_draft_checkpoint(path) else None
+
+
+def hf_draft_cfg(cfg):
+    """The model config of the draft when it is a separate model (None for self_layers and
+    trained drafter checkpoints)."""
+    if cfg.draft.name == "self_layers" or trained_draft(cfg):
+        return None
+    return model_cfg(str(cfg.draft.path), cfg.model.get("attn_implementation"))
 
 
 class Leviathan(Proposer):
     name = "leviathan"
 
+    @classmethod
+    def check(cls, cfg, target_config) -> None:
+        tc = text_config(target_config)
+        folder, dm = trained_draft(cfg), hf_draft_cfg(cfg)
+        if folder:
+            drafters.check_fits(folder, cfg, target_config, "draft_lm", "draft")
+        elif dm is None:
+            n_layers = getattr(tc, "num_hidden_layers", None)
+            layers = cfg.draft.layers
+            if not isinstance(layers, int) or n_layers is not None and not 1 <= layers < n_layers:
+                raise ConfigError(f"draft.layers must be an integer in 1..{(n_layers or 2) - 1}, got {layers!r}")
+        else:
+            t_vocab = load_tokenizer(cfg.model).get_vocab()
+            d_vocab = load_tokenizer(dm).get_vocab()
+            if t_vocab != d_vocab:
+                diff = len(set(t_vocab.items()) ^ set(d_vocab.items()))
+                raise ConfigError(f"draft '{cfg.draft.path}' has another vocabulary than the target "
+                                  f"({len(d_vocab)} vs {len(t_vocab)} tokens, {diff} entries differ)")
+
+    @classmethod
+    def draft_label(cls, cfg) -> str:
+        if cfg.draft.name == "self_layers":
+            return f"self_layers:{cfg.draft.layers}"
+        return str(cfg.draft.get("label") or cfg.draft.path)
+
+    @staticmethod
+    def load_draft(cfg, target, device, dtype):
+        folder = trained_draft(cfg)
+        if folder:
+            return drafters.load(folder, target, device, dtype, kind="draft_lm")
+        dm = hf_draft_cfg(cfg)
+        if dm is None:
+            return self_layers_draft(target, int(cfg.draft.layers))
+        return cached_model(dm, device, dtype)[0]
+
     def __init__(self, cfg, target, tokenizer, device, dtype, draft_model=None):
         super().__init__(cfg, target, tokenizer, device, dtype)
         self.K = int(cfg.K)
         if draft_model is None:
-            from specbench.runner import load_draft_model
-
-            draft_model = load_draft_model(cfg, target, device, dtype)
+            draft_model = self.load_draft(cfg, target, device, dtype)
         self.draft = draft_model
         self.V = int(text_config(target.config).vocab_size)
         self.dcache: RaggedCache | None = None
@@ -34,7 +85,7 @@ class Leviathan(Proposer):
     def modules(self):
         return [self.draft]
 
-    def start(self, state: BatchState) -> None:
+    def start(self, state: BatchState, hidden=None) -> None:
         self.dcache = RaggedCache(self.draft, self.device, self.dtype)
         prompts = [s[:-1] for s in state.seqs]
         self.dcache.prefill(prompts)

@@ -13,11 +13,22 @@ GROUPS = ("method", "model", "dataset", "draft", "logger")
 
 def preprocess(argv: list[str]) -> list[str]:
     from specbench.models import ConfigError
-    from specbench.runner import group_options
+    from specbench.models import group_options
+
+    import methods
 
     out = []
+    swept = next(([v.strip() for v in a.partition("=")[2].split(",")] for a in reversed(argv)
+                  if a.startswith("method=")), None)
     for arg in argv:
         key, eq, val = arg.partition("=")
+        head, dot, rest = key.partition(".")
+        if eq and dot and head in methods.REGISTRY:  # eagle.depth=6 -> method.depth=6
+            if swept != [head]:  # would reach the other methods' jobs too
+                raise ConfigError(f"{key}= needs method={head} alone (got method={','.join(swept or ['<default>'])}); "
+                                  "sweep other methods in a separate command")
+            arg = f"method.{rest}={val}"
+            key = f"method.{rest}"
         if eq and key in GROUPS:
             opts = group_options(key)
             vals = [v.strip() for v in val.split(",")]

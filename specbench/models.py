@@ -24,8 +24,52 @@ class ConfigError(ValueError):
     """Bad user input, reported in one line before any model loads."""
 
 
+REPO = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO / "conf"
+_MODELS: dict = {}  # (model key, device, dtype) -> (model, tokenizer), shared by a sweep's jobs
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECBENCH_CACHE", Path.home() / ".cache" / "specbench"))
+
+
+def group_options(group: str) -> list[str]:
+    """The choices of a Hydra config group (``conf/<group>/*.yaml``)."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def resolve_path(p) -> str:
+    """A relative path that does not exist from the working directory is taken from the
+    repository root (shipped checkpoints work from anywhere)."""
+    q = Path(str(p)).expanduser()
+    if not q.is_absolute() and not q.exists() and (REPO / q).exists():
+        return str(REPO / q)
+    return str(q) if q.exists() else str(p)
+
+
+def model_cfg(name_or_path: str, attn_implementation=None):
+    """The model config for a ``conf/model`` name, or for an HF hub id / folder."""
+    from omegaconf import OmegaConf
+
+    if name_or_path in group_options("model"):
+        return OmegaConf.load(CONF_DIR / "model" / f"{name_or_path}.yaml")
+    return OmegaConf.create({"name": Path(name_or_path).name, "path": name_or_path, "package": None, "file": None,
+                             "chat": True, "attn_implementation": attn_implementation})
+
+
+def cached_model(mcfg, device, dtype):
+    """(model, tokenizer), loaded once per sweep process; at most two models are kept."""
+    import gc
+
+    from omegaconf import OmegaConf
+
+    key = (OmegaConf.to_yaml(mcfg), str(device), str(dtype))
+    if key not in _MODELS:
+        if len(_MODELS) >= 2:  # keep memory bounded in long sweeps over models
+            _MODELS.clear()
+            gc.collect()
+        _MODELS[key] = (load_model(mcfg, device, dtype), load_tokenizer(mcfg))
+    return _MODELS[key]
 
 
 def resolve_device(name: str) -> torch.device:

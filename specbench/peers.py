@@ -26,7 +26,7 @@ from methods.pld import PromptLookup
 from specbench import data as D
 from specbench.engine import Engine
 from specbench.models import eos_ids, load_model, load_tokenizer, resolve_device, resolve_dtype, self_layers_draft
-from specbench.runner import CONF_DIR
+from specbench.models import CONF_DIR
 from specbench.timing import PhaseTimer, sync
 from specbench.verify import Sampling
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
 import sys
 import threading
 import time
@@ -20,47 +19,16 @@ import methods
 from specbench import data as D
 from specbench import loggers
 from specbench import records as R
-from specbench.drafters import is_draft_checkpoint, load_draft
-from specbench.models import (ConfigError, eos_ids, load_config, load_model, load_tokenizer, max_positions,
-                              resolve_device, resolve_dtype, self_layers_draft, text_config)
+from specbench.models import (CONF_DIR, ConfigError, cached_model, eos_ids, load_config,
+                              load_tokenizer, max_positions, resolve_device, resolve_dtype)
 from specbench.monitor import NvmlMonitor
 from specbench.timing import PHASES, PhaseTimer, sync
 from specbench.verify import Sampling
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 FAILED: list[str] = []  # one-line errors of this process's jobs (sets the exit code)
-_MODELS: dict = {}  # (model key, device, dtype) -> (model, tokenizer), shared by a sweep's jobs
-
-
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 # ---------------------------------------------------------------------------- validation
-REPO = CONF_DIR.parent
-
-
-def resolve_path(p) -> str:
-    """A relative path that does not exist from the working directory is taken from the
-    repository root (shipped checkpoints work from anywhere)."""
-    q = Path(str(p)).expanduser()
-    if not q.is_absolute() and not q.exists() and (REPO / q).exists():
-        return str(REPO / q)
-    return str(q) if q.exists() else str(p)
-
-
-def draft_model_cfg(cfg: DictConfig):
-    """The model config of the draft when it is a separate HF model (None for self_layers
-    and trained drafter checkpoints)."""
-    d = cfg.draft
-    if d.name == "self_layers" or is_draft_checkpoint(resolve_path(d.path)):
-        return None
-    path = str(d.path)
-    if path in group_options("model"):
-        return OmegaConf.load(CONF_DIR / "model" / f"{path}.yaml")
-    return OmegaConf.create({"name": Path(path).name, "path": path, "package": None, "file": None,
-                             "attn_implementation": cfg.model.get("attn_implementation")})
-
 
 def validate(cfg: DictConfig) -> None:
     """Every check that needs no model weights; raises ConfigError with one line."""
@@ -95,50 +63,12 @@ def validate(cfg: DictConfig) -> None:
         if need > npos:
             raise ConfigError(f"ctx={cfg.ctx} + max_new_tokens={cfg.max_new_tokens} + K={cfg.K} exceeds the "
                               f"model's {npos} positions")
-    if cfg.method.name == "leviathan":
-        dm = draft_model_cfg(cfg)
-        if cfg.draft.name != "self_layers" and dm is None:
-            meta = json.loads((Path(resolve_path(cfg.draft.path)) / "drafter.json").read_text())
-            tv = getattr(text_config(mconf), "vocab_size", None)
-            model_id = str(cfg.model.path or cfg.model.name)
-            if meta.get("target") not in (model_id, cfg.model.name) or tv != meta.get("target_vocab_size"):
-                raise ConfigError(f"draft '{cfg.draft.path}' was trained for {meta.get('target')}, not {model_id}; "
-                                  "use draft=self_layers or a draft trained for this model (python -m specbench.train)")
-        elif dm is None:
-            n_layers = getattr(text_config(mconf), "num_hidden_layers", None)
-            layers = cfg.draft.layers
-            if not isinstance(layers, int) or n_layers is not None and not 1 <= layers < n_layers:
-                raise ConfigError(f"draft.layers must be an integer in 1..{(n_layers or 2) - 1}, got {layers!r}")
-        else:
-            t_vocab = load_tokenizer(cfg.model).get_vocab()
-            d_vocab = load_tokenizer(dm).get_vocab()
-            if t_vocab != d_vocab:
-                diff = len(set(t_vocab.items()) ^ set(d_vocab.items()))
-                raise ConfigError(f"draft '{cfg.draft.path}' has another vocabulary than the target "
-                                  f"({len(d_vocab)} vs {len(t_vocab)} tokens, {diff} entries differ)")
+    check = getattr(methods.get(cfg.method.name), "check", None)
+    if check is not None:  # a method owns its own config checks
+        check(cfg, mconf)
 
 
 # ---------------------------------------------------------------------------- loading
-def get_model(mcfg, device, dtype):
-    key = (OmegaConf.to_yaml(mcfg), str(device), str(dtype))
-    if key not in _MODELS:
-        if len(_MODELS) >= 2:  # keep memory bounded in long sweeps over models
-            _MODELS.clear()
-            gc.collect()
-        _MODELS[key] = (load_model(mcfg, device, dtype), load_tokenizer(mcfg))
-    return _MODELS[key]
-
-
-def load_draft_model(cfg, target, device, dtype):
-    if cfg.draft.name != "self_layers" and is_draft_checkpoint(resolve_path(cfg.draft.path)):
-        return load_draft(resolve_path(cfg.draft.path), target, device, dtype)
-    dm = draft_model_cfg(cfg)
-    if dm is None:
-        return self_layers_draft(target, int(cfg.draft.layers))
-    model, _ = get_model(dm, device, dtype)
-    return model
-
-
 # ---------------------------------------------------------------------------- measuring
 class PeakMemory:
     """Peak GPU allocator memory, or peak process RSS sampled every 20 ms on the CPU."""
@@ -296,18 +226,12 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
     return metrics, requests, proposer
 
 
-def draft_label(cfg) -> str:
-    if cfg.draft.name == "self_layers":
-        return f"self_layers:{cfg.draft.layers}"
-    return str(cfg.draft.get("label") or cfg.draft.path)
-
-
 def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
     return {
         "schema": R.SCHEMA, "sweep_id": sweep_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "status": "ok", "error": None, "method": method_name,
         "model": cfg.model.path or cfg.model.name,
-        "draft": draft_label(cfg) if method_name == "leviathan" else None,
+        "draft": methods.get(method_name).draft_label(cfg),
         "K": None if method_name == "ar" else int(cfg.K), "bs": int(cfg.bs), "ctx": cfg.ctx,
         "dataset": cfg.dataset.name if cfg.dataset.name != "jsonl" else f"jsonl:{cfg.dataset.path}",
         "limit": cfg.limit, "temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
@@ -359,7 +283,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
         dtype = resolve_dtype(cfg.dtype, device)
         tokenizer = load_tokenizer(cfg.model)
         questions = build_requests(cfg, tokenizer)
-        model, tokenizer = get_model(cfg.model, device, dtype)
+        model, tokenizer = cached_model(cfg.model, device, dtype)
     except ConfigError as e:
         return [_fail(cfg, method_name, device, dtype, sweep_id, "error", str(e))]
     existing = R.read(cfg.records)

@@ -2,8 +2,6 @@
 against the fixture records file, the regression compare, NVML and wandb loggers."""
 
 import json
-import math
-import shutil
 import sys
 import types
 from pathlib import Path

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf, open_dict
 
 import methods
 from specbench import records as R
-from specbench import runner
+from specbench import models, runner
 from specbench.__main__ import preprocess
 from specbench.models import ConfigError
 
@@ -29,7 +29,7 @@ def composed(overrides=()):
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_option_composes(group):
-    opts = runner.group_options(group)
+    opts = models.group_options(group)
     assert opts
     for opt in opts:
         cfg = composed([f"{group}={opt}"])
@@ -42,7 +42,7 @@ def test_every_option_composes(group):
 
 
 def test_every_registered_method_has_a_config():
-    assert set(methods.names()) == set(runner.group_options("method"))
+    assert set(methods.names()) == set(models.group_options("method"))
 
 
 def test_default_sweep_and_multirun_mode():
@@ -52,8 +52,15 @@ def test_default_sweep_and_multirun_mode():
 
 
 def test_preprocess_rejects_unknown_choices_and_rewrites_draft():
-    with pytest.raises(ConfigError, match="unknown method 'eagle2'; choices: ar, leviathan, pld"):
+    with pytest.raises(ConfigError, match="unknown method 'eagle2'; choices: ar, eagle, leviathan, medusa, pld"):
         preprocess(["method=pld,eagle2"])
+    # a method's own keys: eagle.depth=... is method.depth=...
+    assert preprocess(["method=eagle", "eagle.depth=4,6", "eagle.top_k=3"]) == \
+        ["method=eagle", "method.depth=4,6", "method.top_k=3"]
+    # ... but only when that method runs alone: a key of one method must not reach another's jobs
+    for argv in (["method=eagle,medusa", "eagle.depth=4"], ["eagle.depth=4"], ["method=eagle", "medusa.tree=chain"]):
+        with pytest.raises(ConfigError, match="needs method=.* alone"):
+            preprocess(argv)
     with pytest.raises(ConfigError, match="unknown model 'llama9'"):
         preprocess(["model=llama9"])
     with pytest.raises(ConfigError, match="unknown dataset"):
@@ -204,7 +211,7 @@ def test_cli_sweep_end_to_end(tiny_dirs, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "specbench", "method=medusa9"], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "specbench: error: unknown method 'medusa9'; choices: ar, leviathan, pld"
+    assert bad.stderr.strip() == "specbench: error: unknown method 'medusa9'; choices: ar, eagle, leviathan, medusa, pld"
 
 
 def test_records_reader_skips_a_cut_line(tmp_path):
@@ -233,7 +240,7 @@ def test_shipped_draft_config_points_at_a_checkpoint():
     cfg = OmegaConf.load(REPO / "conf" / "draft" / "smollm2-135m-draft.yaml")
     from specbench.drafters import is_draft_checkpoint
 
-    path = runner.resolve_path(cfg.path)
+    path = models.resolve_path(cfg.path)
     if not is_draft_checkpoint(path):
         pytest.skip("no shipped draft checkpoint in this checkout")
     meta = json.loads((REPO / cfg.path / "drafter.json").read_text())
