@@ -32,7 +32,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         row["alphas"] = m.get("accept_rate_per_pos") or []
         row["hist"] = m.get("accept_len_hist") or []
         row["requests"] = r.get("requests") or []
-        row["_key"] = json.dumps([r.get(k) for k in KEY], default=str)
+        row["_key"] = json.dumps([r.get(k) for k in KEY], default=str, sort_keys=True)
         rows.append(row)
     df = pd.DataFrame(rows)
     if df.empty:

@@ -71,16 +71,13 @@ def hf_generate(model, tok, prompts, max_new, eos, **kw):
 
 def ours(model, proposer, prompts, max_new, eos, device, dtype):
     timer = PhaseTimer(device)
-    timer.watch(model)
-    for m in proposer.modules():
-        timer.watch(m)
     eng = Engine(model, proposer, Sampling(), device, dtype, eos, timer)
-    sync(device)
-    t = time.perf_counter()
-    res = eng.generate(prompts, max_new)
-    sync(device)
-    dt = time.perf_counter() - t
-    timer.unwatch()
+    with timer.watching([model, *proposer.modules()]):
+        sync(device)
+        t = time.perf_counter()
+        res = eng.generate(prompts, max_new)
+        sync(device)
+        dt = time.perf_counter() - t
     fwd = timer.totals().get("forward", 0.0)
     steps = sum(r.steps for r in res)
     acc = sum(sum(r.accept_lens) for r in res)

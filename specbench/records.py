@@ -11,9 +11,13 @@ from pathlib import Path
 
 SCHEMA = 1
 
-# Fields an AR job must share with a method's job to be its speedup baseline.
+# Fields an AR job must share with a method's job to be its speedup baseline: everything
+# that changes the prompts (the whole dataset config: language, turns, path), the model
+# (the whole model config: chat template, attention kernel) or the numerics.
 BASELINE_KEYS = ("model", "dataset", "limit", "bs", "ctx", "dtype", "device", "temperature", "top_k", "top_p",
-                 "max_new_tokens", "seed")
+                 "max_new_tokens", "seed", "dataset_cfg", "model_cfg")
+# ... and, for an AR record of another sweep (ar_baseline=any), the same machine and code.
+ENV_KEYS = ("device_name", "host", "git_sha", "torch", "transformers")
 
 
 def append(path: str | Path, record: dict) -> None:
@@ -51,12 +55,21 @@ def baseline_key(rec: dict) -> tuple:
     return tuple(json.dumps(rec.get(k), sort_keys=True) for k in BASELINE_KEYS)
 
 
-def find_ar(records: list[dict], key: tuple, sweep_id: str | None) -> dict | None:
-    """The latest ok AR record with this key (of this sweep when sweep_id is given)."""
+def env_key(rec: dict) -> tuple:
+    env = rec.get("env") or {}
+    return tuple(env.get(k) for k in ENV_KEYS)
+
+
+def find_ar(records: list[dict], probe: dict, sweep_id: str | None) -> dict | None:
+    """The latest ok AR record that pairs with ``probe`` (a record of this job): of this
+    sweep when ``sweep_id`` is given, else of any sweep on the same machine and code."""
+    key = baseline_key(probe)
     for rec in reversed(records):
         if rec.get("method") != "ar" or rec.get("status") != "ok":
             continue
         if sweep_id is not None and rec.get("sweep_id") != sweep_id:
+            continue
+        if sweep_id is None and env_key(rec) != env_key(probe):
             continue
         if baseline_key(rec) == key:
             return rec

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import sys
 import threading
 import time
@@ -146,14 +147,11 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
         ids = q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], chat)
         engine(PhaseTimer(device)).generate([ids] * min(cfg.bs, 2), 8, torch.Generator(device).manual_seed(0))
     timer = PhaseTimer(device)
-    timer.watch(model)
-    for m in proposer.modules():
-        timer.watch(m)
     eng = engine(timer)
     gen = torch.Generator(device).manual_seed(int(cfg.seed))
     torch.manual_seed(int(cfg.seed))
     requests, wall, n_batches = [], 0.0, 0
-    with PeakMemory(device) as mem, NvmlMonitor(device) as nvml:
+    with timer.watching([model, *proposer.modules()]), PeakMemory(device) as mem, NvmlMonitor(device) as nvml:
         for start in range(0, len(questions), cfg.bs):
             batch = questions[start:start + cfg.bs]
             history = [[] for _ in batch]
@@ -188,7 +186,6 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
                     })
                 if progress is not None:
                     progress.update(len(rows))
-    timer.unwatch()
     times = timer.totals()
     all_lens = [x for rq in requests for x in rq.pop("_lens")]
     row_steps = len(all_lens)
@@ -236,7 +233,8 @@ def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
         "dataset": cfg.dataset.name if cfg.dataset.name != "jsonl" else f"jsonl:{cfg.dataset.path}",
         "limit": cfg.limit, "temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
         "max_new_tokens": int(cfg.max_new_tokens), "dtype": str(dtype).replace("torch.", ""), "device": device.type,
-        "seed": int(cfg.seed), "lossless": True, "method_cfg": {}, "env": R.env_info(device), "metrics": None,
+        "seed": int(cfg.seed), "dataset_cfg": OmegaConf.to_container(cfg.dataset, resolve=True),
+        "model_cfg": OmegaConf.to_container(cfg.model, resolve=True), "lossless": True, "method_cfg": {}, "env": R.env_info(device), "metrics": None,
         "requests": [],
     }
 
@@ -283,13 +281,15 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
         dtype = resolve_dtype(cfg.dtype, device)
         tokenizer = load_tokenizer(cfg.model)
         questions = build_requests(cfg, tokenizer)
+        if cfg.bs > len(questions):  # it would run a smaller batch than the record says
+            raise ConfigError(f"bs={cfg.bs} is larger than the {len(questions)} prompts of dataset={cfg.dataset.name} "
+                              f"limit={cfg.limit}: raise limit (null = all) or lower bs")
         model, tokenizer = cached_model(cfg.model, device, dtype)
     except ConfigError as e:
         return [_fail(cfg, method_name, device, dtype, sweep_id, "error", str(e))]
     existing = R.read(cfg.records)
     probe = _record_base(cfg, "ar", device, dtype, sweep_id)
-    key = R.baseline_key(probe)
-    ar = R.find_ar(existing, key, None if cfg.ar_baseline == "any" else sweep_id)
+    ar = R.find_ar(existing, probe, None if cfg.ar_baseline == "any" else sweep_id)
     todo = []
     if method_name == "ar":
         if ar is not None and ar.get("sweep_id") == sweep_id:
@@ -304,22 +304,22 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
     try:
         for name in todo:
             bar.set_postfix_str(name)
+            failure = None
             try:
                 rec = measure(cfg, name, model, tokenizer, device, dtype, questions, sweep_id, bar)
             except KeyboardInterrupt:
                 _fail(cfg, name, device, dtype, sweep_id, "error", "interrupted (KeyboardInterrupt)")
                 raise
             except (torch.OutOfMemoryError, MemoryError) as e:
-                written.append(_fail(cfg, name, device, dtype, sweep_id, "oom", _one_line(e)))
-                _free(device)
-                continue
+                failure = ("oom", _one_line(e))
             except ConfigError as e:
-                written.append(_fail(cfg, name, device, dtype, sweep_id, "error", str(e)))
-                continue
+                failure = ("error", str(e))
             except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
                 traceback.print_exc(file=sys.stderr)
-                written.append(_fail(cfg, name, device, dtype, sweep_id, "error", _one_line(e)))
+                failure = ("error", _one_line(e))
+            if failure is not None:  # out of the except block: the traceback (and the KV cache it holds) is gone
                 _free(device)
+                written.append(_fail(cfg, name, device, dtype, sweep_id, *failure))
                 continue
             if name == "ar":
                 ar = rec
@@ -328,7 +328,8 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
                     rec["metrics"]["match_ar"] = 1.0
             elif ar is not None:
                 fill_against_ar(rec, ar)
-            R.append(cfg.records, rec)
+            if not _append(cfg, rec):
+                continue
             written.append(rec)
             try:
                 loggers.log_record(cfg, rec)
@@ -362,8 +363,23 @@ def _fail(cfg, method_name, device, dtype, sweep_id, status, msg) -> dict:
     dev = device or torch.device("cpu")
     rec = _record_base(cfg, method_name, dev, dtype or torch.float32, sweep_id)
     rec["status"], rec["error"] = status, msg
-    R.append(cfg.records, rec)
+    _append(cfg, rec)
     return rec
+
+
+def _append(cfg, rec: dict) -> bool:
+    """Append the record; if that fails (disk full, read-only), print it whole to stderr
+    so the measurement is not lost, and fail the job."""
+    try:
+        R.append(cfg.records, rec)
+        return True
+    except OSError as e:
+        print(json.dumps(rec, default=str), file=sys.stderr, flush=True)
+        msg = (f"could not append the {rec['method']} record to {cfg.records} ({_one_line(e)}); "
+               "it is printed whole on the line above")
+        print(f"specbench: error: {msg}", file=sys.stderr, flush=True)
+        FAILED.append(msg)
+        return False
 
 
 # ---------------------------------------------------------------------------- summary

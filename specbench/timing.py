@@ -18,6 +18,7 @@ class PhaseTimer:
         self._events: list[tuple[str, object, object]] = []
         self._hook_start: list = []
         self._handles: list = []
+        self._watched: list = []
 
     @contextmanager
     def phase(self, name: str):
@@ -38,7 +39,22 @@ class PhaseTimer:
                 self._cpu[name] += time.perf_counter() - t
 
     # Model forward time (for the engine-overhead figure) through module hooks.
+    @contextmanager
+    def watching(self, modules):
+        """Hooks on these modules for the block, removed however it ends."""
+        try:
+            for m in modules:
+                self.watch(m)
+            yield self
+        finally:
+            self.unwatch()
+
     def watch(self, module: torch.nn.Module) -> None:
+        """Count ``module``'s forward time (once: a module watched twice, e.g. a draft that
+        is the target itself, is not counted twice)."""
+        if any(m is module for m in self._watched):
+            return
+        self._watched.append(module)
         def pre(_m, _a):
             if self.cuda:
                 ev = torch.cuda.Event(enable_timing=True)
@@ -63,6 +79,7 @@ class PhaseTimer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._watched.clear()
 
     def totals(self) -> dict[str, float]:
         """Seconds per phase (plus 'forward'); synchronises the GPU once."""

@@ -150,6 +150,73 @@ def test_job_records_and_reuses_ar(tiny_dirs, tmp_path):
 
 
 
+def test_ar_pairing_covers_every_prompt_and_model_setting(tiny_dirs, tmp_path):
+    """A method job pairs only with an AR job of the same prompts, model settings and (for
+    ar_baseline=any) the same machine and code."""
+    pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
+    assert [r["method"] for r in runner.job(tiny_cfg(tiny_dirs, tmp_path, **pld), sweep_id="s")] == ["ar", "pld"]
+    for over in ({"dataset.max_turns": 1}, {"model.chat": False}, {"model.attn_implementation": "eager"}):
+        recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, **pld, **over), sweep_id="s")
+        assert [r["method"] for r in recs] == ["ar", "pld"], over  # its own AR, not the first one
+        assert recs[1]["metrics"]["match_ar"] == 1.0
+        key = next(iter(over))
+        section, field = key.split(".")
+        assert recs[0][f"{section}_cfg"][field] == over[key]
+    # ar_baseline=any: an AR record from another host (or code version) is not reused
+    path = tmp_path / "records.jsonl"
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[0])
+    first["env"]["host"] = "elsewhere"
+    path.write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
+    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, ar_baseline="any", **pld), sweep_id="s2")
+    assert [r["method"] for r in recs] == ["ar", "pld"]
+
+
+def test_bs_beyond_the_prompts_is_refused(tiny_dirs, tmp_path):
+    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=8), sweep_id="b")  # limit=4
+    assert recs[0]["status"] == "error" and recs[0]["error"].startswith("bs=8 is larger than the 4 prompts")
+
+
+def test_a_failed_append_prints_the_record_and_fails_the_job(tiny_dirs, tmp_path, monkeypatch, capsys):
+    def full(path, rec):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(R, "append", full)
+    n = len(runner.FAILED)
+    assert runner.job(tiny_cfg(tiny_dirs, tmp_path), sweep_id="a") == []
+    err = capsys.readouterr().err
+    rec = json.loads(next(line for line in err.splitlines() if line.startswith("{")))
+    assert rec["method"] == "ar" and rec["metrics"]["new_tokens"] > 0  # the measurement survives on stderr
+    assert "could not append the ar record" in err and len(runner.FAILED) == n + 1
+
+
+def test_forward_time_counted_once_and_hooks_removed_on_error(tiny_dirs, tmp_path, monkeypatch):
+    from helpers import tiny_llama
+    from specbench.timing import PhaseTimer
+
+    model = tiny_llama(seed=0)
+    timer = PhaseTimer(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="boom"):
+        with timer.watching([model, model]):  # e.g. a draft that is the target object itself
+            assert len(model._forward_hooks) == 1 and len(model._forward_pre_hooks) == 1
+            raise RuntimeError("boom")
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    # and through a real job that fails: the cached target keeps no hook
+    from methods.base import Proposer
+
+    class Exploding(Proposer):
+        def propose(self, state):
+            raise RuntimeError("kaboom")
+
+    monkeypatch.setitem(methods.REGISTRY, "exploding", "x:y")
+    real_get = methods.get
+    monkeypatch.setattr(methods, "get", lambda n: Exploding if n == "exploding" else real_get(n))
+    cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "exploding"}})
+    assert runner.job(cfg, sweep_id="h")[-1]["status"] == "error"
+    target = runner.cached_model(cfg.model, torch.device("cpu"), torch.float32)[0]
+    assert not target._forward_hooks and not target._forward_pre_hooks
+
+
 def test_failing_jobs_are_recorded_and_the_sweep_goes_on(tiny_dirs, tmp_path, monkeypatch):
     from methods.base import Proposer
 
