@@ -317,6 +317,11 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
             except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
                 traceback.print_exc(file=sys.stderr)
                 failure = ("error", _one_line(e))
+                if _poisons_device(e):
+                    written.append(_fail(cfg, name, device, dtype, sweep_id, *failure))
+                    raise SweepAborted(f"{failure[1]}: the CUDA context is unusable after a device-side error, so "
+                                       "no later job can run in this process; records so far are kept; fix the "
+                                       "cause and rerun the sweep") from None
             if failure is not None:  # out of the except block: the traceback (and the KV cache it holds) is gone
                 _free(device)
                 written.append(_fail(cfg, name, device, dtype, sweep_id, *failure))
@@ -349,6 +354,18 @@ def _bar(total, desc, enabled):
 def _one_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:500]
+
+
+class SweepAborted(RuntimeError):
+    """A failure after which no later job of this process can be trusted to run."""
+
+
+def _poisons_device(e: BaseException) -> bool:
+    """A device-side CUDA error (an assert in a kernel, an illegal address) leaves the
+    context unusable: every later CUDA call in the process fails or hangs."""
+    msg = str(e)
+    return "device-side assert" in msg or "illegal memory access" in msg or \
+        type(e).__name__ == "AcceleratorError" or msg.startswith("CUDA error")
 
 
 def _free(device) -> None:

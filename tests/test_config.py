@@ -190,6 +190,22 @@ def test_a_failed_append_prints_the_record_and_fails_the_job(tiny_dirs, tmp_path
     assert "could not append the ar record" in err and len(runner.FAILED) == n + 1
 
 
+def test_a_device_side_error_stops_the_sweep_after_recording(tiny_dirs, tmp_path, monkeypatch):
+    from methods.base import Proposer
+
+    class Poisoned(Proposer):
+        def propose(self, state):
+            raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setitem(methods.REGISTRY, "poisoned", "x:y")
+    real_get = methods.get
+    monkeypatch.setattr(methods, "get", lambda n: Poisoned if n == "poisoned" else real_get(n))
+    with pytest.raises(runner.SweepAborted, match="CUDA context is unusable"):
+        runner.job(tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "poisoned"}}), sweep_id="p")
+    recs = R.read(tmp_path / "records.jsonl")
+    assert [(r["method"], r["status"]) for r in recs] == [("ar", "ok"), ("poisoned", "error")]
+
+
 def test_forward_time_counted_once_and_hooks_removed_on_error(tiny_dirs, tmp_path, monkeypatch):
     from helpers import tiny_llama
     from specbench.timing import PhaseTimer
