@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from specbench.models import ConfigError, cache_dir
+from specbench.models import ConfigError, cache_dir, file_lock
 
 DATASETS = ("mt_bench", "humaneval", "gsm8k", "sharegpt", "jsonl")
 
@@ -121,6 +121,13 @@ def _sharegpt_cache() -> dict:
     out = cache_dir() / "data" / "sharegpt_v2.json"
     if out.exists():
         return json.loads(out.read_text())
+    with file_lock(out.with_name(out.name + ".lock")):  # one indexing process at a time
+        if out.exists():
+            return json.loads(out.read_text())
+        return _index_sharegpt(out)
+
+
+def _index_sharegpt(out):
     print("[specbench] indexing the ShareGPT wheel (once) ...", file=sys.stderr, flush=True)
     firsts, longs = [], []
     for n, conv in enumerate(_sharegpt_conversations()):

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,6 +32,22 @@ _MODELS: dict = {}  # (model key, device, dtype) -> (model, tokenizer), shared b
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECBENCH_CACHE", Path.home() / ".cache" / "specbench"))
+
+
+@contextmanager
+def file_lock(path: Path):
+    """An exclusive lock on ``path`` (created if needed) across processes: one-time work in
+    the cache (a model conversion, a data index) is done by one process while the others
+    wait, then find it done."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def group_options(group: str) -> list[str]:
@@ -115,9 +132,14 @@ def model_dir(mcfg) -> str:
             raise ConfigError(f"model path '{mcfg.path}' does not exist")
         return str(mcfg.path)  # a hub id such as HuggingFaceTB/SmolLM2-135M
     out = cache_dir() / "models" / mcfg.name
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
-        return str(out)
-    _convert_gguf(mcfg, out)
+
+    def ready():
+        return (out / "config.json").exists() and any(out.glob("*.safetensors"))
+
+    if not ready():
+        with file_lock(out.with_name(out.name + ".lock")):
+            if not ready():  # not converted by another process while this one waited
+                _convert_gguf(mcfg, out)
     return str(out)
 
 
@@ -136,14 +158,17 @@ def _convert_gguf(mcfg, out: Path) -> None:
     fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     fresh.load_state_dict(model.state_dict(), strict=False)
     fresh.tie_weights()
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    import shutil
+    import tempfile
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
     fresh.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
+    if out.exists():  # a half folder left by an older version: set it aside, then drop it
+        old = Path(tempfile.mkdtemp(prefix=out.name + ".old", dir=out.parent))
+        out.rename(old / out.name)
+        shutil.rmtree(old)
     tmp.rename(out)  # atomic: an interrupted conversion leaves no half folder behind
     print(f"[specbench] converted in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
 

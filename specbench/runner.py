@@ -266,7 +266,7 @@ def sweep_id_of(cfg) -> str:
 
         return Path(HydraConfig.get().sweep.dir).name
     except Exception:  # noqa: BLE001 - outside Hydra (tests)
-        return time.strftime("%Y-%m-%d_%H-%M-%S")
+        return time.strftime("%Y-%m-%d_%H-%M-%S-") + f"{time.time_ns() // 1000 % 1000000:06d}"
 
 
 def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:

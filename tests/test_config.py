@@ -4,6 +4,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,3 +329,33 @@ def test_shipped_draft_config_points_at_a_checkpoint():
         pytest.skip("no shipped draft checkpoint in this checkout")
     meta = json.loads((REPO / cfg.path / "drafter.json").read_text())
     assert meta["target"] == "smollm2-135m" and meta["target_vocab_size"] == 49152
+
+
+def test_concurrent_first_runs_convert_once(tmp_path, monkeypatch):
+    """Two processes (here: threads with their own lock handles) asking for a packaged model
+    that is not converted yet: one converts, the other waits and finds the folder whole."""
+    import threading
+    import time as _time
+
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path))
+    calls = []
+
+    def slow_convert(mcfg, out):
+        calls.append(out)
+        _time.sleep(0.5)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_text("x")
+
+    monkeypatch.setattr(models, "_convert_gguf", slow_convert)
+    mcfg = OmegaConf.create({"name": "packaged", "path": None, "package": "p", "file": "f.gguf"})
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(models.model_dir(mcfg))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 2 and got[0] == got[1]
+    assert (Path(got[0]) / "model.safetensors").exists()
