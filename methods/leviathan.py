@@ -92,7 +92,12 @@ class Leviathan(Proposer):
         self.fed = [list(p) for p in prompts]
 
     def _pick(self, logits: torch.Tensor, state: BatchState):
+        """The draft's next token (and the distribution q it was drawn from), over the
+        target's vocabulary: a wider draft output layer is cut, a narrower one (same
+        tokenizer, fewer padded rows) gets probability 0 on the missing ids."""
         logits = logits[..., : self.V]
+        if logits.shape[-1] < self.V:
+            logits = torch.nn.functional.pad(logits, (0, self.V - logits.shape[-1]), value=float("-inf"))
         if state.sampling.greedy:
             return logits.argmax(-1), None
         q = warp(logits, state.sampling)

@@ -204,6 +204,25 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+# Layer kinds whose state is a KV cache the engine can crop and gather; anything else in
+# ``layer_types`` (linear attention, Mamba / SSM, conv) carries a recurrent state.
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+RECURRENT_MODEL_TYPES = {"mamba", "mamba2", "rwkv", "jamba", "zamba", "zamba2", "bamba", "falcon_h1", "falcon_mamba",
+                         "granitemoehybrid", "lfm2", "qwen3_next", "nemotron_h", "recurrent_gemma", "xlstm", "minimax"}
+
+
+def check_rollback(config) -> None:
+    """Speculative decoding discards rejected tokens from the target's state; a recurrent
+    state (linear attention, Mamba) cannot be rolled back that way: refuse in one line."""
+    tc = text_config(config)
+    kinds = set(getattr(tc, "layer_types", None) or []) - ATTENTION_LAYERS
+    mtype = getattr(tc, "model_type", "")
+    if kinds or mtype in RECURRENT_MODEL_TYPES:
+        what = ", ".join(sorted(kinds)) or mtype
+        raise ConfigError(f"model type '{mtype}' has recurrent layers ({what}) whose state cannot be rolled back "
+                          "after rejected drafts; specbench's engine supports attention-only models")
+
+
 def max_positions(config) -> int:
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         v = getattr(config, key, None)

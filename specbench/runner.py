@@ -20,7 +20,7 @@ import methods
 from specbench import data as D
 from specbench import loggers
 from specbench import records as R
-from specbench.models import (CONF_DIR, ConfigError, cached_model, eos_ids, load_config,
+from specbench.models import (CONF_DIR, ConfigError, cached_model, check_rollback, eos_ids, load_config,
                               load_tokenizer, max_positions, resolve_device, resolve_dtype)
 from specbench.monitor import NvmlMonitor
 from specbench.timing import PHASES, PhaseTimer, sync
@@ -56,6 +56,7 @@ def validate(cfg: DictConfig) -> None:
     device = resolve_device(cfg.device)
     resolve_dtype(cfg.dtype, device)
     mconf = load_config(cfg.model)
+    check_rollback(mconf)
     npos = max_positions(mconf)
     if cfg.ctx is not None:
         if not isinstance(cfg.ctx, int) or cfg.ctx < 1:

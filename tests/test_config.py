@@ -359,3 +359,17 @@ def test_concurrent_first_runs_convert_once(tmp_path, monkeypatch):
         t.join()
     assert len(calls) == 1 and len(got) == 2 and got[0] == got[1]
     assert (Path(got[0]) / "model.safetensors").exists()
+
+
+def test_models_with_a_recurrent_state_are_refused():
+    from transformers import LlamaConfig
+
+    models.check_rollback(LlamaConfig())  # attention only: fine
+    hybrid = LlamaConfig()
+    hybrid.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ConfigError, match="recurrent layers \\(linear_attention\\)"):
+        models.check_rollback(hybrid)
+    ssm = LlamaConfig()
+    ssm.model_type = "mamba2"
+    with pytest.raises(ConfigError, match="cannot be rolled back"):
+        models.check_rollback(ssm)

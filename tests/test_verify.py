@@ -192,3 +192,26 @@ def test_leviathan_sampling_follows_target(s):
     assert sum(sum(r.accept_lens) for r in res) > n // 4  # drafts were accepted, not just resampled
     assert chi2_pvalue(c2, m2) > 1e-3
     assert chi2_pvalue(c3, m3) > 1e-3
+
+
+def test_a_draft_with_a_narrower_output_layer():
+    """Same tokenizer, fewer output rows (e.g. Qwen2.5-0.5B's 151936 vs a 7B's 152064):
+    the missing ids get draft probability 0; greedy stays identical, sampling lossless."""
+    from helpers import reference_greedy
+
+    target = tiny_llama(seed=0, vocab=V, scale=3.0)
+    draft = tiny_llama(seed=1, vocab=V, scale=3.0)
+    narrow = torch.nn.Linear(draft.lm_head.in_features, V - 3, bias=False)
+    with torch.no_grad():
+        narrow.weight.copy_(draft.lm_head.weight[: V - 3])
+    draft.lm_head = narrow
+    prompt = [3, 5, 7, 9]
+    lev = Leviathan(cfg_for(K=3), target, None, CPU, torch.float32, draft_model=draft)
+    assert run_engine(target, lev, [prompt, prompt[:2]], 10)[0].tokens == reference_greedy(target, prompt, 10)
+    n = 3000
+    s = Sampling(1.0)
+    res = run_engine(target, lev, [prompt] * n, 3, sampling=s, gen=torch.Generator().manual_seed(3))
+    m2, m3 = exact_marginals(target, prompt, s)
+    assert sum(sum(r.accept_lens) for r in res) > n // 10
+    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[1] for r in res]), minlength=V), m2) > 1e-3
+    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V), m3) > 1e-3
