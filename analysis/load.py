@@ -25,6 +25,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
                                      "temperature", "top_k", "top_p", "max_new_tokens", "dtype", "device", "seed",
                                      "status", "error", "lossless")}
         row.update({k: m.get(k) for k in ("new_tokens", "wall_s", "tokens_per_s", "steps", "iterations", "tau",
+                                          "draft_nodes",
                                           "speedup", "match_ar", "verify_share", "engine_overhead", "ttft_s",
                                           "tpot_s", "peak_mem_bytes", "energy_j")})
         for ph, v in (m.get("time_s") or {}).items():

@@ -159,7 +159,9 @@ def batch_aware(df, curves) -> pd.Series:
             c = cand[-1]
             T = c["target"]
             t_ar = interp(T, int(r["bs"]), 1)
-            t_ver = interp(T, int(r["bs"]), int(r["K"]) + 1)
+            nodes = r.get("draft_nodes")  # a tree verifies its nodes, a chain K (+ the root)
+            width = int(round(nodes)) + 1 if nodes is not None and nodes == nodes and nodes > 0 else int(r["K"]) + 1
+            t_ver = interp(T, int(r["bs"]), width)
             t_draft = r["t_draft"] / r["iterations"]
             s = theory.batch_aware_speedup(r["tau"], t_ar, t_draft, t_ver)
         vals.append(s)

@@ -183,12 +183,13 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
                         "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
                         "accepted": sum(r.accept_lens), "accepts": encode_accepts(r.accept_lens),
                         "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
-                        "_lens": r.accept_lens,
+                        "_lens": r.accept_lens, "_nodes": sum(r.drafted),
                     })
                 if progress is not None:
                     progress.update(len(rows))
     times = timer.totals()
     all_lens = [x for rq in requests for x in rq.pop("_lens")]
+    all_nodes = sum(rq.pop("_nodes") for rq in requests)
     row_steps = len(all_lens)
     K = 0 if method_name == "ar" else int(cfg.K)
     depth = max([K] + all_lens)
@@ -207,6 +208,7 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
         "iterations": eng.iterations,
         "batches": n_batches,
         "tau": 1.0 + sum(all_lens) / row_steps if row_steps else 1.0,
+        "draft_nodes": all_nodes / row_steps if row_steps else 0.0,  # candidates verified per row per step
         "accept_rate_per_pos": [sum(1 for x in all_lens if x >= i) / row_steps for i in range(1, depth + 1)]
         if row_steps else [],
         "accept_len_hist": [hist.get(i, 0) for i in range(depth + 1)],

@@ -115,7 +115,7 @@ def test_draft_with_another_vocabulary_is_refused(tiny_dirs, tmp_path):
 
 REQUIRED = ["schema", "sweep_id", "status", "error", "method", "model", "draft", "K", "bs", "ctx", "dataset",
             "limit", "temperature", "max_new_tokens", "dtype", "device", "seed", "env", "metrics", "requests"]
-METRICS = ["new_tokens", "wall_s", "tokens_per_s", "steps", "tau", "accept_rate_per_pos", "accept_len_hist",
+METRICS = ["new_tokens", "wall_s", "tokens_per_s", "steps", "tau", "draft_nodes", "accept_rate_per_pos", "accept_len_hist",
            "time_s", "verify_share", "ttft_s", "tpot_s", "peak_mem_bytes", "energy_j", "speedup", "match_ar"]
 
 
