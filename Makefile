@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: setup run test test-fast bench-peers bench-draft train-draft report regress regress-baseline profile clean-cache
+.PHONY: setup run test test-fast bench-peers bench-draft bench-heads train-draft report regress regress-baseline profile clean-cache
 
 setup: $(STAMP)
 
@@ -42,6 +42,18 @@ bench-draft: setup
 		dataset=mt_bench,humaneval temperature=0,0.7 limit=3 max_new_tokens=64 results_dir=$(BENCH_DRAFT_DIR) $(ARGS)
 	$(BIN)/python -m analysis.profile --bs 1 --n 1,2,3,4,5,7,9 --draft-layers 0 --results-dir $(BENCH_DRAFT_DIR)
 	$(BIN)/python -m analysis.report $(BENCH_DRAFT_DIR) --out $(BENCH_DRAFT_DIR)/report
+
+# The shipped Medusa / EAGLE heads against AR: MT-Bench and HumanEval (10 each, 128 tokens, bs=1) in fp32
+# and bf16; then every method at bs = 1, 8, 32 (32 MT-Bench first turns, 32 tokens); the cost curves; a report.
+BENCH_HEADS_DIR := results/bench-heads
+bench-heads: setup
+	$(BIN)/python -m specbench method=eagle,medusa dataset=mt_bench,humaneval dtype=fp32,bf16 limit=10 \
+		max_new_tokens=128 progress=false results_dir=$(BENCH_HEADS_DIR) $(ARGS)
+	$(BIN)/python -m specbench method=eagle,medusa,leviathan,pld bs=1,8,32 limit=32 dataset.max_turns=1 \
+		max_new_tokens=32 dtype=fp32 progress=false results_dir=$(BENCH_HEADS_DIR) $(ARGS)
+	$(BIN)/python -m analysis.profile --bs 1,8,32 --n 1,2,5,9,17,33 --draft-layers 0 --results-dir $(BENCH_HEADS_DIR)
+	$(BIN)/python -m analysis.profile --bs 1 --n 1,2,5,9,17,33 --draft-layers 0 --dtype bf16 --results-dir $(BENCH_HEADS_DIR)
+	$(BIN)/python -m analysis.report $(BENCH_HEADS_DIR) --out $(BENCH_HEADS_DIR)/report
 
 # Reproduce the shipped draft (self-distillation data from the target, then training).
 train-draft: setup

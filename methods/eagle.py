@@ -24,7 +24,12 @@ from specbench import drafters
 from specbench.draft import Draft
 from specbench.models import ConfigError, resolve_path
 
-AUTO_TOTAL = {"cuda": 60, "cpu": 8}  # verify width by device (see the cost curve in README)
+# The tree shape by device (`auto`): on a GPU a 60-node verify costs about what one token
+# does (EAGLE-2's defaults); on a CPU it does not (fp32: a 9-node forward ~1.8x a 1-token
+# one), and each drafter level costs ~10% of a target step, so the tree stays small and
+# shallow there. Measured on SmolLM2-135M (see the issue notes / README): depth 2-3 with 8
+# nodes beat depth 5 and 16 nodes on the 2-core CPU.
+AUTO = {"cuda": {"top_k": 10, "depth": 5, "total_tokens": 60}, "cpu": {"top_k": 4, "depth": 3, "total_tokens": 8}}
 
 
 class Eagle(Proposer):
@@ -37,20 +42,18 @@ class Eagle(Proposer):
         if int(m.get("version", 2)) != 2:
             raise ConfigError(f"eagle.version={m.version}: only 2 (EAGLE-1's drafter with EAGLE-2's dynamic tree) "
                               "is implemented")
-        for key in ("top_k", "depth"):
-            if not isinstance(m[key], int) or m[key] < 1:
-                raise ConfigError(f"eagle.{key} must be an integer >= 1, got {m[key]!r}")
-        t = m.total_tokens
-        if t != "auto" and (not isinstance(t, int) or t < 1):
-            raise ConfigError(f"eagle.total_tokens must be 'auto' or an integer >= 1, got {t!r}")
+        for key in ("top_k", "depth", "total_tokens"):
+            v = m[key]
+            if v != "auto" and (not isinstance(v, int) or v < 1):
+                raise ConfigError(f"eagle.{key} must be 'auto' or an integer >= 1, got {v!r}")
         drafters.check_fits(resolve_path(m.checkpoint), cfg, target_config, "eagle", "eagle.checkpoint")
 
     def __init__(self, cfg, target, tokenizer, device, dtype, drafter=None):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method
-        self.top_k, self.depth = int(m.top_k), int(m.depth)
-        t = m.total_tokens
-        self.total = AUTO_TOTAL.get(device.type, 8) if t == "auto" else int(t)
+        auto = AUTO.get(device.type, AUTO["cpu"])
+        self.top_k, self.depth, self.total = (auto[k] if m[k] == "auto" else int(m[k])
+                                              for k in ("top_k", "depth", "total_tokens"))
         if drafter is None:
             drafter = drafters.load(resolve_path(m.checkpoint), target, device, dtype, kind="eagle")
         self.d = drafter

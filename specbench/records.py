@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
@@ -24,8 +25,14 @@ def append(path: str | Path, record: dict) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(record, default=str)
-    with p.open("a") as f:
-        f.write(line + "\n")
+    with p.open("ab+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # one writer at a time (parallel launcher workers share the file)
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:  # a line cut by a crash must not swallow this record
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                line = "\n" + line
+        f.write((line + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
 
@@ -58,6 +65,23 @@ def baseline_key(rec: dict) -> tuple:
 def env_key(rec: dict) -> tuple:
     env = rec.get("env") or {}
     return tuple(env.get(k) for k in ENV_KEYS)
+
+
+# A job is the same job when these match too (with the same machine and code).
+JOB_KEYS = BASELINE_KEYS + ("method", "K", "draft", "method_opts")
+
+
+def job_key(rec: dict) -> tuple:
+    return tuple(json.dumps(rec.get(k), sort_keys=True) for k in JOB_KEYS)
+
+
+def find_done(records: list[dict], probe: dict) -> dict | None:
+    """The latest ok record of the job ``probe`` describes, on the same machine and code."""
+    key, env = job_key(probe), env_key(probe)
+    for rec in reversed(records):
+        if rec.get("status") == "ok" and env_key(rec) == env and job_key(rec) == key:
+            return rec
+    return None
 
 
 def find_ar(records: list[dict], probe: dict, sweep_id: str | None) -> dict | None:

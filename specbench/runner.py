@@ -20,13 +20,17 @@ import methods
 from specbench import data as D
 from specbench import loggers
 from specbench import records as R
-from specbench.models import (CONF_DIR, ConfigError, cached_model, check_rollback, eos_ids, load_config,
+from specbench.models import (CONF_DIR, ConfigError, cached_model, check_rollback, eos_ids, file_lock, load_config,
                               load_tokenizer, max_positions, resolve_device, resolve_dtype)
 from specbench.monitor import NvmlMonitor
 from specbench.timing import PHASES, PhaseTimer, sync
 from specbench.verify import Sampling
 
-FAILED: list[str] = []  # one-line errors of this process's jobs (sets the exit code)
+FAILED: list[str] = []  # one-line errors of this sweep's jobs (sets the exit code)
+
+# `device=cuda:${mod:${hydra:job.num},4}`: one GPU per job of a parallel launcher (joblib)
+if not OmegaConf.has_resolver("mod"):
+    OmegaConf.register_new_resolver("mod", lambda a, b: int(a) % int(b))
 
 
 # ---------------------------------------------------------------------------- validation
@@ -226,19 +230,28 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
     return metrics, requests, proposer
 
 
+def _draft_label(cfg, method_name):
+    try:
+        return methods.get(method_name).draft_label(cfg)
+    except Exception:  # noqa: BLE001 - a method that cannot even be imported is recorded as failed
+        return None
+
+
 def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
     return {
         "schema": R.SCHEMA, "sweep_id": sweep_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "status": "ok", "error": None, "method": method_name,
         "model": cfg.model.path or cfg.model.name,
-        "draft": methods.get(method_name).draft_label(cfg),
+        "draft": _draft_label(cfg, method_name),
         "K": None if method_name == "ar" else int(cfg.K), "bs": int(cfg.bs), "ctx": cfg.ctx,
         "dataset": cfg.dataset.name if cfg.dataset.name != "jsonl" else f"jsonl:{cfg.dataset.path}",
         "limit": cfg.limit, "temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
         "max_new_tokens": int(cfg.max_new_tokens), "dtype": str(dtype).replace("torch.", ""), "device": device.type,
+        "method_opts": OmegaConf.to_container(cfg.method, resolve=True) if method_name == cfg.method.name
+        else {"name": method_name},
         "seed": int(cfg.seed), "dataset_cfg": OmegaConf.to_container(cfg.dataset, resolve=True),
-        "model_cfg": OmegaConf.to_container(cfg.model, resolve=True), "lossless": True, "method_cfg": {}, "env": R.env_info(device), "metrics": None,
-        "requests": [],
+        "model_cfg": OmegaConf.to_container(cfg.model, resolve=True), "lossless": True, "method_cfg": {},
+        "env": R.env_info(device), "metrics": None, "requests": [],
     }
 
 
@@ -290,62 +303,88 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
         model, tokenizer = cached_model(cfg.model, device, dtype)
     except ConfigError as e:
         return [_fail(cfg, method_name, device, dtype, sweep_id, "error", str(e))]
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        msg = _one_line(e)
+        _free(device)
+        return [_fail(cfg, method_name, device, dtype, sweep_id, "oom", f"loading: {msg}")]
+    except Exception as e:  # noqa: BLE001 - a method that fails to import, a model that fails to load
+        traceback.print_exc(file=sys.stderr)
+        return [_fail(cfg, method_name, device, dtype, sweep_id, "error", f"loading: {_one_line(e)}")]
     existing = R.read(cfg.records)
-    probe = _record_base(cfg, "ar", device, dtype, sweep_id)
-    ar = R.find_ar(existing, probe, None if cfg.ar_baseline == "any" else sweep_id)
-    todo = []
-    if method_name == "ar":
-        if ar is not None and ar.get("sweep_id") == sweep_id:
-            print(f"[specbench] ar bs={cfg.bs}: the same AR job already ran in this sweep; reusing it", file=sys.stderr)
+    resume = bool(cfg.get("resume", False))
+    if resume:  # this job's ok record from an earlier run (same settings, machine and code)
+        done = R.find_done(existing, _record_base(cfg, method_name, device, dtype, sweep_id))
+        if done is not None:
+            print(f"[specbench] resume: {method_name} bs={cfg.bs} K={cfg.K} is already recorded (sweep "
+                  f"{done.get('sweep_id')}); skipped", file=sys.stderr)
             return []
-        todo = ["ar"]
-    else:
-        todo = (["ar"] if ar is None else []) + [method_name]
+    probe = _record_base(cfg, "ar", device, dtype, sweep_id)
+    scope = None if cfg.ar_baseline == "any" or resume else sweep_id
+    ar = R.find_ar(existing, probe, scope)
     n_turns = sum(len(q.turns) for q in questions)
-    bar = _bar(len(todo) * n_turns, f"{method_name} bs={cfg.bs} K={cfg.K}" + (f" ctx={cfg.ctx}" if cfg.ctx else ""),
+    n_runs = 1 if method_name == "ar" or ar is not None else 2
+    bar = _bar(n_runs * n_turns, f"{method_name} bs={cfg.bs} K={cfg.K}" + (f" ctx={cfg.ctx}" if cfg.ctx else ""),
                cfg.progress)
     try:
-        for name in todo:
-            bar.set_postfix_str(name)
-            failure = None
-            try:
-                rec = measure(cfg, name, model, tokenizer, device, dtype, questions, sweep_id, bar)
-            except KeyboardInterrupt:
-                _fail(cfg, name, device, dtype, sweep_id, "error", "interrupted (KeyboardInterrupt)")
-                raise
-            except (torch.OutOfMemoryError, MemoryError) as e:
-                failure = ("oom", _one_line(e))
-            except ConfigError as e:
-                failure = ("error", str(e))
-            except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-                traceback.print_exc(file=sys.stderr)
-                failure = ("error", _one_line(e))
-                if _poisons_device(e):
-                    written.append(_fail(cfg, name, device, dtype, sweep_id, *failure))
-                    raise SweepAborted(f"{failure[1]}: the CUDA context is unusable after a device-side error, so "
-                                       "no later job can run in this process; records so far are kept; fix the "
-                                       "cause and rerun the sweep") from None
-            if failure is not None:  # out of the except block: the traceback (and the KV cache it holds) is gone
-                _free(device)
-                written.append(_fail(cfg, name, device, dtype, sweep_id, *failure))
-                continue
-            if name == "ar":
-                ar = rec
-                rec["metrics"]["speedup"] = 1.0
-                if rec["temperature"] == 0:
-                    rec["metrics"]["match_ar"] = 1.0
-            elif ar is not None:
-                fill_against_ar(rec, ar)
-            if not _append(cfg, rec):
-                continue
-            written.append(rec)
-            try:
-                loggers.log_record(cfg, rec)
-            except Exception as e:  # noqa: BLE001 - a logger never costs a measurement
-                print(f"specbench: warning: logger failed: {_one_line(e)}", file=sys.stderr)
+        if ar is None or method_name == "ar":
+            # each AR baseline runs once: a job (of this process or a parallel worker) that finds
+            # none takes that baseline's lock, looks again, and runs it if it is still missing
+            tag = hashlib.sha1(repr(R.baseline_key(probe)).encode()).hexdigest()[:12]
+            with file_lock(Path(f"{cfg.records}.ar-{tag}.lock")):
+                ar = R.find_ar(R.read(cfg.records), probe, scope)
+                if method_name == "ar" and ar is not None and ar.get("sweep_id") == sweep_id:
+                    print(f"[specbench] ar bs={cfg.bs}: the same AR job already ran in this sweep; reusing it",
+                          file=sys.stderr)
+                    return written
+                if ar is None:
+                    ar = _run_one(cfg, "ar", None, model, tokenizer, device, dtype, questions, sweep_id, bar, written)
+        if method_name != "ar":
+            _run_one(cfg, method_name, ar, model, tokenizer, device, dtype, questions, sweep_id, bar, written)
     finally:
         bar.close()
     return written
+
+
+def _run_one(cfg, name, ar, model, tokenizer, device, dtype, questions, sweep_id, bar, written) -> dict | None:
+    """Measure one method, pair it with the AR record ``ar``, append and log the record.
+    A failure is recorded (and the sweep goes on) unless it leaves the device unusable."""
+    bar.set_postfix_str(name)
+    failure = None
+    try:
+        rec = measure(cfg, name, model, tokenizer, device, dtype, questions, sweep_id, bar)
+    except KeyboardInterrupt:
+        _fail(cfg, name, device, dtype, sweep_id, "error", "interrupted (KeyboardInterrupt)")
+        raise
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        failure = ("oom", _one_line(e))
+    except ConfigError as e:
+        failure = ("error", str(e))
+    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+        traceback.print_exc(file=sys.stderr)
+        failure = ("error", _one_line(e))
+        if _poisons_device(e):
+            written.append(_fail(cfg, name, device, dtype, sweep_id, *failure))
+            raise SweepAborted(f"{failure[1]}: the CUDA context is unusable after a device-side error, so "
+                               "no later job can run in this process; records so far are kept; fix the "
+                               "cause and rerun the sweep") from None
+    if failure is not None:  # out of the except block: the traceback (and the KV cache it holds) is gone
+        _free(device)
+        written.append(_fail(cfg, name, device, dtype, sweep_id, *failure))
+        return None
+    if name == "ar":
+        rec["metrics"]["speedup"] = 1.0
+        if rec["temperature"] == 0:
+            rec["metrics"]["match_ar"] = 1.0
+    elif ar is not None:
+        fill_against_ar(rec, ar)
+    if not _append(cfg, rec):
+        return None
+    written.append(rec)
+    try:
+        loggers.log_record(cfg, rec)
+    except Exception as e:  # noqa: BLE001 - a logger never costs a measurement
+        print(f"specbench: warning: logger failed: {_one_line(e)}", file=sys.stderr)
+    return rec
 
 
 def _bar(total, desc, enabled):
@@ -442,6 +481,9 @@ class SummaryCallback(Callback):
             return
         print(f"\nspecbench sweep {sid}: {len(recs)} records in {records}\n")
         print(summary_table(recs), flush=True)
+        # jobs that ran in other processes (a parallel launcher's workers) set the exit code too
+        FAILED.extend(r.get("error") or r.get("status") for r in recs
+                      if r.get("status") != "ok" and (r.get("error") or r.get("status")) not in FAILED)
 
     def on_multirun_end(self, config, **kwargs) -> None:
         self._print(config)

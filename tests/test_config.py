@@ -96,6 +96,18 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
     ({"top_p": 0.0}, "top_p must be in"),
     ({"method": {"name": "eagle9"}}, "unknown method 'eagle9'"),
     ({"method": {"name": "leviathan"}, "draft.layers": 5}, "draft.layers must be an integer in 1..1"),
+    ({"method": {"name": "eagle", "version": 2, "top_k": "auto", "depth": 0, "total_tokens": "auto",
+                 "checkpoint": "checkpoints/smollm2-135m/eagle"}}, "eagle.depth must be 'auto' or an integer >= 1"),
+    ({"method": {"name": "eagle", "version": 3, "top_k": 4, "depth": 3, "total_tokens": 8,
+                 "checkpoint": "checkpoints/smollm2-135m/eagle"}}, "eagle.version=3: only 2"),
+    ({"method": {"name": "eagle", "version": 2, "top_k": 4, "depth": 3, "total_tokens": 8,
+                 "checkpoint": "checkpoints/smollm2-135m/eagle"}}, "was trained for smollm2-135m, not"),
+    ({"method": {"name": "eagle", "version": 2, "top_k": 4, "depth": 3, "total_tokens": 8,
+                 "checkpoint": "checkpoints/smollm2-135m/medusa"}}, "holds a medusa drafter, not a eagle drafter"),
+    ({"method": {"name": "medusa", "tree": "bushy", "accept": "exact", "tree_size": None, "eps": 0.09, "delta": 0.3,
+                 "checkpoint": "checkpoints/smollm2-135m/medusa"}}, "medusa.tree must be 'default' or 'chain'"),
+    ({"method": {"name": "medusa", "tree": "chain", "accept": "exact", "tree_size": None, "eps": 0.09, "delta": 0.3,
+                 "checkpoint": "/no/such/heads"}}, "is not a drafter checkpoint"),
 ])
 def test_bad_inputs(tiny_dirs, tmp_path, over, msg):
     cfg = tiny_cfg(tiny_dirs, tmp_path, **over)
@@ -260,8 +272,11 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(tiny_dirs, tmp_path, mo
         assert "\n" not in recs[-1]["error"]
     cfg = tiny_cfg(tiny_dirs, tmp_path, K=0, **{"method": {"name": "pld"}})
     assert runner.job(cfg, sweep_id="f")[0]["error"].startswith("K must be")
+    monkeypatch.setitem(methods.REGISTRY, "broken", "methods.no_such_module:X")  # a method that fails to import
+    cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "broken"}})
+    assert runner.job(cfg, sweep_id="f")[0]["error"].startswith("loading: ModuleNotFoundError")
     lines = R.read(tmp_path / "records.jsonl")
-    assert [r["status"] for r in lines] == ["ok", "error", "oom", "error"]  # ar ok, then the failures
+    assert [r["status"] for r in lines] == ["ok", "error", "oom", "error", "error"]  # ar ok, then the failures
 
 
 def test_ctx_prompts_have_exact_length(tiny_dirs, tmp_path, monkeypatch):
@@ -298,6 +313,74 @@ def test_cli_sweep_end_to_end(tiny_dirs, tmp_path):
     assert bad.stderr.strip() == "specbench: error: unknown method 'medusa9'; choices: ar, eagle, leviathan, medusa, pld"
 
 
+def test_resume_skips_recorded_jobs(tiny_dirs, tmp_path, capsys):
+    pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
+    assert [r["method"] for r in runner.job(tiny_cfg(tiny_dirs, tmp_path, **pld), sweep_id="r1")] == ["ar", "pld"]
+    # a new sweep with resume=true: the recorded job is skipped and says so
+    assert runner.job(tiny_cfg(tiny_dirs, tmp_path, resume=True, **pld), sweep_id="r2") == []
+    assert "already recorded (sweep r1); skipped" in capsys.readouterr().err
+    # a job not recorded yet runs, paired with the recorded AR job (no second AR)
+    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, resume=True, K=2, **pld), sweep_id="r2")
+    assert [r["method"] for r in recs] == ["pld"] and recs[0]["ar_sweep_id"] == "r1"
+    # a method option is part of the job: another max_ngram is another job
+    other = {"method": {"name": "pld", "max_ngram": 2, "min_ngram": 1}}
+    assert [r["method"] for r in runner.job(tiny_cfg(tiny_dirs, tmp_path, resume=True, **other), "r2")] == ["pld"]
+    # without resume, a new sweep measures again
+    assert [r["method"] for r in runner.job(tiny_cfg(tiny_dirs, tmp_path, **pld), sweep_id="r3")] == ["ar", "pld"]
+
+
+def test_kill_9_mid_sweep_then_resume(tiny_dirs, tmp_path):
+    """A sweep killed with SIGKILL keeps every finished record; rerun with resume=true, it
+    runs only what is missing, and every job ends with exactly one ok record."""
+    import signal
+    import time as _time
+
+    args = [sys.executable, "-m", "specbench", "model=hf", f"model.path={tiny_dirs['target']}", "dataset=jsonl",
+            f"dataset.path={tiny_dirs['questions']}", "method=pld,leviathan", "K=1,2,3", "limit=4",
+            "max_new_tokens=48", "draft=self_layers", "draft.layers=1", f"results_dir={tmp_path}", "progress=false"]
+    path = tmp_path / "records.jsonl"
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = _time.time() + 240
+    while _time.time() < deadline and proc.poll() is None and len(R.read(path)) < 3:
+        _time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = R.read(path)
+    assert 3 <= len(before) < 7, "the sweep was not cut in the middle"
+    out = subprocess.run(args + ["resume=true"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    recs = R.read(path)
+    jobs = [(r["method"], r["K"]) for r in recs]
+    want = [("ar", None)] + [(m, k) for m in ("pld", "leviathan") for k in (1, 2, 3)]
+    assert sorted(jobs, key=str) == sorted(want, key=str)  # each job once: nothing lost, nothing repeated
+    assert all(r["status"] == "ok" and r["metrics"]["match_ar"] == 1.0 for r in recs)
+    assert out.stderr.count("already recorded") == len(before) - 1  # the recorded method jobs were skipped
+
+
+def test_joblib_launcher_two_workers(tiny_dirs, tmp_path):
+    """Hydra's joblib launcher, 2 worker processes sharing one records file: every record
+    whole, each AR baseline run exactly once and paired with its methods, then resume."""
+    args = [sys.executable, "-m", "specbench", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=hf",
+            f"model.path={tiny_dirs['target']}", "dataset=jsonl", f"dataset.path={tiny_dirs['questions']}",
+            "method=pld,leviathan", "bs=1,2", "K=2,3", "limit=3", "max_new_tokens=16", "draft=self_layers",
+            "draft.layers=1", f"results_dir={tmp_path}", "progress=false"]
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    recs = R.read(tmp_path / "records.jsonl")
+    assert len(recs) == len((tmp_path / "records.jsonl").read_text().splitlines())  # no line lost or mixed
+    assert sorted((r["method"], r["bs"]) for r in recs if r["method"] == "ar") == [("ar", 1), ("ar", 2)]
+    ar = {r["bs"]: r for r in recs if r["method"] == "ar"}
+    methods_ = [r for r in recs if r["method"] != "ar"]
+    assert len(methods_) == 8 and all(r["status"] == "ok" for r in recs)
+    for r in methods_:
+        assert r["metrics"]["match_ar"] == 1.0
+        assert r["metrics"]["speedup"] == pytest.approx(r["metrics"]["tokens_per_s"] / ar[r["bs"]]["metrics"]["tokens_per_s"])
+    assert "speedup" in out.stdout  # the summary table of the parent process
+    again = subprocess.run(args + ["resume=true"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(R.read(tmp_path / "records.jsonl")) == len(recs)  # nothing measured twice
+
+
 def test_records_reader_skips_a_cut_line(tmp_path):
     p = tmp_path / "records.jsonl"
     R.append(p, {"method": "ar", "status": "ok"})
@@ -305,6 +388,8 @@ def test_records_reader_skips_a_cut_line(tmp_path):
         f.write('{"method": "pld", "sta')
     assert [r["method"] for r in R.read(p)] == ["ar"]
     assert json.loads(p.read_text().splitlines()[0])["status"] == "ok"
+    R.append(p, {"method": "leviathan", "status": "ok"})  # the next record after the cut survives
+    assert [r["method"] for r in R.read(p)] == ["ar", "leviathan"]
 
 
 def test_trained_draft_for_another_model_is_refused(tiny_dirs, tmp_path):
