@@ -30,7 +30,7 @@ def test_sharegpt_slices_are_disjoint():
     longs = D.long_texts()
     assert len(longs) == 256 and len(longs[0]) > 20000
     train = D.sharegpt_training()
-    assert len(train) > 10000
+    assert len(train) > 9000  # 9,925 usable conversations after the evaluation slice
     assert all(c["turns"][0][0] == "user" for c in train)
     eval_ids = {q.id.removeprefix("sharegpt-") for q in sg}
     assert not eval_ids & {c["id"] for c in train}

@@ -92,6 +92,18 @@ def load(folder, target, device, dtype, kind: str | None = None):
     return drafter.to(device=device, dtype=dtype).eval()
 
 
+class Drafter(torch.nn.Module):
+    """Base of every drafter: a checkpoint stores its own weights, i.e. its state minus the
+    parts it shares with the target (``shared_prefixes``)."""
+
+    @staticmethod
+    def shared_prefixes() -> tuple:
+        return ()
+
+    def own_state(self) -> dict:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(self.shared_prefixes())}
+
+
 class TargetParts:
     """What a drafter borrows from its target without owning it: token embedding, output
     layer rows of the draft vocabulary, rotary tables. Held outside the module tree, so

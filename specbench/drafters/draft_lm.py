@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specbench.drafters import Drafter
 from specbench.models import text_config
 
 
@@ -33,7 +34,7 @@ class DraftOutput:
     hidden_states: tuple | None = None
 
 
-class DraftLM(nn.Module):
+class DraftLM(Drafter):
     def __init__(self, target, n_layers: int, vocab_ids: torch.Tensor, init_from_target: bool = True):
         super().__init__()
         from transformers import AutoModel
@@ -75,14 +76,6 @@ class DraftLM(nn.Module):
     def shared_prefixes() -> tuple:
         return ("body.embed_tokens", "body.rotary")
 
-    def own_state(self) -> dict:
-        """What a checkpoint stores: every weight that is not the target's."""
-        out = {}
-        for name, t in self.state_dict().items():
-            if name.startswith(self.shared_prefixes()):
-                continue
-            out[name] = t
-        return out
 
     def reduced_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.head_weight().T

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbench.drafters import TargetParts
+from specbench.drafters import Drafter, TargetParts
 from specbench.models import text_config
 
 
@@ -94,7 +94,7 @@ class Block(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-class EagleDrafter(nn.Module):
+class EagleDrafter(Drafter):
     kind = "eagle"
 
     def __init__(self, target, vocab_ids: torch.Tensor):
@@ -107,13 +107,6 @@ class EagleDrafter(nn.Module):
         self.vocab_size = int(cfg.vocab_size)
         self.register_buffer("vocab_ids", vocab_ids.clone().long(), persistent=True)
         self.parts = TargetParts(target, self.vocab_ids)
-
-    @staticmethod
-    def shared_prefixes() -> tuple:
-        return ()
-
-    def own_state(self) -> dict:
-        return dict(self.state_dict())
 
     # ---------------------------------------------------------------- pieces
     def pair(self, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbench.drafters import TargetParts
+from specbench.drafters import Drafter, TargetParts
 from specbench.models import text_config
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(Drafter):
     kind = "medusa"
 
     def __init__(self, target, vocab_ids: torch.Tensor, n_heads: int):
@@ -37,13 +37,6 @@ class MedusaHeads(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n_heads, d))
         self.register_buffer("vocab_ids", vocab_ids.clone().long(), persistent=True)
         self.parts = TargetParts(target, self.vocab_ids)
-
-    @staticmethod
-    def shared_prefixes() -> tuple:
-        return ()
-
-    def own_state(self) -> dict:
-        return dict(self.state_dict())
 
     def logits_of(self, f: torch.Tensor) -> torch.Tensor:
         """The target's own logits over the draft vocabulary (what head 0 would be)."""

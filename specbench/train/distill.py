@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -150,7 +151,7 @@ def build(target, tokenizer, target_name: str, dcfg, device, dtype, chat: bool =
             it["tokens"] = torch.tensor(s, dtype=torch.int32)
             it["prompt_len"] = p
             it["answered"] = a
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save(items, tmp)
         tmp.rename(path)  # a shard is either whole or absent
         bar.update(len(part))

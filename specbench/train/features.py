@@ -30,7 +30,7 @@ import torch
 from specbench import data as D
 from specbench.hidden import Tap
 from specbench.models import cache_dir
-from specbench.train.distill import _norm, benchmark_texts, drop_overlap
+from specbench.train.distill import _norm, benchmark_texts, drop_overlap, load  # noqa: F401 - load: the shards
 
 
 def settings_key(target_name: str, fcfg) -> str:
@@ -167,13 +167,6 @@ def build(target, tokenizer, target_name: str, fcfg, device, dtype, chat: bool =
             "dropped": src["dropped"], "shards": n_shards}
     (root / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
     return root
-
-
-def load(root: Path) -> list[dict]:
-    items = []
-    for p in sorted(Path(root).glob("shard_*.pt")):
-        items += torch.load(p, weights_only=False)
-    return items
 
 
 def stats(items: list[dict]) -> dict:
