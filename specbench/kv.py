@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from specbench.models import text_config
+
 
 class RaggedCache:
     def __init__(self, model, device: torch.device, dtype: torch.dtype):
@@ -23,6 +25,7 @@ class RaggedCache:
         self.device = device
         self.dtype = dtype
         cfg = getattr(model, "config", None)
+        cfg = text_config(cfg) if cfg is not None else None  # multimodal Gemma 3 keeps it in text_config
         # Models with interleaved sliding-window layers (Gemma 3) take a mask per layer type.
         layer_types = getattr(cfg, "layer_types", None) or []
         self.window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None

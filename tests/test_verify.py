@@ -215,3 +215,16 @@ def test_a_draft_with_a_narrower_output_layer():
     assert sum(sum(r.accept_lens) for r in res) > n // 10
     assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[1] for r in res]), minlength=V), m2) > 1e-3
     assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V), m3) > 1e-3
+
+
+def test_sliding_window_read_from_a_multimodal_text_config():
+    """Gemma 3 checkpoints with a vision tower keep layer_types in text_config: the ragged
+    cache must still build the sliding-window mask."""
+    from types import SimpleNamespace
+
+    text = SimpleNamespace(layer_types=["sliding_attention", "full_attention"], sliding_window=7)
+    outer = SimpleNamespace(get_text_config=lambda: text)
+    assert RaggedCache(SimpleNamespace(config=outer), CPU, torch.float32).window == 7
+    assert RaggedCache(SimpleNamespace(config=text), CPU, torch.float32).window == 7
+    plain = SimpleNamespace(get_text_config=lambda: SimpleNamespace(sliding_window=7))
+    assert RaggedCache(SimpleNamespace(config=plain), CPU, torch.float32).window is None
