@@ -58,3 +58,18 @@ def test_smollm2_sweep(tmp_path):
     assert recs[4]["method_cfg"]["draft_vocab"] == 16384 and recs[3]["method_cfg"]["nodes"] > 4
     assert all(r["metrics"]["tau"] > 1.2 for r in recs[3:])  # the trained heads are really accepted from
     assert "speedup" in out.stdout
+
+
+@pytest.mark.slow
+def test_gemma3_sweep(tmp_path):
+    """Gemma-3-270M (sliding-window layers, 262k vocabulary) end to end: ragged rows at bs=2,
+    PLD token-identical to AR."""
+    out = subprocess.run(
+        [sys.executable, "-m", "specbench", "model=gemma3-270m", "method=pld", "bs=2", "limit=2",
+         "dataset.max_turns=1", "max_new_tokens=8", f"results_dir={tmp_path}", "progress=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    recs = R.read(tmp_path / "records.jsonl")
+    assert [(r["method"], r["status"], r["model"]) for r in recs] == [("ar", "ok", "gemma3-270m"),
+                                                                     ("pld", "ok", "gemma3-270m")]
+    assert recs[1]["metrics"]["match_ar"] == 1.0 and recs[1]["metrics"]["new_tokens"] > 0
