@@ -7,22 +7,32 @@ from __future__ import annotations
 import threading
 
 
+def gpu_handle(nv, device):
+    """The NVML handle of torch's ``device``, matched by the GPU's UUID: torch numbers only
+    the GPUs in CUDA_VISIBLE_DEVICES (as SLURM sets it), NVML numbers every GPU, so an index
+    would read another GPU's energy."""
+    import torch
+
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+    if not uuid:
+        raise RuntimeError("no GPU UUID from torch: energy not attributed rather than read from a guessed GPU")
+    return nv.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
+
+
 class NvmlMonitor:
     def __init__(self, device=None, index: int | None = None, interval_s: float = 0.05):
         self.interval = interval_s
         self.h = None
         self.nv = None
         self.result: dict | None = None
-        if index is None:
-            if device is None or getattr(device, "type", None) != "cuda":
-                return
-            index = device.index or 0
+        if index is None and (device is None or getattr(device, "type", None) != "cuda"):
+            return
         try:
             import pynvml
 
             pynvml.nvmlInit()
             self.nv = pynvml
-            self.h = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.h = pynvml.nvmlDeviceGetHandleByIndex(index) if index is not None else gpu_handle(pynvml, device)
         except Exception:  # noqa: BLE001 - NVML is optional: no driver, no library, no GPU
             self.h = None
 

@@ -295,6 +295,8 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
         validate(cfg)
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
+        if device.type == "cuda":  # CUDA events and synchronize() act on the current device
+            torch.cuda.set_device(device)
         tokenizer = load_tokenizer(cfg.model)
         questions = build_requests(cfg, tokenizer)
         if cfg.bs > len(questions):  # it would run a smaller batch than the record says

@@ -93,4 +93,4 @@ class PhaseTimer:
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)

@@ -200,3 +200,20 @@ def test_wandb_logger_offline(tmp_path, monkeypatch):
     assert tables, "the per-position acceptance table was not logged"
     data = json.loads(tables[0].read_text())["data"]
     assert [row[1] for row in data] == pytest.approx(rec["metrics"]["accept_rate_per_pos"])
+
+
+def test_nvml_handle_follows_the_torch_device_by_uuid(monkeypatch):
+    """Under CUDA_VISIBLE_DEVICES=2,3 torch's cuda:1 is NVML's GPU 3: the handle is found by
+    UUID, never by torch's index."""
+    import torch
+
+    fake = types.SimpleNamespace(nvmlInit=lambda: None,
+                                 nvmlDeviceGetHandleByIndex=lambda i: f"index-{i}",
+                                 nvmlDeviceGetHandleByUUID=lambda u: {"GPU-aaaa": "gpu3"}[u])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(uuid="aaaa" if torch.device(d).index == 1 else "bbbb"))
+    from specbench.monitor import NvmlMonitor
+
+    assert NvmlMonitor(torch.device("cuda:1")).h == "gpu3"
+    assert NvmlMonitor(torch.device("cuda:0")).h is None  # unknown UUID: no reading rather than a wrong one
