@@ -68,8 +68,12 @@ def _sd(df):
         return sd
     multi_ds = sd["dataset"].nunique() > 1
     multi_t = sd["temperature"].nunique() > 1
+    multi_dt = sd["dtype"].nunique() > 1  # never average an fp32 and a bf16 job into one point
+    multi_n = sd["max_new_tokens"].nunique() > 1
     sd["series"] = sd.apply(lambda r: r["label"] + (f", {r['dataset']}" if multi_ds else "")
-                            + (f", T={r['temperature']:g}" if multi_t else ""), axis=1)
+                            + (f", T={r['temperature']:g}" if multi_t else "")
+                            + (f", {r['dtype']}" if multi_dt else "")
+                            + (f", {int(r['max_new_tokens'])} tok" if multi_n else ""), axis=1)
     return sd
 
 
@@ -77,7 +81,8 @@ def _sd(df):
 def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
     sd = _sd(df).dropna(subset=["speedup"])
     sd = sd[sd[xcol].notna()]
-    if sd.empty or sd[xcol].nunique() < 2:
+    sd = sd[sd.groupby("series")[xcol].transform("nunique") >= 2]  # a series with one point is no curve
+    if sd.empty:
         return
     cmap = colors(sd["series"])
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
@@ -92,7 +97,10 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
     ax.set_xlabel(xlabel)
     ax.set_ylabel("speedup over AR (tokens/s ratio)")
     ax.set_title(f"Speedup vs {xlabel.split(' (')[0]}\n{subtitle(df)}")
-    ax.legend(frameon=False, fontsize=7, loc="best")
+    if sd["series"].nunique() > 5:
+        ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    else:
+        ax.legend(frameon=False, fontsize=7, loc="best")
     save(fig, out, name, written)
 
 
@@ -315,7 +323,8 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
-    cols = ["label", "model", "dataset", "temperature", "bs", "K", "ctx", "tokens_per_s", "speedup", "tau", "alpha", "c",
+    cols = ["label", "model", "dataset", "dtype", "temperature", "bs", "K", "ctx", "tokens_per_s", "speedup", "tau",
+            "alpha", "c",
             "bound_leviathan", "verify_share", "match_ar", "peak_mem_bytes"]
     t = df[cols].copy()
     t["model"] = t["model"].map(lambda s: str(s).split("/")[-1])
@@ -326,7 +335,8 @@ def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
     t["match_ar"] = 100 * t["match_ar"]
     t = t.rename(columns={"label": "method", "temperature": "T", "tokens_per_s": "tok/s", "bound_leviathan": "bound",
                           "verify_share": "verify %", "match_ar": "match AR %", "peak_mem_bytes": "peak MiB"})
-    return t.sort_values(["model", "dataset", "T", "bs", "method", "K"], na_position="first").reset_index(drop=True)
+    return t.sort_values(["model", "dataset", "dtype", "T", "bs", "method", "K"],
+                         na_position="first").reset_index(drop=True)
 
 
 def fmt(x, spec=".2f"):
