@@ -70,3 +70,13 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     k = max(1, len(ex) - 1)
     z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
     return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def greedy_cases(model, n_new: int) -> dict:
+    """Reference cases for identity tests: {batch size: (ragged prompts, their greedy continuations)}
+    for bs 1 and 4."""
+    out = {}
+    for lengths in ([7], [5, 11, 3, 8]):
+        ps = prompts_of(lengths)
+        out[len(lengths)] = (ps, [reference_greedy(model, p, n_new) for p in ps])
+    return out

@@ -70,6 +70,14 @@ def test_preprocess_rejects_unknown_choices_and_rewrites_draft():
     assert preprocess(["draft=self_layers"]) == ["draft=self_layers"]
 
 
+def register_fakes(monkeypatch, **classes):
+    """Register test-only proposer classes under these method names for one test."""
+    real_get = methods.get
+    for name in classes:
+        monkeypatch.setitem(methods.REGISTRY, name, "x:y")
+    monkeypatch.setattr(methods, "get", lambda n: classes.get(n) or real_get(n))
+
+
 def tiny_cfg(tiny_dirs, tmp_path, **over):
     cfg = composed(["model=hf", "dataset=jsonl", "draft=self_layers"])
     with open_dict(cfg):
@@ -210,9 +218,7 @@ def test_a_device_side_error_stops_the_sweep_after_recording(tiny_dirs, tmp_path
         def propose(self, state):
             raise RuntimeError("CUDA error: device-side assert triggered")
 
-    monkeypatch.setitem(methods.REGISTRY, "poisoned", "x:y")
-    real_get = methods.get
-    monkeypatch.setattr(methods, "get", lambda n: Poisoned if n == "poisoned" else real_get(n))
+    register_fakes(monkeypatch, poisoned=Poisoned)
     with pytest.raises(runner.SweepAborted, match="CUDA context is unusable"):
         runner.job(tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "poisoned"}}), sweep_id="p")
     recs = R.read(tmp_path / "records.jsonl")
@@ -237,9 +243,7 @@ def test_forward_time_counted_once_and_hooks_removed_on_error(tiny_dirs, tmp_pat
         def propose(self, state):
             raise RuntimeError("kaboom")
 
-    monkeypatch.setitem(methods.REGISTRY, "exploding", "x:y")
-    real_get = methods.get
-    monkeypatch.setattr(methods, "get", lambda n: Exploding if n == "exploding" else real_get(n))
+    register_fakes(monkeypatch, exploding=Exploding)
     cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "exploding"}})
     assert runner.job(cfg, sweep_id="h")[-1]["status"] == "error"
     target = runner.cached_model(cfg.model, torch.device("cpu"), torch.float32)[0]
@@ -261,10 +265,7 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(tiny_dirs, tmp_path, mo
         def propose(self, state):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
 
-    monkeypatch.setitem(methods.REGISTRY, "exploding", "x:y")
-    monkeypatch.setitem(methods.REGISTRY, "oom", "x:y")
-    real_get = methods.get
-    monkeypatch.setattr(methods, "get", lambda n: {"exploding": Exploding, "oom": OOM}.get(n) or real_get(n))
+    register_fakes(monkeypatch, exploding=Exploding, oom=OOM)
     for name, status in (("exploding", "error"), ("oom", "oom")):
         cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": name}})
         recs = runner.job(cfg, sweep_id="f")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import CPU, cfg_for, prompts_of, reference_greedy, run_engine, tiny_llama
+from helpers import CPU, greedy_cases, cfg_for, run_engine, tiny_llama
 from methods.base import Proposer
 from methods.leviathan import Leviathan
 from methods.pld import PromptLookup, lookup
@@ -60,11 +60,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def cases(model):
-    out = {}
-    for lengths in ([7], [5, 11, 3, 8]):
-        ps = prompts_of(lengths)
-        out[len(lengths)] = (ps, [reference_greedy(model, p, N_NEW + 8) for p in ps])
-    return out
+    return greedy_cases(model, N_NEW + 8)
 
 
 def make(name, model, truth):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from helpers import CPU, chi2_pvalue, prompts_of, reference_greedy, run_engine, tiny_llama
+from helpers import CPU, greedy_cases, chi2_pvalue, prompts_of, reference_greedy, run_engine, tiny_llama
 from methods.eagle import Eagle
 from methods.medusa import Medusa
 from specbench.draft import Draft
@@ -60,11 +60,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def cases(model):
-    out = {}
-    for lengths in ([7], [5, 11, 3, 8]):
-        ps = prompts_of(lengths)
-        out[len(lengths)] = (ps, [reference_greedy(model, p, N_NEW) for p in ps])
-    return out
+    return greedy_cases(model, N_NEW)
 
 
 def make(name, model):
