@@ -22,6 +22,9 @@ class BatchState:
     device: torch.device
     eos: set[int] = field(default_factory=set)
     extra: dict = field(default_factory=dict)
+    # during update(): the target's logits [B, n+1, V] at every node of the step's verify
+    # forward (root first), non-candidate nodes included (Lookahead reads its window's here)
+    logits: torch.Tensor | None = None
 
 
 class Proposer:

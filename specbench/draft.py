@@ -8,7 +8,8 @@ index (a chain is parents = [0, 1, 2, ...]). Rows may have different numbers of 
 ``q`` is optional: for a node, the exact distribution its token was drawn from (after the
 same temperature/top-k/top-p warping the target gets). Nodes without ``q`` are
 deterministic candidates (top-k children, n-grams, retrieval). ``typical`` asks for
-Medusa's (lossy) typical acceptance instead of the lossless rule when sampling. ``candidate`` False marks
+Medusa's (lossy) typical acceptance instead of the lossless rule when sampling; ``relaxed``
+= (beta, tol) asks for SpecDec's (lossy) top-beta rule when greedy. ``candidate`` False marks
 extra nodes a method wants the target's outputs for (Lookahead's Jacobi window) that can
 never be accepted.
 """
@@ -29,13 +30,15 @@ class Draft:
     candidate: torch.Tensor | None = None  # [B, n] bool
     is_chain: bool = False
     typical: tuple[float, float] | None = None  # (eps, delta): Medusa's lossy typical acceptance under sampling
+    relaxed: tuple[int, float] | None = None  # (beta, tol): SpecDec's lossy top-beta acceptance when greedy
 
     @staticmethod
     def chain(tokens: torch.Tensor, valid: torch.Tensor | None = None, q: torch.Tensor | None = None,
-              typical: tuple[float, float] | None = None) -> "Draft":
+              typical: tuple[float, float] | None = None, relaxed: tuple[int, float] | None = None) -> "Draft":
         B, n = tokens.shape
         parents = torch.arange(n, device=tokens.device)[None].expand(B, n).clone()
-        return Draft(tokens=tokens, parents=parents, valid=valid, q=q, is_chain=True, typical=typical)
+        return Draft(tokens=tokens, parents=parents, valid=valid, q=q, is_chain=True, typical=typical,
+                     relaxed=relaxed)
 
     @staticmethod
     def from_lists(rows: list[list[int]], device) -> "Draft":
@@ -67,6 +70,23 @@ class Draft:
         idx = torch.arange(1, n + 1, device=self.parents.device)
         if bool((self.parents >= idx[None]).any()) or bool((self.parents < 0).any()):
             raise ValueError("draft parents must point to an earlier node (0 = root)")
+
+
+def prefix_tree(paths, first: int = 0) -> tuple[list[int], list[int]]:
+    """The prefix tree (trie) of token ``paths`` (each continuing the root) as node tokens
+    and parents, for nodes numbered ``first + 1, first + 2, ...`` (parent 0 = the root):
+    candidates that share a prefix share its nodes."""
+    tokens, parents, node = [], [], {}
+    for path in paths:
+        par, key = 0, ()
+        for t in path:
+            key = key + (int(t),)
+            if key not in node:
+                tokens.append(int(t))
+                parents.append(par)
+                node[key] = first + len(tokens)
+            par = node[key]
+    return tokens, parents
 
 
 def tree_geometry(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -123,7 +123,9 @@ class Engine:
                     r.t_done = now
                     done.append(r.hit_eos or len(r.tokens) >= max_new_tokens)
                 hidden = Hidden(tap.take(), v.counts).gather(v.keep, v.counts) if tap.names else None
+                state.logits = out.logits
                 self.proposer.update(state, v.accepted, hidden)
+                state.logits = None
                 pending = self._drop_finished(done, live, state, cache, v.extra)
         sync(self.device)
         return res
@@ -141,7 +143,8 @@ class Engine:
         if cap < draft.n:
             draft = Draft(tokens=draft.tokens[:, :cap], parents=draft.parents[:, :cap],
                           valid=None if draft.valid is None else draft.valid[:, :cap],
-                          q=None if draft.q is None else draft.q[:, :cap], is_chain=True, typical=draft.typical)
+                          q=None if draft.q is None else draft.q[:, :cap], is_chain=True, typical=draft.typical,
+                          relaxed=draft.relaxed)
         if min(room) - 1 < draft.n:
             lim = torch.tensor(room, device=self.device)[:, None] - 1
             ok = torch.arange(draft.n, device=self.device)[None] < lim

@@ -74,6 +74,8 @@ def verify(logits: torch.Tensor, draft: Draft | None, s: Sampling, gen: torch.Ge
             accepted=[[] for _ in range(B)], extra=extra,
         )
     if s.greedy:
+        if draft.relaxed is not None and draft.relaxed[0] > 1:
+            return _relaxed(logits, draft, *draft.relaxed)
         return _greedy(logits, draft)
     if draft.typical is not None:
         return _typical(logits, draft, s, gen)
@@ -97,6 +99,24 @@ def _greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
         keep, counts, best = _walk(ok, draft.parents)
         n_acc = counts - 1
     return _verdict(draft, keep, counts, n_acc, amax[rows, best])
+
+
+def _relaxed(logits: torch.Tensor, draft: Draft, beta: int, tol: float) -> Verdict:
+    """SpecDec's Spec-Verification (lossy, greedy): a node passes when its token is among
+    the target's top-``beta`` at its parent and its log-probability is within ``tol`` of the
+    top-1's; the longest passing path is kept and the extra token is the target's argmax at
+    its end. beta = 1 is exact greedy."""
+    B = logits.shape[0]
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, N, V]
+    top = logp.topk(beta, dim=-1)  # values/indices [B, N, beta]
+    par = draft.parents
+    rows = torch.arange(B, device=logits.device)
+    at_par = top.indices.gather(1, par[..., None].expand(-1, -1, beta))  # [B, n, beta]
+    in_top = (at_par == draft.tokens[..., None]).any(-1)
+    lp = logp[rows[:, None], par, draft.tokens]
+    close = lp >= top.values[..., 0].gather(1, par) - tol
+    keep, counts, best = _walk(in_top & close & draft.accept_mask(), par)
+    return _verdict(draft, keep, counts, counts - 1, top.indices[rows, best, 0])
 
 
 def _walk(ok: torch.Tensor, par: torch.Tensor):
