@@ -13,6 +13,9 @@ REGISTRY: dict[str, str] = {
     "leviathan": "methods.leviathan:Leviathan",
     "medusa": "methods.medusa:Medusa",
     "eagle": "methods.eagle:Eagle",
+    "specdec": "methods.specdec:SpecDec",
+    "lookahead": "methods.lookahead:Lookahead",
+    "rest": "methods.rest:Rest",
 }
 
 

@@ -1,0 +1,162 @@
+"""Lookahead decoding (Fu et al. 2024, arXiv 2402.02057).
+
+No draft model: one target forward per step carries two branches.
+
+- Lookahead branch: a 2D window of ``N - 1`` levels x ``W`` columns of guessed tokens
+  (Jacobi iteration). Token (level l, column c) sits at position root + 1 + c + l and sees
+  the level-0 tokens of columns 0..c and the tokens of column c on levels 1..l (the
+  paper's mask). That visibility is exactly "ancestors in a tree": (0, c)'s parent is
+  (0, c - 1) (the root for c = 0) and (l, c)'s parent is (l - 1, c); so the window goes to
+  the engine as ordinary tree nodes marked ``candidate = False`` (never accepted), and
+  the engine hands back the target's outputs at them (``state.logits``).
+  After the step the target's argmax at the last level becomes a new level; with the
+  window full, column c yields the N-gram (level 0..N-2 of column c, new token), which
+  goes to the pool, and level 0 is dropped.
+- Verification branch: up to ``G`` N-grams from the row's pool whose first token is the
+  root (the last emitted token), merged into a trie of their N - 1 continuation tokens,
+  verified as deterministic candidates (greedy, or the lossless rule when sampling).
+
+The pool is per row and also holds the N-grams of the prompt and of the committed output.
+Levels start as tokens drawn from the prompt (seeded by the prompt itself, so a row's
+output never depends on its batch) and fill one level per step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import torch
+
+from methods.base import BatchState, Proposer
+from specbench.draft import Draft, prefix_tree
+from specbench.models import ConfigError
+
+
+def _positive_int(name, v, lo):
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise ConfigError(f"lookahead.{name} must be an integer >= {lo}, got {v!r}")
+
+
+class Pool:
+    """N-grams of one row: first token -> up to ``cap`` continuations (tuples of N - 1
+    tokens), most recently seen last."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.map: dict[int, OrderedDict] = {}
+
+    def add(self, gram) -> None:
+        key, rest = int(gram[0]), tuple(int(t) for t in gram[1:])
+        d = self.map.setdefault(key, OrderedDict())
+        d.pop(rest, None)
+        d[rest] = None
+        if len(d) > self.cap:
+            d.popitem(last=False)
+
+    def add_all(self, seq, n: int) -> None:
+        for i in range(len(seq) - n + 1):
+            self.add(seq[i:i + n])
+
+    def get(self, key: int) -> list[tuple]:
+        d = self.map.get(int(key))
+        return list(reversed(d)) if d else []
+
+
+class Lookahead(Proposer):
+    name = "lookahead"
+
+    @classmethod
+    def check(cls, cfg, target_config) -> None:
+        m = cfg.method
+        _positive_int("W", m.W, 1)
+        _positive_int("N", m.N, 2)
+        _positive_int("G", m.G, 0)
+        if m.W * (m.N - 1) + m.G * (m.N - 1) > 512:
+            raise ConfigError(f"lookahead: W*(N-1) + G*(N-1) = {m.W * (m.N - 1) + m.G * (m.N - 1)} nodes per step "
+                              "is more than 512; lower W, N or G")
+
+    def __init__(self, cfg, target, tokenizer, device, dtype):
+        super().__init__(cfg, target, tokenizer, device, dtype)
+        m = cfg.method
+        self.W, self.N, self.G = int(m.W), int(m.N), int(m.G)
+        self.pool_cap = int(m.get("pool_cap") or max(self.G, 1))
+        self.from_prompt = bool(m.get("prompt_ngrams", True))
+        self.levels: list[list[list[int]]] = []
+        self.pools: list[Pool] = []
+        self.n_window: list[int] = []  # window nodes each row had in the last draft
+
+    def start(self, state: BatchState, hidden=None) -> None:
+        self.levels, self.pools = [], []
+        for s, plen in zip(state.seqs, state.prompt_lens):
+            prompt = s[:plen]
+            rng = random.Random(len(prompt) * 1000003 + sum(prompt[-64:]))
+            self.levels.append([[rng.choice(prompt) for _ in range(self.W)]])
+            pool = Pool(self.pool_cap)
+            if self.from_prompt:
+                pool.add_all(s, self.N)
+            self.pools.append(pool)
+
+    def propose(self, state: BatchState) -> Draft | None:
+        rows_tok, rows_par, rows_cand = [], [], []
+        W = self.W
+        for b, s in enumerate(state.seqs):
+            toks, pars = [], []
+            for li, level in enumerate(self.levels[b]):
+                for c, t in enumerate(level):
+                    toks.append(t)
+                    # 1-based node index of the parent: (l-1, c), or (0, c-1), or the root
+                    pars.append((li - 1) * W + c + 1 if li else c)
+            nw = len(toks)
+            grams = self.pools[b].get(s[-1])[: self.G] if self.G else []
+            ct, cp = prefix_tree(grams, nw)
+            rows_tok.append(toks + ct)
+            rows_par.append(pars + cp)
+            rows_cand.append([False] * nw + [True] * len(ct))
+        self.n_window = [sum(1 for c in r if not c) for r in rows_cand]
+        n = max(len(r) for r in rows_tok)
+        if n == 0:
+            return None
+        B = len(rows_tok)
+        tokens = torch.zeros(B, n, dtype=torch.long)
+        parents = torch.zeros(B, n, dtype=torch.long)
+        cand = torch.zeros(B, n, dtype=torch.bool)
+        valid = torch.zeros(B, n, dtype=torch.bool)
+        for b in range(B):
+            k = len(rows_tok[b])
+            tokens[b, :k] = torch.tensor(rows_tok[b])
+            parents[b, :k] = torch.tensor(rows_par[b])
+            cand[b, :k] = torch.tensor(rows_cand[b], dtype=torch.bool)
+            valid[b, :k] = True
+        d = state.device
+        return Draft(tokens=tokens.to(d), parents=parents.to(d), valid=valid.to(d), candidate=cand.to(d))
+
+    def update(self, state: BatchState, accepted, hidden=None) -> None:
+        W = self.W
+        out = None
+        if state.logits is not None and max(self.n_window, default=0) > 0:
+            nw = max(self.n_window)
+            out = state.logits[:, 1:1 + nw].argmax(-1).tolist()  # target's guess at each window node
+        for b, s in enumerate(state.seqs):
+            pool = self.pools[b]
+            k = len(accepted[b]) + 1  # tokens committed this step: their N-grams join the pool
+            for i in range(max(0, len(s) - k - self.N + 1), len(s) - self.N + 1):
+                pool.add(s[i:i + self.N])
+            levels = self.levels[b]
+            if out is None or self.n_window[b] == 0:
+                continue
+            last = len(levels) - 1
+            new = out[b][last * W:(last + 1) * W]
+            if len(levels) == self.N - 1:
+                for c in range(W):
+                    pool.add([lv[c] for lv in levels] + [new[c]])
+                levels.pop(0)
+            levels.append(new)
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.levels = [self.levels[i] for i in keep]
+        self.pools = [self.pools[i] for i in keep]
+        self.n_window = [self.n_window[i] for i in keep]
+
+    def describe(self) -> dict:
+        return {"W": self.W, "N": self.N, "G": self.G, "pool_cap": self.pool_cap, "prompt_ngrams": self.from_prompt}

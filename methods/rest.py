@@ -1,0 +1,204 @@
+"""REST: retrieval-based speculative decoding (He et al. 2023, arXiv 2311.08252).
+
+A datastore of token sequences is indexed once with ``draftretriever`` (the REST authors'
+suffix-array library) and cached in ``$SPECBENCH_CACHE/rest``. Per step and row, the
+longest suffix of the context (``max_suffix`` down to ``min_suffix`` tokens) that occurs
+in the datastore retrieves its continuations; the library keeps the ``num_draft`` most
+frequent trie nodes of them (the paper's top-64), and that trie is the row's draft tree.
+Candidates are deterministic: greedy match, or under sampling the lossless rule with a
+one-hot q per node (each child tried against the residual of its parent), never REST's
+reference per-path sampling.
+
+Datastores: ``sharegpt`` (assistant turns of the ShareGPT training slice, never the
+evaluation slice), ``python_code`` (the Python standard library's own source, as the
+paper's code datastore; no HumanEval solution is in it), or a path to a ``.txt`` file
+(one entry) or ``.jsonl`` file (one entry per line: its ``text`` field, else every string
+value).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from methods.base import BatchState, Proposer
+from specbench.draft import Draft, prefix_tree
+from specbench.models import (
+    ConfigError,
+    cache_dir,
+    file_lock,
+    resolve_path,
+    text_config,
+)
+
+BUILTIN = ("sharegpt", "python_code")
+# draftretriever 0.1.1 stores tokens as i32 (its README still says 16-bit; a test checks ids
+# above 65535 round-trip): a vocabulary past the i32 range would alias silently
+MAX_VOCAB = 2**31 - 1
+
+
+def _datastore_path(spec: str) -> Path | None:
+    return None if spec in BUILTIN else Path(resolve_path(spec)).expanduser()
+
+
+def python_sources() -> list[Path]:
+    """The standard library's .py files (tests and bundled third-party code left out)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def corpus(spec: str):
+    """Yields the texts of a datastore (one entry each)."""
+    if spec == "sharegpt":
+        from specbench import data as D
+
+        for conv in D.sharegpt_training():
+            for role, text in conv["turns"]:
+                if role == "assistant":
+                    yield text
+    elif spec == "python_code":
+        for p in python_sources():
+            yield p.read_text(encoding="utf-8", errors="replace")
+    else:
+        path = _datastore_path(spec)
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as f:
+                for line in f:
+                    if not line.strip():
+                        continue
+                    row = json.loads(line)
+                    if isinstance(row, dict):
+                        yield row["text"] if isinstance(row.get("text"), str) else \
+                            "\n".join(v for v in row.values() if isinstance(v, str))
+                    elif isinstance(row, str):
+                        yield row
+        else:
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def datastore_key(spec: str, tokenizer) -> str:
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
+    src = spec
+    path = _datastore_path(spec)
+    if path is not None:
+        st = path.stat()
+        src = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    elif spec == "python_code":
+        src = f"{spec}:{sysconfig.get_paths()['stdlib']}:{sys.version_info[:2]}"
+    return hashlib.sha1(f"{src}|{vocab}".encode()).hexdigest()[:12]
+
+
+def build_datastore(spec: str, tokenizer, vocab_size: int, progress: bool = True) -> Path:
+    """The cached index of ``spec`` for this tokenizer (built once, under a file lock)."""
+    import draftretriever
+    from tqdm.auto import tqdm
+
+    name = spec if spec in BUILTIN else "file-" + _datastore_path(spec).stem
+    out = cache_dir() / "rest" / f"{name}-{datastore_key(spec, tokenizer)}.idx"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(out.with_name(out.name + ".lock")):
+        if out.exists():
+            return out
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        writer = draftretriever.Writer(str(tmp), vocab_size=vocab_size)
+        n_tok = 0
+        for text in tqdm(corpus(spec), desc=f"REST datastore {spec}", unit="entry", disable=not progress,
+                         file=sys.stderr):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) >= 2:
+                writer.add_entry(ids)
+                n_tok += len(ids)
+        if n_tok == 0:
+            raise ConfigError(f"rest.datastore '{spec}' has no text to index")
+        writer.finalize()
+        del writer
+        tmp.rename(out)
+    return out
+
+
+class Rest(Proposer):
+    name = "rest"
+
+    @classmethod
+    def check(cls, cfg, target_config) -> None:
+        m = cfg.method
+        spec = str(m.datastore)
+        path = _datastore_path(spec)
+        if path is not None and not path.is_file():
+            raise ConfigError(f"rest.datastore '{spec}' is neither {' nor '.join(BUILTIN)} nor an existing "
+                              ".txt/.jsonl file")
+        # draftretriever aborts the process (a Rust panic) on 1-token queries and on choices=1
+        for key, lo in (("num_draft", 2), ("max_suffix", 2), ("min_suffix", 2)):
+            v = m[key]
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ConfigError(f"rest.{key} must be an integer >= {lo}, got {v!r}")
+        if m.min_suffix > m.max_suffix:
+            raise ConfigError(f"rest.min_suffix ({m.min_suffix}) must not exceed rest.max_suffix ({m.max_suffix})")
+        V = getattr(text_config(target_config), "vocab_size", 0) or 0
+        if V > MAX_VOCAB:
+            raise ConfigError(f"rest: the target's vocabulary ({V} tokens) is too large for draftretriever's 32-bit "
+                              f"tokens (at most {MAX_VOCAB}); use another method for this model")
+
+    @classmethod
+    def draft_label(cls, cfg) -> str:
+        return f"datastore:{cfg.method.datastore}"
+
+    def __init__(self, cfg, target, tokenizer, device, dtype, reader=None):
+        super().__init__(cfg, target, tokenizer, device, dtype)
+        m = cfg.method
+        self.spec = str(m.datastore)
+        self.num_draft, self.max_suffix, self.min_suffix = int(m.num_draft), int(m.max_suffix), int(m.min_suffix)
+        if self.min_suffix < 2 or self.num_draft < 2:
+            raise ValueError("rest: min_suffix and num_draft must be >= 2 (draftretriever aborts below)")
+        if reader is None:
+            import draftretriever
+
+            V = int(text_config(target.config).vocab_size)
+            self.index = build_datastore(self.spec, tokenizer, V, progress=bool(cfg.get("progress", True)))
+            reader = draftretriever.Reader(str(self.index))
+        self.reader = reader
+
+    def retrieve(self, seq: list[int]) -> list[list[int]]:
+        """Continuations of the longest suffix of ``seq`` found in the datastore."""
+        for n in range(min(self.max_suffix, len(seq)), self.min_suffix - 1, -1):
+            try:
+                found = self.reader.search(seq[-n:], choices=self.num_draft)[0]
+            except ValueError:  # "draft_choices was not cut enough": the library's trie overflowed
+                continue
+            paths = [[t for t in p if t >= 0] for p in found]
+            paths = [p for p in paths if p]
+            if paths:
+                return paths
+        return []
+
+    def propose(self, state: BatchState) -> Draft | None:
+        rows = []
+        for s in state.seqs:
+            toks, pars = prefix_tree(self.retrieve(s))
+            rows.append((toks[: self.num_draft], pars[: self.num_draft]))
+        n = max(len(t) for t, _ in rows)
+        if n == 0:
+            return None
+        B = len(rows)
+        tokens = torch.zeros(B, n, dtype=torch.long)
+        parents = torch.zeros(B, n, dtype=torch.long)
+        valid = torch.zeros(B, n, dtype=torch.bool)
+        for b, (t, p) in enumerate(rows):
+            tokens[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+            parents[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+            valid[b, : len(t)] = True
+        d = state.device
+        return Draft(tokens=tokens.to(d), parents=parents.to(d), valid=valid.to(d))
+
+    def describe(self) -> dict:
+        return {"datastore": self.spec, "num_draft": self.num_draft, "max_suffix": self.max_suffix,
+                "min_suffix": self.min_suffix}
