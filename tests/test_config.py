@@ -53,7 +53,7 @@ def test_default_sweep_and_multirun_mode():
 
 
 def test_preprocess_rejects_unknown_choices_and_rewrites_draft():
-    with pytest.raises(ConfigError, match="unknown method 'eagle2'; choices: ar, eagle, leviathan, medusa, pld"):
+    with pytest.raises(ConfigError, match="unknown method 'eagle2'; choices: ar, eagle, leviathan, lookahead, medusa, pld, rest, specdec"):
         preprocess(["method=pld,eagle2"])
     # a method's own keys: eagle.depth=... is method.depth=...
     assert preprocess(["method=eagle", "eagle.depth=4,6", "eagle.top_k=3"]) == \
@@ -116,6 +116,16 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
                  "checkpoint": "checkpoints/smollm2-135m/medusa"}}, "medusa.tree must be 'default' or 'chain'"),
     ({"method": {"name": "medusa", "tree": "chain", "accept": "exact", "tree_size": None, "eps": 0.09, "delta": 0.3,
                  "checkpoint": "/no/such/heads"}}, "is not a drafter checkpoint"),
+    ({"method": {"name": "lookahead", "W": 0, "N": 3, "G": 3}}, "lookahead.W must be an integer >= 1"),
+    ({"method": {"name": "lookahead", "W": 5, "N": 1, "G": 3}}, "lookahead.N must be an integer >= 2"),
+    ({"method": {"name": "rest", "datastore": "/no/such/store.jsonl", "num_draft": 64, "max_suffix": 16,
+                 "min_suffix": 2}}, "rest.datastore '/no/such/store.jsonl' is neither sharegpt nor python_code"),
+    ({"method": {"name": "specdec", "beta": 0, "tol": 1.0, "checkpoint": "checkpoints/smollm2-135m/specdec"}},
+     "specdec.beta must be an integer >= 1"),
+    ({"method": {"name": "specdec", "beta": 2, "tol": -1, "checkpoint": "checkpoints/smollm2-135m/specdec"}},
+     "specdec.tol must be a number > 0"),
+    ({"method": {"name": "specdec", "beta": 1, "tol": 1.0, "checkpoint": "/no/such/drafter"}},
+     "is not a drafter checkpoint"),
 ])
 def test_bad_inputs(tiny_dirs, tmp_path, over, msg):
     cfg = tiny_cfg(tiny_dirs, tmp_path, **over)

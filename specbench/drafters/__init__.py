@@ -4,7 +4,8 @@ own weights. One module per architecture:
 
 - ``draft_lm``: a small causal LM (``method=leviathan``);
 - ``medusa``: extra decoding heads on the target's last hidden state (``method=medusa``);
-- ``eagle``: a feature-level autoregressive head (``method=eagle``).
+- ``eagle``: a feature-level autoregressive head (``method=eagle``);
+- ``specdec``: a non-autoregressive drafter of k [MASK] queries (``method=specdec``).
 
 A checkpoint folder holds ``drafter.json`` (``kind``, shape, target, vocabulary size, the
 training summary), ``model.safetensors`` (the drafter's own weights, bf16) and a
@@ -22,7 +23,7 @@ import torch
 from specbench.models import text_config
 
 KINDS = {"draft_lm": "specbench.drafters.draft_lm", "medusa": "specbench.drafters.medusa",
-         "eagle": "specbench.drafters.eagle"}
+         "eagle": "specbench.drafters.eagle", "specdec": "specbench.drafters.specdec"}
 
 
 def is_draft_checkpoint(path) -> bool:

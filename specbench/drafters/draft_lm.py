@@ -80,9 +80,12 @@ class DraftLM(Drafter):
     def reduced_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.head_weight().T
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.body.embed_tokens(input_ids)
+
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True,
                 logits_to_keep: int = 0, output_hidden_states: bool = False, **_):
-        out = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        out = self.body(inputs_embeds=self.embed(input_ids), attention_mask=attention_mask, position_ids=position_ids,
                         past_key_values=past_key_values, use_cache=use_cache)
         h = out.last_hidden_state
         if logits_to_keep:

@@ -49,7 +49,7 @@ def main() -> int:
             out = REPO / out
         out.mkdir(parents=True, exist_ok=True)
         command = "python -m specbench.train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        if cfg.drafter.kind != "draft_lm":
+        if cfg.drafter.kind in ("eagle", "medusa"):  # feature-level drafters train on the feature set
             from specbench.train import features, heads
 
             root = features.build(target, tok, name, cfg.features, device, dtype, chat=bool(mcfg.get("chat", True)),
@@ -62,11 +62,25 @@ def main() -> int:
             s = res["summary"]
             print(f"[train] wrote {out}: held-out top-1 agreement {[round(x, 3) for x in s['eval_top1_agreement']]}")
             return
+        if cfg.drafter.get("data"):  # a drafter may ask for its own distillation settings (merged, then keyed)
+            from omegaconf import OmegaConf
+
+            OmegaConf.set_struct(cfg, False)
+            cfg.data = OmegaConf.merge(cfg.data, cfg.drafter.data)
         root = distill.build(target, tok, name, cfg.data, device, dtype, chat=bool(mcfg.get("chat", True)),
                              progress=bool(cfg.progress))
         items = distill.load(root)
         dmeta = {**distill.stats(items), **{k: v for k, v in json.loads((root / "meta.json").read_text()).items()
                                             if k in ("dropped_for_benchmark_overlap", "key")}}
+        if cfg.drafter.kind == "specdec":
+            from specbench.train import specdec
+
+            res = specdec.train(cfg, target, items, out, eos_ids(target, tok), progress=bool(cfg.progress))
+            specdec.finish(cfg, res, out, name, dmeta, command)
+            s = res["summary"]
+            print(f"[train] wrote {out}: held-out agreement per query "
+                  f"{[round(x, 3) for x in s['eval_query_agreement']]}, chain tau {s['eval_chain_tau']:.2f}")
+            return
         res = loop.train(cfg, target, items, out, eos_ids(target, tok), progress=bool(cfg.progress))
         loop.finish(cfg, res, out, name, dmeta, command)
         s = res["summary"]
