@@ -30,6 +30,9 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
                                           "tpot_s", "peak_mem_bytes", "energy_j")})
         for ph, v in (m.get("time_s") or {}).items():
             row[f"t_{ph}"] = v
+        q = m.get("quality") or {}
+        row["quality"], row["quality_ar"], row["quality_metric"] = q.get("value"), q.get("ar_value"), q.get("metric")
+        row["method_cfg"] = r.get("method_cfg") or {}
         row["alphas"] = m.get("accept_rate_per_pos") or []
         row["hist"] = m.get("accept_len_hist") or []
         row["requests"] = r.get("requests") or []
@@ -52,6 +55,11 @@ def label(row) -> str:
         return "ar"
     if row["method"] == "leviathan" and row.get("draft"):
         return f"leviathan ({row['draft']})"
+    mc = row.get("method_cfg") or {}
+    if row["method"] == "specdec" and int(mc.get("beta") or 1) > 1:  # each relaxation is its own method
+        return f"specdec (beta={mc['beta']}, tol={mc['tol']:g})"
+    if row["method"] == "medusa" and mc.get("accept") == "typical":
+        return "medusa (typical)"
     return str(row["method"])
 
 

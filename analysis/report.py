@@ -104,6 +104,30 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
     save(fig, out, name, written)
 
 
+def fig_quality(df, out, written):
+    """Speedup against task score lost (method's score - AR's on the same prompts), one
+    panel per scored data set: where a lossy rule buys its speed."""
+    sd = _sd(df).dropna(subset=["speedup", "quality", "quality_ar"])
+    if sd.empty:
+        return
+    sets = sorted(sd["dataset"].unique())
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.6 * len(sets), 3.4), squeeze=False)
+    cmap = colors(sd["label"])
+    for ax, ds in zip(axes[0], sets):
+        g = sd[sd["dataset"] == ds]
+        for lab, h in g.groupby("label"):
+            lossy = not bool(h["lossless"].iloc[0])
+            ax.scatter(h["speedup"], 100 * (h["quality"] - h["quality_ar"]), color=cmap[lab], label=lab,
+                       marker="x" if lossy else "o", s=28)
+        ax.axhline(0.0, color="k", lw=0.8, ls="--")
+        ax.axvline(1.0, color="k", lw=0.8, ls=":")
+        ax.set_xlabel("speedup over AR")
+        ax.set_ylabel(f"{g['quality_metric'].iloc[0]} - AR's (points)")
+        ax.set_title(f"{ds}: speed vs quality (x = lossy rule)")
+        ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    save(fig, out, "speedup_vs_quality", written)
+
+
 def fig_acceptance(df, out, written):
     sd = _sd(df)
     sd = sd[sd["alphas"].map(len) > 0]
@@ -326,7 +350,14 @@ def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
     cols = ["label", "model", "dataset", "dtype", "temperature", "bs", "K", "ctx", "tokens_per_s", "speedup", "tau",
             "alpha", "c",
             "bound_leviathan", "verify_share", "match_ar", "peak_mem_bytes"]
+    scored = df["quality"].notna().any() if "quality" in df else False
+    if scored:  # task score of the job and of its AR baseline (GSM8K accuracy, HumanEval pass@1)
+        cols = cols[:-1] + ["quality", "quality_ar", "peak_mem_bytes"]
     t = df[cols].copy()
+    if scored:
+        t["quality"] = 100 * t["quality"].astype(float)
+        t["quality_ar"] = 100 * t["quality_ar"].astype(float)
+        t = t.rename(columns={"quality": "score %", "quality_ar": "AR score %"})
     t["model"] = t["model"].map(lambda s: str(s).split("/")[-1])
     t["peak_mem_bytes"] = t["peak_mem_bytes"] / 2**20
     for col in ("bs", "K", "ctx"):
@@ -392,6 +423,7 @@ def build(records, out: Path, **filters) -> list[Path]:
     fig_time_split(df, out, written)
     fig_bounds(df, out, written, curves)
     fig_hist(df, out, written)
+    fig_quality(df, out, written)
     sim = simulated(df, curves)
     fig_simulator(sim, df, out, written)
     tables = {"sweep": (sweep_table(df), "Sweep: tokens/s, speedup over AR, mean accepted length, bound"),

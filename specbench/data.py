@@ -24,6 +24,7 @@ class Question:
     id: str
     category: str
     turns: list[str]
+    reference: str | None = None  # the answer a task score checks against (GSM8K's number)
 
 
 def _pkg(name: str) -> Path:
@@ -86,7 +87,9 @@ def gsm8k(language: str = "eng") -> list[Question]:
             row = tomllib.load(f)
         if row.get("ignore"):
             continue
-        out.append(Question(id=f"gsm-{path.stem}", category="math", turns=[f"{instruction}\n\n{row['question']}"]))
+        ref = row["answer"].rsplit("####", 1)[-1].strip() if "####" in row.get("answer", "") else None
+        out.append(Question(id=f"gsm-{path.stem}", category="math", turns=[f"{instruction}\n\n{row['question']}"],
+                            reference=ref))
     return out
 
 
@@ -196,7 +199,7 @@ def load_questions(dcfg, limit: int | None) -> list[Question]:
         raise ConfigError(f"unknown dataset '{name}'; choices: {', '.join(DATASETS)}")
     max_turns = dcfg.get("max_turns")
     if max_turns:
-        qs = [Question(q.id, q.category, q.turns[: int(max_turns)]) for q in qs]
+        qs = [Question(q.id, q.category, q.turns[: int(max_turns)], q.reference) for q in qs]
     return qs[:limit] if limit else qs
 
 

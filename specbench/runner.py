@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import methods
 from specbench import data as D
-from specbench import loggers
+from specbench import loggers, quality
 from specbench import records as R
 from specbench.models import (CONF_DIR, ConfigError, cached_model, check_rollback, eos_ids, file_lock, load_config,
                               load_tokenizer, max_positions, resolve_device, resolve_dtype)
@@ -179,7 +179,8 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
                 for i, r in zip(rows, out):
                     q = batch[i]
                     toks = r.tokens
-                    history[i].append((q.turns[turn], tokenizer.decode(toks, skip_special_tokens=True)))
+                    text = tokenizer.decode(toks, skip_special_tokens=True)
+                    history[i].append((q.turns[turn], text))
                     n = len(toks)
                     requests.append({
                         "id": q.id, "turn": turn + 1, "category": q.category, "prompt_tokens": len(prompts[rows.index(i)]),
@@ -187,7 +188,7 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
                         "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
                         "accepted": sum(r.accept_lens), "accepts": encode_accepts(r.accept_lens),
                         "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
-                        "_lens": r.accept_lens, "_nodes": sum(r.drafted),
+                        "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_text": text,
                     })
                 if progress is not None:
                     progress.update(len(rows))
@@ -258,6 +259,10 @@ def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
 def measure(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id, progress=None) -> dict:
     rec = _record_base(cfg, method_name, device, dtype, sweep_id)
     metrics, requests, proposer = run_method(cfg, method_name, model, tokenizer, device, dtype, questions, progress)
+    # task score (GSM8K accuracy, HumanEval pass@1) where the data set has one; outside the timing
+    metrics["quality"] = quality.score(cfg.dataset.name, {q.id: q for q in questions}, requests)
+    for r in requests:
+        r.pop("_text", None)
     rec["metrics"], rec["requests"] = metrics, requests
     rec["lossless"] = bool(proposer.lossless)
     rec["method_cfg"] = proposer.describe()
@@ -272,6 +277,9 @@ def fill_against_ar(rec: dict, ar: dict) -> None:
         ref = {(r["id"], r["turn"]): r["out_sha"] for r in ar["requests"]}
         same = [ref.get((r["id"], r["turn"])) == r["out_sha"] for r in rec["requests"]]
         m["match_ar"] = sum(same) / len(same) if same else None
+    q, qa = m.get("quality"), a.get("quality")
+    if q and qa:
+        q["ar_value"] = qa.get("value")
     rec["ar_sweep_id"] = ar.get("sweep_id")
 
 
@@ -445,7 +453,8 @@ def _append(cfg, rec: dict) -> bool:
 
 # ---------------------------------------------------------------------------- summary
 def summary_table(recs: list[dict]) -> str:
-    cols = ["method", "model", "dataset", "bs", "K", "ctx", "tok/s", "speedup", "tau", "verify", "match_ar", "status"]
+    cols = ["method", "model", "dataset", "bs", "K", "ctx", "tok/s", "speedup", "tau", "verify", "match_ar", "score",
+            "status"]
     rows = []
     for r in recs:
         m = r.get("metrics") or {}
@@ -457,6 +466,7 @@ def summary_table(recs: list[dict]) -> str:
                      f(r.get("K"), "d"), f(r.get("ctx"), "d"), f(m.get("tokens_per_s"), ".1f"),
                      f(m.get("speedup"), ".2f") + ("x" if m.get("speedup") is not None else ""),
                      f(m.get("tau"), ".2f"), f(m.get("verify_share"), ".0%"), f(m.get("match_ar"), ".0%"),
+                     f((m.get("quality") or {}).get("value"), ".0%"),
                      r.get("status") if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error')}"[:60]])
     widths = [max(len(c), *(len(str(row[i])) for row in rows)) for i, c in enumerate(cols)]
     line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
