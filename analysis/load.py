@@ -25,7 +25,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
                                      "temperature", "top_k", "top_p", "max_new_tokens", "dtype", "device", "seed",
                                      "status", "error", "lossless")}
         row.update({k: m.get(k) for k in ("new_tokens", "wall_s", "tokens_per_s", "steps", "iterations", "tau",
-                                          "draft_nodes",
+                                          "draft_nodes", "forward_nodes",
                                           "speedup", "match_ar", "verify_share", "engine_overhead", "ttft_s",
                                           "tpot_s", "peak_mem_bytes", "energy_j")})
         for ph, v in (m.get("time_s") or {}).items():
@@ -83,6 +83,15 @@ def add_theory(df: pd.DataFrame) -> pd.DataFrame:
         pos.append(s_pos)
     df["c"] = cs
     df["alpha"] = alphas
+    lo, hi = [], []
+    for _, r in df.iterrows():  # 95% bootstrap interval of the speedup, over batches, paired with AR
+        ci = None
+        if r["method"] != "ar" and r["_key"] in ar.index and r["requests"]:
+            ci = theory.bootstrap_speedup(r["requests"], ar.loc[r["_key"]]["requests"], int(r["bs"]))
+        lo.append(ci[0] if ci else float("nan"))
+        hi.append(ci[1] if ci else float("nan"))
+    df["speedup_lo"] = lo
+    df["speedup_hi"] = hi
     df["bound_leviathan"] = lev
     df["bound_per_position"] = pos
     return df

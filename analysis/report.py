@@ -87,8 +87,12 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
     cmap = colors(sd["series"])
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
     for lab, g in sd.groupby("series"):
-        g = g.groupby(xcol, as_index=False)["speedup"].mean().sort_values(xcol)
+        g = g.groupby(xcol, as_index=False)[["speedup", "speedup_lo", "speedup_hi"]].mean().sort_values(xcol)
         ax.plot(g[xcol], g["speedup"], marker="o", ms=4, lw=1.5, color=cmap[lab], label=lab)
+        ci = g.dropna(subset=["speedup_lo", "speedup_hi"])
+        if not ci.empty:  # 95% bootstrap interval over batches
+            ax.errorbar(ci[xcol], ci["speedup"], yerr=[ci["speedup"] - ci["speedup_lo"], ci["speedup_hi"] - ci["speedup"]],
+                        fmt="none", ecolor=cmap[lab], elinewidth=0.9, capsize=2.5)
     ax.axhline(1.0, color="k", lw=0.8, ls="--", label="AR (1.0x)")
     if log2:
         ax.set_xscale("log", base=2)
@@ -96,7 +100,7 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel(xlabel)
     ax.set_ylabel("speedup over AR (tokens/s ratio)")
-    ax.set_title(f"Speedup vs {xlabel.split(' (')[0]}\n{subtitle(df)}")
+    ax.set_title(f"Speedup vs {xlabel.split(' (')[0]} (bars: 95% bootstrap CI)\n{subtitle(df)}")
     if sd["series"].nunique() > 5:
         ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     else:
@@ -191,7 +195,9 @@ def batch_aware(df, curves) -> pd.Series:
             c = cand[-1]
             T = c["target"]
             t_ar = interp(T, int(r["bs"]), 1)
-            nodes = r.get("draft_nodes")  # a tree verifies its nodes, a chain K (+ the root)
+            nodes = r.get("forward_nodes")  # a tree verifies its nodes (and Lookahead's window), a chain K
+            if nodes is None or nodes != nodes or nodes <= 0:
+                nodes = r.get("draft_nodes")  # records written before forward_nodes
             width = int(round(nodes)) + 1 if nodes is not None and nodes == nodes and nodes > 0 else int(r["K"]) + 1
             t_ver = interp(T, int(r["bs"]), width)
             t_draft = r["t_draft"] / r["iterations"]
@@ -347,7 +353,10 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
-    cols = ["label", "model", "dataset", "dtype", "temperature", "bs", "K", "ctx", "tokens_per_s", "speedup", "tau",
+    df = df.assign(speedup_ci=[f"{lo:.2f}-{hi:.2f}" if lo == lo and hi == hi else None
+                               for lo, hi in zip(df["speedup_lo"], df["speedup_hi"])])
+    cols = ["label", "model", "dataset", "dtype", "temperature", "bs", "K", "ctx", "tokens_per_s", "speedup",
+            "speedup_ci", "tau",
             "alpha", "c",
             "bound_leviathan", "verify_share", "match_ar", "peak_mem_bytes"]
     scored = df["quality"].notna().any() if "quality" in df else False
@@ -365,6 +374,7 @@ def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
     t["verify_share"] = 100 * t["verify_share"]
     t["match_ar"] = 100 * t["match_ar"]
     t = t.rename(columns={"label": "method", "temperature": "T", "tokens_per_s": "tok/s", "bound_leviathan": "bound",
+                          "speedup_ci": "95% CI",
                           "verify_share": "verify %", "match_ar": "match AR %", "peak_mem_bytes": "peak MiB"})
     return t.sort_values(["model", "dataset", "dtype", "T", "bs", "method", "K"],
                          na_position="first").reset_index(drop=True)

@@ -77,3 +77,48 @@ def tree_expected_tokens(parents: Sequence[int], accept: Sequence[float]) -> flo
     for p, a in zip(parents, accept):
         reach.append(reach[p] * a)
     return float(sum(reach))
+
+
+def batch_units(requests: Sequence[dict], bs: int) -> dict:
+    """Requests grouped by the batch that decoded them (``batch`` in the record; older
+    records: runs of ``bs`` distinct question ids in record order). Per unit: tokens and
+    wall time (per turn, the slowest row's, since a batch's rows share the clock)."""
+    units: dict = {}
+    order: list = []
+    for r in requests:
+        b = r.get("batch")
+        if b is None:
+            qid = r["id"]
+            if qid not in order:
+                order.append(qid)
+            b = order.index(qid) // max(1, bs)
+        u = units.setdefault(b, {"tokens": 0, "turn_s": {}})
+        u["tokens"] += int(r["new_tokens"])
+        u["turn_s"][r["turn"]] = max(u["turn_s"].get(r["turn"], 0.0), float(r["wall_s"]))
+    return {b: (u["tokens"], sum(u["turn_s"].values())) for b, u in units.items()}
+
+
+def bootstrap_speedup(reqs: Sequence[dict], ar_reqs: Sequence[dict], bs: int, n: int = 2000,
+                      level: float = 0.95, seed: int = 0) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of the speedup (tokens/s ratio against AR on the same
+    prompts), resampling batches, the independent units of a job: at bs > 1 a request's
+    wall time is its time inside a shared batch, not an independent draw. Each draw takes
+    the same batches from the method and from AR (paired). None with fewer than 2 batches."""
+    import random
+
+    a, b = batch_units(reqs, bs), batch_units(ar_reqs, bs)
+    keys = sorted(set(a) & set(b))
+    if len(keys) < 2:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(n):
+        pick = [keys[rng.randrange(len(keys))] for _ in keys]
+        tm, sm = sum(a[k][0] for k in pick), sum(a[k][1] for k in pick)
+        ta, sa = sum(b[k][0] for k in pick), sum(b[k][1] for k in pick)
+        if sm > 0 and sa > 0 and ta > 0:
+            ratios.append((tm / sm) / (ta / sa))
+    ratios.sort()
+    lo = ratios[int((1 - level) / 2 * (len(ratios) - 1))]
+    hi = ratios[int((1 + level) / 2 * (len(ratios) - 1))]
+    return lo, hi

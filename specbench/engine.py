@@ -22,6 +22,7 @@ class RowResult:
     steps: int = 0  # decoding steps (the prefill's first token is not a step)
     accept_lens: list[int] = field(default_factory=list)  # accepted draft tokens per step
     drafted: list[int] = field(default_factory=list)  # candidate nodes proposed per step
+    nodes: list[int] = field(default_factory=list)  # draft nodes in the verify forward per step (+ non-candidates)
     t_first: float = 0.0  # seconds from batch start to first token
     t_done: float = 0.0  # seconds from batch start to the last token
     hit_eos: bool = False
@@ -104,6 +105,8 @@ class Engine:
                 extra = v.extra.tolist()
                 now = time.perf_counter() - t0
                 n_cand = draft.accept_mask().sum(1).tolist() if draft is not None else [0] * len(live)
+                n_all = [0] * len(live) if draft is None else [draft.n] * len(live) if draft.valid is None \
+                    else draft.valid.sum(1).tolist()
                 done = []
                 for i, b in enumerate(live):
                     r = res[b]
@@ -120,6 +123,7 @@ class Engine:
                     r.steps += 1
                     r.accept_lens.append(len(v.accepted[i]))
                     r.drafted.append(int(n_cand[i]))
+                    r.nodes.append(int(n_all[i]))
                     r.t_done = now
                     done.append(r.hit_eos or len(r.tokens) >= max_new_tokens)
                 hidden = Hidden(tap.take(), v.counts).gather(v.keep, v.counts) if tap.names else None

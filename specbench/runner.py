@@ -159,6 +159,7 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
     with timer.watching([model, *proposer.modules()]), PeakMemory(device) as mem, NvmlMonitor(device) as nvml:
         for start in range(0, len(questions), cfg.bs):
             batch = questions[start:start + cfg.bs]
+            n_batches_q = start // cfg.bs  # the batch a request belongs to: the unit error bars resample
             history = [[] for _ in batch]
             for turn in range(max(len(q.turns) for q in batch)):
                 rows = [i for i, q in enumerate(batch) if turn < len(q.turns)]
@@ -183,18 +184,19 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
                     history[i].append((q.turns[turn], text))
                     n = len(toks)
                     requests.append({
-                        "id": q.id, "turn": turn + 1, "category": q.category, "prompt_tokens": len(prompts[rows.index(i)]),
+                        "id": q.id, "turn": turn + 1, "batch": n_batches_q, "category": q.category, "prompt_tokens": len(prompts[rows.index(i)]),
                         "new_tokens": n, "steps": r.steps, "wall_s": r.t_done, "ttft_s": r.t_first,
                         "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
                         "accepted": sum(r.accept_lens), "accepts": encode_accepts(r.accept_lens),
                         "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
-                        "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_text": text,
+                        "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_text": text,
                     })
                 if progress is not None:
                     progress.update(len(rows))
     times = timer.totals()
     all_lens = [x for rq in requests for x in rq.pop("_lens")]
     all_nodes = sum(rq.pop("_nodes") for rq in requests)
+    fwd_nodes = sum(rq.pop("_fnodes") for rq in requests)
     row_steps = len(all_lens)
     K = 0 if method_name == "ar" else int(cfg.K)
     depth = max([K] + all_lens)
@@ -214,6 +216,7 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
         "batches": n_batches,
         "tau": 1.0 + sum(all_lens) / row_steps if row_steps else 1.0,
         "draft_nodes": all_nodes / row_steps if row_steps else 0.0,  # candidates verified per row per step
+        "forward_nodes": fwd_nodes / row_steps if row_steps else 0.0,  # + non-candidate nodes (Lookahead's window)
         "accept_rate_per_pos": [sum(1 for x in all_lens if x >= i) / row_steps for i in range(1, depth + 1)]
         if row_steps else [],
         "accept_len_hist": [hist.get(i, 0) for i in range(depth + 1)],
