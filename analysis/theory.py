@@ -92,6 +92,7 @@ def batch_units(requests: Sequence[dict], bs: int) -> dict:
             if qid not in order:
                 order.append(qid)
             b = order.index(qid) // max(1, bs)
+        b = (r.get("repeat", 0), b)  # repeats=N: every pass over the prompt set has its own batches
         u = units.setdefault(b, {"tokens": 0, "turn_s": {}})
         u["tokens"] += int(r["new_tokens"])
         u["turn_s"][r["turn"]] = max(u["turn_s"].get(r["turn"], 0.0), float(r["wall_s"]))

@@ -16,7 +16,7 @@ SCHEMA = 1
 # that changes the prompts (the whole dataset config: language, turns, path), the model
 # (the whole model config: chat template, attention kernel) or the numerics.
 BASELINE_KEYS = ("model", "dataset", "limit", "bs", "ctx", "dtype", "device", "temperature", "top_k", "top_p",
-                 "max_new_tokens", "seed", "dataset_cfg", "model_cfg")
+                 "max_new_tokens", "seed", "dataset_cfg", "model_cfg", "repeats")  # repeats: only when > 1
 # ... and, for an AR record of another sweep (ar_baseline=any), the same machine and code.
 ENV_KEYS = ("device_name", "host", "git_sha", "torch", "transformers")
 

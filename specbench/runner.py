@@ -45,6 +45,9 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be an integer >= 1, got {v!r}")
     if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
         raise ConfigError(f"limit must be an integer >= 1 or null, got {cfg.limit!r}")
+    rep = cfg.get("repeats", 1)
+    if not isinstance(rep, int) or isinstance(rep, bool) or rep < 1:
+        raise ConfigError(f"repeats must be an integer >= 1, got {rep!r}")
     if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {cfg.max_new_tokens!r}")
     loggers.check(cfg)
@@ -156,43 +159,49 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
     gen = torch.Generator(device).manual_seed(int(cfg.seed))
     torch.manual_seed(int(cfg.seed))
     requests, wall, n_batches = [], 0.0, 0
+    repeats = int(cfg.get("repeats") or 1)
+    rep_tokens, rep_wall = [0] * repeats, [0.0] * repeats
     with timer.watching([model, *proposer.modules()]), PeakMemory(device) as mem, NvmlMonitor(device) as nvml:
-        for start in range(0, len(questions), cfg.bs):
-            batch = questions[start:start + cfg.bs]
-            n_batches_q = start // cfg.bs  # the batch a request belongs to: the unit error bars resample
-            history = [[] for _ in batch]
-            for turn in range(max(len(q.turns) for q in batch)):
-                rows = [i for i, q in enumerate(batch) if turn < len(q.turns)]
-                if cfg.ctx is not None:
-                    prompts = [batch[i].ctx_ids for i in rows]
-                else:
-                    prompts = [D.render(tokenizer, history[i], batch[i].turns[turn], chat) for i in rows]
-                longest = max(len(p) for p in prompts)
-                if longest + cfg.max_new_tokens + cfg.K + 1 > npos:
-                    raise ConfigError(f"a prompt of {longest} tokens + max_new_tokens exceeds the model's {npos} positions")
-                sync(device)
-                t = time.perf_counter()
-                out = eng.generate(prompts, int(cfg.max_new_tokens), gen)
-                sync(device)
-                dt = time.perf_counter() - t
-                wall += dt
-                n_batches += 1
-                for i, r in zip(rows, out):
-                    q = batch[i]
-                    toks = r.tokens
-                    text = tokenizer.decode(toks, skip_special_tokens=True)
-                    history[i].append((q.turns[turn], text))
-                    n = len(toks)
-                    requests.append({
-                        "id": q.id, "turn": turn + 1, "batch": n_batches_q, "category": q.category, "prompt_tokens": len(prompts[rows.index(i)]),
-                        "new_tokens": n, "steps": r.steps, "wall_s": r.t_done, "ttft_s": r.t_first,
-                        "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
-                        "accepted": sum(r.accept_lens), "accepts": encode_accepts(r.accept_lens),
-                        "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
-                        "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_text": text,
-                    })
-                if progress is not None:
-                    progress.update(len(rows))
+        for rep in range(repeats):  # repeats=N measures the whole prompt set N times
+            for start in range(0, len(questions), cfg.bs):
+                batch = questions[start:start + cfg.bs]
+                n_batches_q = start // cfg.bs  # the batch a request belongs to: the unit error bars resample
+                history = [[] for _ in batch]
+                for turn in range(max(len(q.turns) for q in batch)):
+                    rows = [i for i, q in enumerate(batch) if turn < len(q.turns)]
+                    if cfg.ctx is not None:
+                        prompts = [batch[i].ctx_ids for i in rows]
+                    else:
+                        prompts = [D.render(tokenizer, history[i], batch[i].turns[turn], chat) for i in rows]
+                    longest = max(len(p) for p in prompts)
+                    if longest + cfg.max_new_tokens + cfg.K + 1 > npos:
+                        raise ConfigError(f"a prompt of {longest} tokens + max_new_tokens exceeds the model's {npos} positions")
+                    sync(device)
+                    t = time.perf_counter()
+                    out = eng.generate(prompts, int(cfg.max_new_tokens), gen)
+                    sync(device)
+                    dt = time.perf_counter() - t
+                    wall += dt
+                    rep_wall[rep] += dt
+                    n_batches += 1
+                    for i, r in zip(rows, out):
+                        q = batch[i]
+                        toks = r.tokens
+                        text = tokenizer.decode(toks, skip_special_tokens=True)
+                        history[i].append((q.turns[turn], text))
+                        n = len(toks)
+                        rep_tokens[rep] += n
+                        requests.append({
+                            "id": q.id, "turn": turn + 1, "batch": n_batches_q, **({"repeat": rep} if repeats > 1 else {}),
+                            "category": q.category, "prompt_tokens": len(prompts[rows.index(i)]),
+                            "new_tokens": n, "steps": r.steps, "wall_s": r.t_done, "ttft_s": r.t_first,
+                            "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
+                            "accepted": sum(r.accept_lens), "accepts": encode_accepts(r.accept_lens),
+                            "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
+                            "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_text": text,
+                        })
+                    if progress is not None:
+                        progress.update(len(rows))
     times = timer.totals()
     all_lens = [x for rq in requests for x in rq.pop("_lens")]
     all_nodes = sum(rq.pop("_nodes") for rq in requests)
@@ -231,6 +240,8 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
         "speedup": None,
         "match_ar": None,
     }
+    if repeats > 1:  # each pass over the prompt set on its own: the spread between repeats
+        metrics["repeat_tokens_per_s"] = [t / w if w > 0 else None for t, w in zip(rep_tokens, rep_wall)]
     return metrics, requests, proposer
 
 
@@ -255,6 +266,7 @@ def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
         else {"name": method_name},
         "seed": int(cfg.seed), "dataset_cfg": OmegaConf.to_container(cfg.dataset, resolve=True),
         "model_cfg": OmegaConf.to_container(cfg.model, resolve=True), "lossless": True, "method_cfg": {},
+        **({"repeats": int(cfg.repeats)} if int(cfg.get("repeats") or 1) > 1 else {}),
         "env": R.env_info(device), "metrics": None, "requests": [],
     }
 
@@ -335,7 +347,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
     scope = None if cfg.ar_baseline == "any" or resume else sweep_id
     ar = R.find_ar(existing, probe, scope)
     n_turns = sum(len(q.turns) for q in questions)
-    n_runs = 1 if method_name == "ar" or ar is not None else 2
+    n_runs = (1 if method_name == "ar" or ar is not None else 2) * int(cfg.get("repeats") or 1)
     bar = _bar(n_runs * n_turns, f"{method_name} bs={cfg.bs} K={cfg.K}" + (f" ctx={cfg.ctx}" if cfg.ctx else ""),
                cfg.progress)
     try:

@@ -225,13 +225,13 @@ def test_bootstrap_interval_resamples_batches_paired_with_ar():
     # bs=2: rows of a batch share its clock; a batch's time is its slowest row's
     ar = [{"id": f"q{i}", "turn": 1, "batch": i // 2, "new_tokens": 10, "wall_s": 1.0 + 0.1 * (i % 2)}
           for i in range(8)]
-    assert batch_units(ar, 2)[0] == (20, 1.1)
+    assert batch_units(ar, 2)[(0, 0)] == (20, 1.1)
     same = [dict(r, wall_s=r["wall_s"] / 2) for r in ar]  # exactly 2x faster on every batch
     lo, hi = bootstrap_speedup(same, ar, 2)
     assert abs(lo - 2.0) < 1e-9 and abs(hi - 2.0) < 1e-9
     noisy = [dict(r, wall_s=r["wall_s"] / (1.5 if r["batch"] % 2 else 2.5)) for r in ar]
     lo, hi = bootstrap_speedup(noisy, ar, 2)
-    point = sum(r["new_tokens"] for r in noisy) / sum(batch_units(noisy, 2)[b][1] for b in range(4)) / (80 / 4.4)
+    point = sum(r["new_tokens"] for r in noisy) / sum(batch_units(noisy, 2)[(0, b)][1] for b in range(4)) / (80 / 4.4)
     assert lo < point < hi and 1.5 <= lo and hi <= 2.5
     # records without a batch index: runs of bs distinct ids
     legacy = [{k: v for k, v in r.items() if k != "batch"} for r in ar]

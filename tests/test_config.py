@@ -145,8 +145,24 @@ def test_draft_with_another_vocabulary_is_refused(tiny_dirs, tmp_path):
 
 REQUIRED = ["schema", "sweep_id", "status", "error", "method", "model", "draft", "K", "bs", "ctx", "dataset",
             "limit", "temperature", "max_new_tokens", "dtype", "device", "seed", "env", "metrics", "requests"]
-METRICS = ["new_tokens", "wall_s", "tokens_per_s", "steps", "tau", "draft_nodes", "accept_rate_per_pos", "accept_len_hist",
+METRICS = ["new_tokens", "wall_s", "tokens_per_s", "steps", "tau", "draft_nodes", "forward_nodes", "quality",
+           "accept_rate_per_pos", "accept_len_hist",
            "time_s", "verify_share", "ttft_s", "tpot_s", "peak_mem_bytes", "energy_j", "speedup", "match_ar"]
+
+
+def test_repeats_time_the_prompt_set_n_times_and_pair_with_a_repeated_ar(tiny_dirs, tmp_path):
+    cfg = tiny_cfg(tiny_dirs, tmp_path, bs=2, repeats=3, **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}})
+    recs = runner.job(cfg, sweep_id="s1")
+    assert [r["method"] for r in recs] == ["ar", "pld"] and all(r["repeats"] == 3 for r in recs)
+    m = recs[1]["metrics"]
+    assert len(m["repeat_tokens_per_s"]) == 3 and len(recs[1]["requests"]) == 3 * 8
+    assert sorted({rq["repeat"] for rq in recs[1]["requests"]}) == [0, 1, 2]
+    assert m["new_tokens"] == 3 * sum(rq["new_tokens"] for rq in recs[1]["requests"] if rq["repeat"] == 0)
+    # a job without repeats does not pair with the repeated AR job: it runs its own
+    single = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, **{"method": {"name": "leviathan"}}), sweep_id="s1")
+    assert [r["method"] for r in single] == ["ar", "leviathan"] and "repeats" not in single[0]
+    with pytest.raises(ConfigError, match="repeats must be an integer >= 1"):
+        runner.validate(tiny_cfg(tiny_dirs, tmp_path, repeats=0))
 
 
 def test_job_records_and_reuses_ar(tiny_dirs, tmp_path):
