@@ -108,15 +108,23 @@ def build_datastore(spec: str, tokenizer, vocab_size: int, progress: bool = True
     with file_lock(out.with_name(out.name + ".lock")):
         if out.exists():
             return out
+        for stale in out.parent.glob(f"{out.name}.tmp*"):  # a killed build's leftovers (we hold the lock)
+            stale.unlink()
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
         writer = draftretriever.Writer(str(tmp), vocab_size=vocab_size)
         n_tok = 0
-        for text in tqdm(corpus(spec), desc=f"REST datastore {spec}", unit="entry", disable=not progress,
-                         file=sys.stderr):
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if len(ids) >= 2:
-                writer.add_entry(ids)
-                n_tok += len(ids)
+        bar = tqdm(desc=f"REST datastore {spec}", unit="entry", disable=not progress, file=sys.stderr)
+        texts = corpus(spec)
+        while True:  # tokenized in batches (a fast tokenizer encodes a batch in parallel)
+            chunk = [t for _, t in zip(range(256), texts)]
+            if not chunk:
+                break
+            for ids in tokenizer(chunk, add_special_tokens=False)["input_ids"]:
+                if len(ids) >= 2:
+                    writer.add_entry(list(ids))
+                    n_tok += len(ids)
+            bar.update(len(chunk))
+        bar.close()
         if n_tok == 0:
             raise ConfigError(f"rest.datastore '{spec}' has no text to index")
         writer.finalize()
