@@ -337,7 +337,7 @@ def test_cli_sweep_end_to_end(tiny_dirs, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "specbench", "method=medusa9"], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "specbench: error: unknown method 'medusa9'; choices: ar, eagle, leviathan, medusa, pld"
+    assert bad.stderr.strip() == "specbench: error: unknown method 'medusa9'; choices: ar, eagle, leviathan, lookahead, medusa, pld, rest, specdec"
 
 
 def test_resume_skips_recorded_jobs(tiny_dirs, tmp_path, capsys):

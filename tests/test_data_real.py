@@ -1,5 +1,6 @@
 """The packaged prompt sets and the real default model (slow: loads SmolLM2-135M)."""
 
+import json
 import subprocess
 import sys
 
@@ -73,3 +74,32 @@ def test_gemma3_sweep(tmp_path):
     assert [(r["method"], r["status"], r["model"]) for r in recs] == [("ar", "ok", "gemma3-270m"),
                                                                      ("pld", "ok", "gemma3-270m")]
     assert recs[1]["metrics"]["match_ar"] == 1.0 and recs[1]["metrics"]["new_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_lookahead_rest_specdec_sweep_with_task_scores(tmp_path):
+    """Lookahead and SpecDec (the shipped Spec-Drafter) on a GSM8K problem, REST on a
+    HumanEval problem with a small code datastore: token-identical to AR, and every job
+    (AR included) carries the set's task score."""
+    store = tmp_path / "code.jsonl"
+    store.write_text("\n".join(json.dumps({"text": t}) for t in [
+        "def add(a, b):\n    return a + b\n", "for i in range(len(numbers)):\n    for j in range(len(numbers)):\n",
+        "    return [x for x in numbers if x > 0]\n"]) + "\n")
+    runs = [["method=lookahead,specdec", "dataset=gsm8k"],
+            ["method=rest", f"rest.datastore={store}", "dataset=humaneval"]]
+    for args in runs:
+        out = subprocess.run([sys.executable, "-m", "specbench", *args, "limit=1", "max_new_tokens=32",
+                              f"results_dir={tmp_path}", "progress=false"],
+                             cwd=REPO, capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+    recs = R.read(tmp_path / "records.jsonl")
+    assert [r["method"] for r in recs] == ["ar", "lookahead", "specdec", "ar", "rest"]
+    for r in recs:
+        assert r["status"] == "ok" and r["metrics"]["match_ar"] == 1.0, r["method"]
+        q = r["metrics"]["quality"]
+        assert q["metric"] == ("gsm8k_accuracy" if r["dataset"] == "gsm8k" else "humaneval_pass@1")
+        assert q["value"] in (0.0, 1.0) and q["n"] == 1
+        if r["method"] != "ar":
+            assert q["ar_value"] is not None
+    assert recs[1]["metrics"]["forward_nodes"] > recs[1]["metrics"]["draft_nodes"]  # the window is verified too
+    assert recs[2]["lossless"] and recs[2]["method_cfg"]["beta"] == 1
