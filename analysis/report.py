@@ -115,7 +115,8 @@ def fig_quality(df, out, written):
     if sd.empty:
         return
     sets = sorted(sd["dataset"].unique())
-    fig, axes = plt.subplots(1, len(sets), figsize=(4.6 * len(sets), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.8 * len(sets), 3.6), squeeze=False)
+    fig.subplots_adjust(wspace=0.35)
     cmap = colors(sd["label"])
     for ax, ds in zip(axes[0], sets):
         g = sd[sd["dataset"] == ds]
@@ -128,7 +129,7 @@ def fig_quality(df, out, written):
         ax.set_xlabel("speedup over AR")
         ax.set_ylabel(f"{g['quality_metric'].iloc[0]} - AR's (points)")
         ax.set_title(f"{ds}: speed vs quality (x = lossy rule)")
-        ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+        ax.legend(frameon=False, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
     save(fig, out, "speedup_vs_quality", written)
 
 
