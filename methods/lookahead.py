@@ -26,7 +26,6 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 
-import torch
 
 from methods.base import BatchState, Proposer
 from specbench.draft import Draft, prefix_tree
@@ -114,22 +113,7 @@ class Lookahead(Proposer):
             rows_par.append(pars + cp)
             rows_cand.append([False] * nw + [True] * len(ct))
         self.n_window = [sum(1 for c in r if not c) for r in rows_cand]
-        n = max(len(r) for r in rows_tok)
-        if n == 0:
-            return None
-        B = len(rows_tok)
-        tokens = torch.zeros(B, n, dtype=torch.long)
-        parents = torch.zeros(B, n, dtype=torch.long)
-        cand = torch.zeros(B, n, dtype=torch.bool)
-        valid = torch.zeros(B, n, dtype=torch.bool)
-        for b in range(B):
-            k = len(rows_tok[b])
-            tokens[b, :k] = torch.tensor(rows_tok[b])
-            parents[b, :k] = torch.tensor(rows_par[b])
-            cand[b, :k] = torch.tensor(rows_cand[b], dtype=torch.bool)
-            valid[b, :k] = True
-        d = state.device
-        return Draft(tokens=tokens.to(d), parents=parents.to(d), valid=valid.to(d), candidate=cand.to(d))
+        return Draft.from_trees(rows_tok, rows_par, state.device, candidate=rows_cand)
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
         W = self.W

@@ -25,7 +25,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import torch
 
 from methods.base import BatchState, Proposer
 from specbench.draft import Draft, prefix_tree
@@ -189,23 +188,12 @@ class Rest(Proposer):
         return []
 
     def propose(self, state: BatchState) -> Draft | None:
-        rows = []
+        toks, pars = [], []
         for s in state.seqs:
-            toks, pars = prefix_tree(self.retrieve(s))
-            rows.append((toks[: self.num_draft], pars[: self.num_draft]))
-        n = max(len(t) for t, _ in rows)
-        if n == 0:
-            return None
-        B = len(rows)
-        tokens = torch.zeros(B, n, dtype=torch.long)
-        parents = torch.zeros(B, n, dtype=torch.long)
-        valid = torch.zeros(B, n, dtype=torch.bool)
-        for b, (t, p) in enumerate(rows):
-            tokens[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-            parents[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-            valid[b, : len(t)] = True
-        d = state.device
-        return Draft(tokens=tokens.to(d), parents=parents.to(d), valid=valid.to(d))
+            t, p = prefix_tree(self.retrieve(s))
+            toks.append(t[: self.num_draft])
+            pars.append(p[: self.num_draft])
+        return Draft.from_trees(toks, pars, state.device)
 
     def describe(self) -> dict:
         return {"datastore": self.spec, "num_draft": self.num_draft, "max_suffix": self.max_suffix,

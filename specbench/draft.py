@@ -51,6 +51,29 @@ class Draft:
             valid[b, : len(r)] = True
         return Draft.chain(tokens.to(device), valid.to(device))
 
+    @staticmethod
+    def from_trees(tokens: list[list[int]], parents: list[list[int]], device,
+                   candidate: list[list[bool]] | None = None) -> "Draft | None":
+        """A tree per row from plain lists of different lengths (padding nodes are invalid);
+        None when no row has a node."""
+        n = max((len(t) for t in tokens), default=0)
+        if n == 0:
+            return None
+        B = len(tokens)
+        tok = torch.zeros(B, n, dtype=torch.long)
+        par = torch.zeros(B, n, dtype=torch.long)
+        valid = torch.zeros(B, n, dtype=torch.bool)
+        cand = None if candidate is None else torch.zeros(B, n, dtype=torch.bool)
+        for b in range(B):
+            k = len(tokens[b])
+            tok[b, :k] = torch.tensor(tokens[b], dtype=torch.long)
+            par[b, :k] = torch.tensor(parents[b], dtype=torch.long)
+            valid[b, :k] = True
+            if cand is not None:
+                cand[b, :k] = torch.tensor(candidate[b], dtype=torch.bool)
+        return Draft(tokens=tok.to(device), parents=par.to(device), valid=valid.to(device),
+                     candidate=None if cand is None else cand.to(device))
+
     @property
     def n(self) -> int:
         return int(self.tokens.shape[1])

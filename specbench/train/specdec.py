@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from specbench.drafters import save as save_draft
 from specbench.drafters import vocab_by_frequency
 from specbench.drafters.specdec import SpecDrafter
-from specbench.train.loop import fit
+from specbench.train.loop import batches, fit
 
 
 def answered(items: list[dict]) -> list[dict]:
@@ -124,15 +124,7 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], progress: bo
     evals, trains = items[:n_eval], items[n_eval:]
     params = [p for p in model.parameters() if p.requires_grad]
     bs = int(tcfg.batch_size)
-    order = list(range(len(trains)))
-
-    def batches():
-        while True:
-            rng.shuffle(order)
-            for s in range(0, len(order) - bs + 1, bs):
-                yield [trains[i] for i in order[s:s + bs]]
-
-    it = batches()
+    it = batches(trains, bs, L, rng)
 
     def step(skip=False):
         b = next(it)
