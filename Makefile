@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: setup run test test-fast bench-peers bench-draft bench-heads bench-search train-draft report regress regress-baseline profile clean-cache
+.PHONY: setup run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor train-draft report regress regress-baseline profile clean-cache
 
 setup: $(STAMP)
 
@@ -102,3 +102,16 @@ regress-baseline: setup
 
 clean-cache:
 	rm -rf $${SPECBENCH_CACHE:-$$HOME/.cache/specbench}
+
+# The identity floor (issue 10): greedy outputs of AR at bs=8 and of AR through the verify path
+# (`reject`, K=1) against AR at bs=1 — they differ only by kernel shapes — beside every method's,
+# in fp32 (all must be identical) and bf16 (rounding: a method should diverge no more than the
+# floor). 10 MT-Bench first turns, 96 tokens; the report's identity table holds the numbers.
+BENCH_FLOOR_DIR := results/bench-floor
+FLOOR_ARGS := dataset=mt_bench limit=10 dataset.max_turns=1 max_new_tokens=96 progress=false results_dir=$(BENCH_FLOOR_DIR)
+bench-floor: setup
+	$(BIN)/python -m specbench method=ar bs=1,8 dtype=fp32,bf16 $(FLOOR_ARGS) $(ARGS)
+	$(BIN)/python -m specbench method=reject K=1 dtype=fp32,bf16 $(FLOOR_ARGS) $(ARGS)
+	$(BIN)/python -m specbench method=pld,leviathan,eagle,medusa,lookahead,rest,specdec dtype=fp32,bf16 $(FLOOR_ARGS) $(ARGS)
+	$(BIN)/python -m analysis.report $(BENCH_FLOOR_DIR) --out $(BENCH_FLOOR_DIR)/report
+	cat $(BENCH_FLOOR_DIR)/report/identity.md

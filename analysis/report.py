@@ -27,6 +27,7 @@ import pandas as pd  # noqa: E402
 from analysis import simulate, theory  # noqa: E402
 from analysis.load import load, load_cost_curves  # noqa: E402
 from analysis.profile import interp  # noqa: E402
+from specbench import records as R  # noqa: E402
 
 PHASES = ["prefill", "draft", "verify", "accept", "other"]
 PHASE_COLORS = {"prefill": "#9e9e9e", "draft": "#4c72b0", "verify": "#dd8452", "accept": "#55a868", "other": "#c4c4c4"}
@@ -381,6 +382,52 @@ def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
                          na_position="first").reset_index(drop=True)
 
 
+def identity_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Greedy jobs against AR at the smallest batch size of the same model, data, dtype and
+    length (from the recorded tokens): the share of outputs identical to AR's and where the
+    others first diverge. The floor rows (AR itself at a larger batch, and ``reject``, AR
+    through the verify path) differ from AR only by the kernels' shapes: in fp32 every row
+    should read 100%; in bf16 a method whose divergence is no worse than the floor's
+    diverges by rounding, not by a bug."""
+    g = df[(df["temperature"] == 0)]
+    g = g[g["requests"].map(lambda rq: bool(rq) and "tokens" in rq[0])]
+    rows = []
+    for key, grp in g.groupby(["model", "dataset", "dtype", "max_new_tokens", "limit", "ctx"], dropna=False):
+        ars = grp[grp["method"] == "ar"]
+        if ars.empty:
+            continue
+        ref_row = ars.sort_values("bs").iloc[0]
+        ref = {(r["id"], r["turn"], r.get("repeat", 0)): r for r in ref_row["requests"]}
+        for _, r in grp.iterrows():
+            if r["method"] == "ar" and r["bs"] == ref_row["bs"]:
+                continue
+            pos, n, same = [], 0, 0
+            for rq in r["requests"]:
+                a = ref.get((rq["id"], rq["turn"], rq.get("repeat", 0)))
+                if a is None or a.get("prompt_sha") != rq.get("prompt_sha"):
+                    continue
+                n += 1
+                d = R.first_divergence(rq["tokens"], a["tokens"])
+                if d is None:
+                    same += 1
+                else:
+                    pos.append(d)
+            if not n:
+                continue
+            floor = r["method"] in ("ar", "reject")
+            rows.append({"method": r["label"] + (" (floor)" if floor else ""), "model": str(key[0]).split("/")[-1],
+                         "dataset": key[1], "dtype": key[2], "bs": int(r["bs"]),
+                         "K": None if r["method"] == "ar" else r["K"], "vs AR bs": int(ref_row["bs"]),
+                         "compared": n, "identical %": 100.0 * same / n, "diverged": len(pos),
+                         "median first divergence": float(np.median(pos)) if pos else None,
+                         "earliest": min(pos) if pos else None})
+    t = pd.DataFrame(rows)
+    if t.empty:
+        return t
+    t["K"] = t["K"].astype("Int64")
+    return t.sort_values(["model", "dataset", "dtype", "method", "bs"]).reset_index(drop=True)
+
+
 def fmt(x, spec=".2f"):
     if x is None or x is pd.NA or (isinstance(x, float) and not math.isfinite(x)):
         return "-"
@@ -439,6 +486,10 @@ def build(records, out: Path, **filters) -> list[Path]:
     fig_simulator(sim, df, out, written)
     tables = {"sweep": (sweep_table(df), "Sweep: tokens/s, speedup over AR, mean accepted length, bound"),
               "per_category": (per_category(df), "Speedup and mean accepted length per category")}
+    ident = identity_table(df)
+    if not ident.empty:
+        tables["identity"] = (ident, "Greedy outputs identical to AR's, and the first divergence (floor: AR at "
+                                     "another batch size, AR through the verify path)")
     if not sim.empty:
         tables["simulator"] = (sim, "Trace-driven simulation: measured, fixed-K and oracle-K speedups")
     for name, (t, cap) in tables.items():

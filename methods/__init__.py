@@ -16,6 +16,7 @@ REGISTRY: dict[str, str] = {
     "specdec": "methods.specdec:SpecDec",
     "lookahead": "methods.lookahead:Lookahead",
     "rest": "methods.rest:Rest",
+    "reject": "methods.reject:Reject",
 }
 
 

@@ -74,7 +74,7 @@ class Engine:
         state = BatchState(seqs=seqs, prompt_lens=[len(p) for p in prompts], sampling=s, gen=gen,
                            device=self.device, eos=self.eos)
         done = [res[b].hit_eos or max_new_tokens <= 1 for b in range(B)]
-        with self.timer.phase("draft"):
+        with self.timer.phase("prefill"):  # the method's own prefill (a draft model's cache) is prefill too
             self.proposer.start(state, hidden)
         pending = torch.tensor(first, dtype=torch.long, device=self.device)
         pending = self._drop_finished(done, live, state, cache, pending)
@@ -121,7 +121,7 @@ class Engine:
                     r.tokens.extend(new)
                     state.seqs[i].extend(new)
                     r.steps += 1
-                    r.accept_lens.append(len(v.accepted[i]))
+                    r.accept_lens.append(min(len(v.accepted[i]), len(new)))  # drafts kept (an EOS or the budget cuts the rest)
                     r.drafted.append(int(n_cand[i]))
                     r.nodes.append(int(n_all[i]))
                     r.t_done = now

@@ -140,3 +140,11 @@ def env_info(device) -> dict:
         "torch_threads": torch.get_num_threads(),
         "host": platform.node(),
     }
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ (None: identical)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

@@ -150,10 +150,10 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
     def engine(timer):
         return Engine(model, proposer, sampling, device, dtype, eos, timer)
 
-    if cfg.warmup:
-        q = questions[0]
-        ids = q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], chat)
-        engine(PhaseTimer(device)).generate([ids] * min(cfg.bs, 2), 8, torch.Generator(device).manual_seed(0))
+    if cfg.warmup:  # the job's own shapes: a full batch of its ragged prompts (padding masks, tree masks)
+        qs = questions[:int(cfg.bs)]  # the first batch, as the timed job will see it
+        ids = [q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], chat) for q in qs]
+        engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
     timer = PhaseTimer(device)
     eng = engine(timer)
     gen = torch.Generator(device).manual_seed(int(cfg.seed))
@@ -198,6 +198,8 @@ def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtyp
                             "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
                             "accepted": sum(r.accept_lens), "accepts": encode_accepts(r.accept_lens),
                             "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
+                            "prompt_sha": hashlib.sha1(str(prompts[rows.index(i)]).encode()).hexdigest()[:16],
+                            "tokens": toks,
                             "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_text": text,
                         })
                     if progress is not None:
@@ -289,9 +291,10 @@ def fill_against_ar(rec: dict, ar: dict) -> None:
     if m.get("tokens_per_s") and a.get("tokens_per_s"):
         m["speedup"] = m["tokens_per_s"] / a["tokens_per_s"]
     if rec["temperature"] == 0:
-        ref = {(r["id"], r["turn"]): r["out_sha"] for r in ar["requests"]}
-        same = [ref.get((r["id"], r["turn"])) == r["out_sha"] for r in rec["requests"]]
+        ref = {(r["id"], r["turn"], r.get("repeat", 0)): r for r in ar["requests"]}
+        same = [_ar_request(ref, r).get("out_sha") == r["out_sha"] for r in rec["requests"]]
         m["match_ar"] = sum(same) / len(same) if same else None
+        m["divergence"] = divergence(rec["requests"], ref)
     q, qa = m.get("quality"), a.get("quality")
     if q and qa:
         q["ar_value"] = qa.get("value")
@@ -299,6 +302,31 @@ def fill_against_ar(rec: dict, ar: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- a job
+def _ar_request(ref: dict, r: dict) -> dict:
+    """AR's request for the same question and turn (the same repeat where AR has it)."""
+    return ref.get((r["id"], r["turn"], r.get("repeat", 0))) or ref.get((r["id"], r["turn"], 0)) or {}
+
+
+def divergence(requests: list[dict], ref: dict) -> dict | None:
+    """Per request ``diverge_at`` (first token that differs from AR's output for the same
+    prompt; None when identical) and its summary. Requests whose prompt already differs
+    (a second turn after a diverged first) are left out: they compare different inputs."""
+    pos, n = [], 0
+    for r in requests:
+        a = _ar_request(ref, r)
+        if not a or "tokens" not in a or "tokens" not in r or a.get("prompt_sha") != r.get("prompt_sha"):
+            continue
+        n += 1
+        r["diverge_at"] = R.first_divergence(r["tokens"], a["tokens"])
+        if r["diverge_at"] is not None:
+            pos.append(r["diverge_at"])
+    if not n:
+        return None
+    pos.sort()
+    return {"compared": n, "diverged": len(pos), "median_at": pos[len(pos) // 2] if pos else None,
+            "first_at": pos[0] if pos else None, "positions": pos}
+
+
 def sweep_id_of(cfg) -> str:
     try:
         from hydra.core.hydra_config import HydraConfig

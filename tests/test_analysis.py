@@ -237,3 +237,28 @@ def test_bootstrap_interval_resamples_batches_paired_with_ar():
     legacy = [{k: v for k, v in r.items() if k != "batch"} for r in ar]
     assert batch_units(legacy, 2) == batch_units(ar, 2)
     assert bootstrap_speedup(same[:2], ar[:2], 2) is None  # one batch: no interval
+
+
+def test_identity_table_reads_first_divergence_from_tokens(tmp_path):
+    """AR at bs=1 is the reference; AR at bs=2 is a floor row; a method that changes token 5
+    of one request reads one diverged output at position 5."""
+    recs = [r for r in R.read(FIX / "records.jsonl") if r["method"] in ("ar", "pld") and r["bs"] in (1, 2)
+            and r["K"] in (None, 4)]
+    keys = sorted({(rq["id"], rq["turn"]) for rq in recs[0]["requests"]})
+    for r in recs:
+        for rq in r["requests"]:
+            i = keys.index((rq["id"], rq["turn"]))
+            rq["prompt_sha"] = f"p{i}"
+            rq["tokens"] = list(range(i, i + 10))
+    pld1 = next(r for r in recs if r["method"] == "pld" and r["bs"] == 1)
+    pld1["requests"][3]["tokens"][5] = 999
+    pld1["requests"][4]["prompt_sha"] = "another prompt"  # not compared
+    for r in recs:
+        R.append(tmp_path / "records.jsonl", r)
+    t = report.identity_table(load(tmp_path / "records.jsonl"))
+    row = t[(t["method"] == "pld") & (t["bs"] == 1)].iloc[0]
+    assert (row["compared"], row["diverged"], row["median first divergence"], row["earliest"]) == (11, 1, 5.0, 5)
+    assert row["identical %"] == pytest.approx(100 * 10 / 11)
+    floor = t[t["method"] == "ar (floor)"].iloc[0]
+    assert floor["bs"] == 2 and floor["identical %"] == 100.0 and floor["diverged"] == 0
+    assert set(t["vs AR bs"]) == {1}

@@ -53,7 +53,7 @@ def test_default_sweep_and_multirun_mode():
 
 
 def test_preprocess_rejects_unknown_choices_and_rewrites_draft():
-    with pytest.raises(ConfigError, match="unknown method 'eagle2'; choices: ar, eagle, leviathan, lookahead, medusa, pld, rest, specdec"):
+    with pytest.raises(ConfigError, match="unknown method 'eagle2'; choices: ar, eagle, leviathan, lookahead, medusa, pld, reject, rest, specdec"):
         preprocess(["method=pld,eagle2"])
     # a method's own keys: eagle.depth=... is method.depth=...
     assert preprocess(["method=eagle", "eagle.depth=4,6", "eagle.top_k=3"]) == \
@@ -117,6 +117,7 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
     ({"method": {"name": "medusa", "tree": "chain", "accept": "exact", "tree_size": None, "eps": 0.09, "delta": 0.3,
                  "checkpoint": "/no/such/heads"}}, "is not a drafter checkpoint"),
     ({"method": {"name": "lookahead", "W": 0, "N": 3, "G": 3}}, "lookahead.W must be an integer >= 1"),
+    ({"method": {"name": "reject", "token": 10**9}}, "reject.token must be a token id"),
     ({"method": {"name": "lookahead", "W": 5, "N": 1, "G": 3}}, "lookahead.N must be an integer >= 2"),
     ({"method": {"name": "rest", "datastore": "/no/such/store.jsonl", "num_draft": 64, "max_suffix": 16,
                  "min_suffix": 2}}, "rest.datastore '/no/such/store.jsonl' is neither sharegpt nor python_code"),
@@ -187,6 +188,8 @@ def test_job_records_and_reuses_ar(tiny_dirs, tmp_path):
         assert sum(m["accept_len_hist"]) == m["steps"]
         assert rec["env"]["torch"] == torch.__version__
     lev = lines[2]["metrics"]
+    assert lev["divergence"] == {"compared": 8, "diverged": 0, "median_at": None, "first_at": None, "positions": []}
+    assert all(rq["diverge_at"] is None and rq["tokens"] for rq in lines[2]["requests"])
     assert len(lev["accept_rate_per_pos"]) == 4
     assert lev["speedup"] == pytest.approx(lev["tokens_per_s"] / lines[0]["metrics"]["tokens_per_s"])
     # a second sweep runs its own AR job; ar_baseline=any reuses the first
@@ -195,6 +198,22 @@ def test_job_records_and_reuses_ar(tiny_dirs, tmp_path):
     assert [r["method"] for r in runner.job(cfg3, sweep_id="s3")] == ["pld"]
 
 
+
+
+def test_first_divergence_bookkeeping():
+    assert R.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert R.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert R.first_divergence([1, 2], [1, 2, 3]) == 2  # one stopped early (an EOS)
+    ar = [{"id": "a", "turn": 1, "prompt_sha": "p", "tokens": [1, 2, 3, 4]},
+          {"id": "a", "turn": 2, "prompt_sha": "q", "tokens": [7, 7]},
+          {"id": "b", "turn": 1, "prompt_sha": "r", "tokens": [5, 6]}]
+    ref = {(r["id"], r["turn"], 0): r for r in ar}
+    mine = [{"id": "a", "turn": 1, "prompt_sha": "p", "tokens": [1, 2, 9, 4]},
+            {"id": "a", "turn": 2, "prompt_sha": "other", "tokens": [7, 8]},  # its prompt already differs
+            {"id": "b", "turn": 1, "prompt_sha": "r", "tokens": [5, 6]}]
+    d = runner.divergence(mine, ref)
+    assert d == {"compared": 2, "diverged": 1, "median_at": 2, "first_at": 2, "positions": [2]}
+    assert mine[0]["diverge_at"] == 2 and "diverge_at" not in mine[1] and mine[2]["diverge_at"] is None
 
 
 def test_ar_pairing_covers_every_prompt_and_model_setting(tiny_dirs, tmp_path):
@@ -337,7 +356,7 @@ def test_cli_sweep_end_to_end(tiny_dirs, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "specbench", "method=medusa9"], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "specbench: error: unknown method 'medusa9'; choices: ar, eagle, leviathan, lookahead, medusa, pld, rest, specdec"
+    assert bad.stderr.strip() == "specbench: error: unknown method 'medusa9'; choices: ar, eagle, leviathan, lookahead, medusa, pld, reject, rest, specdec"
 
 
 def test_resume_skips_recorded_jobs(tiny_dirs, tmp_path, capsys):

@@ -7,6 +7,7 @@ from helpers import CPU, greedy_cases, cfg_for, run_engine, tiny_llama
 from methods.base import Proposer
 from methods.leviathan import Leviathan
 from methods.pld import PromptLookup, lookup
+from methods.reject import Reject
 from specbench.draft import Draft
 from specbench.models import self_layers_draft
 
@@ -74,11 +75,13 @@ def make(name, model, truth):
         return Leviathan(cfg_for(K=5), model, None, CPU, torch.float32, draft_model=tiny_llama(seed=3, scale=4.0))
     if name == "oracle_tree":
         return OracleTree(model, truth)
+    if name == "reject":
+        return Reject(cfg_for(K=2, method={"name": "reject", "token": 5}), model, None, CPU, torch.float32)
     raise KeyError(name)
 
 
 @pytest.mark.parametrize("bs", [1, 4])
-@pytest.mark.parametrize("name", ["ar", "pld", "leviathan_self", "leviathan_other", "oracle_tree"])
+@pytest.mark.parametrize("name", ["ar", "pld", "leviathan_self", "leviathan_other", "oracle_tree", "reject"])
 def test_greedy_identity(model, cases, name, bs):
     prompts, refs = cases[bs]
     truth = {tuple(p): r for p, r in zip(prompts, refs)}
@@ -102,6 +105,33 @@ def test_eos_ends_each_row_alone(model, cases):
                 want = want[:want.index(eos) + 1]
             assert r.tokens == want
             assert r.hit_eos == (eos in ref[:N_NEW])
+
+
+class OracleChain(Proposer):
+    """Test-only: drafts the next K tokens of the true greedy continuation (all accepted)."""
+
+    name = "oracle_chain"
+
+    def __init__(self, model, truth: dict, K: int):
+        super().__init__(cfg_for(), model, None, CPU, torch.float32)
+        self.truth, self.K = truth, K
+
+    def propose(self, state):
+        rows = [self.truth[tuple(s[:p])][len(s) - p:len(s) - p + self.K] for s, p in zip(state.seqs, state.prompt_lens)]
+        return Draft.from_lists(rows, CPU) if any(rows) else None
+
+
+def test_accept_lens_count_only_kept_drafts(model, cases):
+    """A step whose accepted drafts run past an EOS counts only the drafts it keeps (tau
+    must not count tokens that were cut)."""
+    prompts, refs = cases[1]
+    truth = {tuple(p): r for p, r in zip(prompts, refs)}
+    eos = refs[0][3]
+    assert eos not in refs[0][:3]
+    r = run_engine(model, OracleChain(model, truth, K=6), prompts, N_NEW, eos={eos})[0]
+    assert r.tokens == refs[0][:4] and r.hit_eos
+    # the first token comes from the prefill; one step accepted 6 drafts, kept 3 (up to the EOS)
+    assert r.steps == 1 and r.accept_lens == [3]
 
 
 def test_max_new_tokens_one(model, cases):
