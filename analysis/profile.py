@@ -3,7 +3,13 @@ a ctx-token prefix, and the draft's single-token step time, through the engine's
 Appends one JSON line to ``<results_dir>/cost_curves.jsonl`` (beside the records), which
 feeds the batch-aware bound and the trace-driven simulator.
 
-    python -m analysis.profile --bs 1,2,4,8 --n 1,2,4,8,16 --ctx 256 --draft-layers 4
+Beside each point it prints the roofline: the bytes one forward must read (the weights once,
+the KV cache of every row) over the machine's measured read bandwidth, and the ratio of the
+measured time to it. ``--repeats R`` measures the whole curve R times, interleaved, and
+reports the median with its spread (min-max over repeats): on a shared host the spread says
+how far a single number can be trusted.
+
+    python -m analysis.profile --bs 1,2,4,8 --n 1,2,4,8,16 --ctx 256 --draft-layers 4 --repeats 3
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from specbench import kernels
 from specbench import records as R
 from specbench.kv import RaggedCache
 from specbench.models import load_model, resolve_device, resolve_dtype, self_layers_draft
@@ -47,19 +54,91 @@ def forward_time(model, bs: int, n: int, ctx: int, device, dtype, reps: int, voc
     return statistics.median(times)
 
 
-def profile(model, draft, bs_list, n_list, ctx, device, dtype, reps) -> dict:
+def memory_bandwidth(device, mb: int = 256, reps: int = 9) -> tuple[float, float, float]:
+    """Read bandwidth in bytes/s (median, min, max over ``reps``): one pass of ``sum`` over an
+    ``mb`` MiB fp32 tensor, larger than any cache."""
+    x = torch.ones(mb * 2**20 // 4, device=device)
+    ts = []
+    for i in range(reps + 1):
+        sync(device)
+        t = time.perf_counter()
+        x.sum()
+        sync(device)
+        if i:
+            ts.append(time.perf_counter() - t)
+    nbytes = x.numel() * 4
+    del x
+    return nbytes / statistics.median(ts), nbytes / max(ts), nbytes / min(ts)
+
+
+def forward_bytes(model, bs: int, ctx: int, dtype) -> int:
+    """Bytes one forward must read at least: every weight once (tied weights once) and the
+    KV cache of every row (``ctx`` positions)."""
+    from specbench.models import text_config
+
+    w = sum(p.numel() * p.element_size() for p in model.parameters())
+    c = text_config(model.config)
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv = 2 * c.num_hidden_layers * kv_heads * head_dim * ctx * bs * torch.finfo(dtype).bits // 8
+    return int(w + kv)
+
+
+def profile(model, draft, bs_list, n_list, ctx, device, dtype, reps, repeats: int = 1) -> dict:
+    return profile_many({"": model}, draft, bs_list, n_list, ctx, device, dtype, reps, repeats)[""]
+
+
+def profile_many(models: dict, draft, bs_list, n_list, ctx, device, dtype, reps, repeats: int = 1) -> dict:
+    """Cost curves of several variants of one model (e.g. kernel paths), measured
+    interleaved: each repeat runs every variant's whole curve in turn, so the host's drift
+    hits them alike and their ratios compare."""
     from tqdm.auto import tqdm
 
-    vocab = int(model.config.vocab_size)
-    target = {}
-    draft_t = {}
+    first = next(iter(models.values()))
+    vocab = int(first.config.vocab_size)
     points = [(b, n) for b in bs_list for n in n_list]
-    for b, n in tqdm(points, desc="cost curve", file=sys.stderr):
-        target.setdefault(str(b), {})[str(n)] = forward_time(model, b, n, ctx, device, dtype, reps, vocab)
+    runs: dict[tuple, list[float]] = {(k, p): [] for k in models for p in points}
+    bw_runs = []
+    with tqdm(total=repeats * len(points) * len(models), desc="cost curve", file=sys.stderr) as bar:
+        for _ in range(repeats):
+            bw_runs.append(memory_bandwidth(device)[0])
+            for k, model in models.items():
+                for b, n in points:
+                    runs[(k, (b, n))].append(forward_time(model, b, n, ctx, device, dtype, reps, vocab))
+                    bar.update(1)
+    bw = statistics.median(bw_runs)
+    draft_t = {}
     if draft is not None:
         for b in bs_list:
             draft_t[str(b)] = forward_time(draft, b, 1, ctx, device, dtype, reps, vocab)
-    return {"target": target, "draft_step": draft_t}
+    out = {}
+    for k, model in models.items():
+        target, spread, roof = {}, {}, {}
+        for b, n in points:
+            ts = runs[(k, (b, n))]
+            target.setdefault(str(b), {})[str(n)] = statistics.median(ts)
+            spread.setdefault(str(b), {})[str(n)] = [min(ts), max(ts)]
+            roof.setdefault(str(b), {})[str(n)] = forward_bytes(model, b, ctx + n, dtype) / bw
+        out[k] = {"target": target, "target_spread": spread, "roofline": roof, "draft_step": draft_t,
+                  "bandwidth_gbs": bw / 1e9, "bandwidth_spread_gbs": [min(bw_runs) / 1e9, max(bw_runs) / 1e9],
+                  "repeats": repeats}
+    return out
+
+
+def print_curves(curves: dict, bs_list, n_list) -> None:
+    """Per batch size: T(n) median [spread], T(n)/T(1), the roofline and the ratio to it."""
+    print(f"read bandwidth {curves['bandwidth_gbs']:.1f} GB/s (spread {curves['bandwidth_spread_gbs'][0]:.1f}-"
+          f"{curves['bandwidth_spread_gbs'][1]:.1f}); {curves['repeats']} repeat(s), medians [min-max]")
+    for b in bs_list:
+        T, sp, rf = curves["target"][str(b)], curves["target_spread"][str(b)], curves["roofline"][str(b)]
+        t1 = T[str(n_list[0])]
+        print(f"bs={b:<4} {'n':>4} {'ms':>8} {'spread ms':>15} {'T(n)/T(%d)' % n_list[0]:>10} {'roofline ms':>12} "
+              f"{'x roofline':>10}")
+        for n in n_list:
+            t, (lo, hi), r = T[str(n)], sp[str(n)], rf[str(n)]
+            print(f"{'':9} {n:>4} {1000 * t:>8.1f} {f'{1000 * lo:.1f}-{1000 * hi:.1f}':>15} {t / t1:>10.2f} "
+                  f"{1000 * r:>12.1f} {t / r:>10.2f}")
 
 
 def main(argv=None) -> int:
@@ -70,30 +149,46 @@ def main(argv=None) -> int:
     ap.add_argument("--n", default="1,2,3,4,5,6,8,12,16")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--draft-layers", type=int, default=4, help="self_layers draft to time (0 = none)")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="forwards per point (median)")
+    ap.add_argument("--repeats", type=int, default=1, help="whole curves, interleaved (median and spread)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--kernel", default="torch", help="linear-layer path(s): auto, torch, onednn; a comma list "
+                    "profiles each (interleaved) and prints their ratios")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--results-dir", default="results")
     a = ap.parse_args(argv)
+    if a.reps < 1 or a.repeats < 1 or a.ctx < 1:
+        ap.error("--reps, --repeats and --ctx must be >= 1")
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, device)
+    kerns = [kernels.resolve(k, device) for k in a.kernel.split(",")]
     mcfg = OmegaConf.load(CONF_DIR / "model" / f"{a.model}.yaml")
     if a.model_path:
         mcfg.path = a.model_path
-    model = load_model(mcfg, device, dtype)
-    draft = self_layers_draft(model, a.draft_layers) if a.draft_layers else None
+    models = {}
+    for k in dict.fromkeys(kerns):  # one copy of the model per kernel path
+        models[k] = load_model(mcfg, device, dtype)
+        kernels.apply(models[k], k)
+    draft = self_layers_draft(next(iter(models.values())), a.draft_layers) if a.draft_layers else None
     bs_list = [int(x) for x in a.bs.split(",")]
     n_list = [int(x) for x in a.n.split(",")]
-    curves = profile(model, draft, bs_list, n_list, a.ctx, device, dtype, a.reps)
-    rec = {"kind": "cost_curve", "model": a.model_path or a.model, "device": device.type,
-           "dtype": str(dtype).replace("torch.", ""), "ctx": a.ctx,
-           "draft": f"self_layers:{a.draft_layers}" if a.draft_layers else None, **curves,
-           "env": R.env_info(device), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    all_curves = profile_many(models, draft, bs_list, n_list, a.ctx, device, dtype, a.reps, a.repeats)
     out = Path(a.results_dir) / "cost_curves.jsonl"
-    R.append(out, rec)
-    print(f"{'bs':>4} " + " ".join(f"n={n:<6}" for n in n_list) + "  (ms per target forward)")
-    for b in bs_list:
-        print(f"{b:>4} " + " ".join(f"{1000 * curves['target'][str(b)][str(n)]:<8.1f}" for n in n_list))
+    for k, curves in all_curves.items():
+        rec = {"kind": "cost_curve", "model": a.model_path or a.model, "device": device.type,
+               "dtype": str(dtype).replace("torch.", ""), "kernel": k, "ctx": a.ctx,
+               "draft": f"self_layers:{a.draft_layers}" if a.draft_layers else None, **curves,
+               "env": R.env_info(device), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        R.append(out, rec)
+        print(f"kernel={k}")
+        print_curves(curves, bs_list, n_list)
+    if len(all_curves) > 1:
+        ks = list(all_curves)
+        base = all_curves[ks[0]]["target"]
+        for k in ks[1:]:
+            print(f"kernel={k} / kernel={ks[0]} (same run): " + ", ".join(
+                f"bs={b} n={n}: {all_curves[k]['target'][str(b)][str(n)] / base[str(b)][str(n)]:.2f}"
+                for b in bs_list for n in n_list))
     print(f"cost curve appended to {out}")
     return 0
 

@@ -1,6 +1,10 @@
 """Prompt lookup decoding (Saxena, 2023): match the last n tokens (n = max_ngram down to
 min_ngram) earlier in prompt + output and propose the K tokens that followed the earliest
-match. Costs no model: drafts are deterministic candidates."""
+match. Costs no model: drafts are deterministic candidates.
+
+``lookup`` is the definition (a scan of the whole context); the proposer keeps, per row, an
+index of every n-gram's first position, extended by the tokens each step adds, so a step
+costs O(new tokens x n-gram sizes) whatever the context length and batch size."""
 
 from __future__ import annotations
 
@@ -23,6 +27,37 @@ def lookup(seq: list[int], K: int, max_ngram: int, min_ngram: int = 1, eos: set[
     return []
 
 
+class NgramIndex:
+    """First start position of every n-gram (min_ngram <= n <= max_ngram) of one growing
+    sequence; ``lookup`` answers exactly as the module-level ``lookup`` does."""
+
+    def __init__(self, max_ngram: int, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.first: dict[tuple, int] = {}
+        self.upto = 0  # positions < upto have had every n-gram that starts there indexed where complete
+
+    def extend(self, seq: list[int]) -> None:
+        L = len(seq)
+        first = self.first
+        for n in range(self.min_ngram, self.max_ngram + 1):
+            for i in range(max(0, self.upto - n + 1), L - n + 1):  # the n-grams ending in the new tokens
+                first.setdefault(tuple(seq[i:i + n]), i)
+        self.upto = L
+
+    def lookup(self, seq: list[int], K: int, eos: set[int] = frozenset()) -> list[int]:
+        self.extend(seq)
+        L = len(seq)
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            i = self.first.get(tuple(seq[L - n:]))
+            if i is not None and i < L - n:  # an earlier occurrence, so its continuation is not empty
+                out = seq[i + n:min(i + n + K, L)]
+                for j, t in enumerate(out):
+                    if t in eos:
+                        return out[:j]
+                return out
+        return []
+
+
 class PromptLookup(Proposer):
     name = "pld"
 
@@ -31,9 +66,16 @@ class PromptLookup(Proposer):
         self.K = int(cfg.K)
         self.max_ngram = int(cfg.method.max_ngram)
         self.min_ngram = int(cfg.method.get("min_ngram", 1))
+        self.index: list[NgramIndex] = []
+
+    def start(self, state: BatchState, hidden=None) -> None:
+        self.index = [NgramIndex(self.max_ngram, self.min_ngram) for _ in state.seqs]
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.index = [self.index[i] for i in keep]
 
     def propose(self, state: BatchState) -> Draft | None:
-        rows = [lookup(s, self.K, self.max_ngram, self.min_ngram, state.eos) for s in state.seqs]
+        rows = [ix.lookup(s, self.K, state.eos) for ix, s in zip(self.index, state.seqs)]
         if not any(rows):
             return None
         return Draft.from_lists(rows, state.device)

@@ -74,18 +74,23 @@ def model_cfg(name_or_path: str, attn_implementation=None):
                              "chat": True, "attn_implementation": attn_implementation})
 
 
-def cached_model(mcfg, device, dtype):
-    """(model, tokenizer), loaded once per sweep process; at most two models are kept."""
+def cached_model(mcfg, device, dtype, kernel: str = "torch"):
+    """(model, tokenizer), loaded once per sweep process (with its linear layers on the
+    resolved ``kernel`` path, ``specbench.kernels``); at most two models are kept."""
     import gc
 
     from omegaconf import OmegaConf
 
-    key = (OmegaConf.to_yaml(mcfg), str(device), str(dtype))
+    from specbench import kernels
+
+    key = (OmegaConf.to_yaml(mcfg), str(device), str(dtype), kernel)
     if key not in _MODELS:
         if len(_MODELS) >= 2:  # keep memory bounded in long sweeps over models
             _MODELS.clear()
             gc.collect()
-        _MODELS[key] = (load_model(mcfg, device, dtype), load_tokenizer(mcfg))
+        model = load_model(mcfg, device, dtype)
+        kernels.apply(model, kernel)
+        _MODELS[key] = (model, load_tokenizer(mcfg))
     return _MODELS[key]
 
 

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 import methods
 from specbench import data as D
 from specbench import loggers, quality
+from specbench import kernels
 from specbench import records as R
 from specbench.models import (CONF_DIR, ConfigError, cached_model, check_rollback, eos_ids, file_lock, load_config,
                               load_tokenizer, max_positions, resolve_device, resolve_dtype)
@@ -53,6 +54,8 @@ def validate(cfg: DictConfig) -> None:
     loggers.check(cfg)
     if cfg.temperature < 0:
         raise ConfigError(f"temperature must be >= 0, got {cfg.temperature}")
+    if cfg.get("kernel", "torch") not in kernels.KERNELS:
+        raise ConfigError(f"unknown kernel '{cfg.kernel}'; choices: {', '.join(kernels.KERNELS)}")
     if not 0.0 < float(cfg.top_p) <= 1.0:
         raise ConfigError(f"top_p must be in (0, 1], got {cfg.top_p}")
     if cfg.top_k < 0:
@@ -254,6 +257,14 @@ def _draft_label(cfg, method_name):
         return None
 
 
+def _kernel_of(cfg, device) -> str | None:
+    """The resolved linear-layer kernel path of a job (the raw setting when it cannot be)."""
+    try:
+        return kernels.resolve(cfg.get("kernel", "torch"), device)
+    except ConfigError:
+        return cfg.get("kernel")
+
+
 def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
     return {
         "schema": R.SCHEMA, "sweep_id": sweep_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -264,6 +275,7 @@ def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
         "dataset": cfg.dataset.name if cfg.dataset.name != "jsonl" else f"jsonl:{cfg.dataset.path}",
         "limit": cfg.limit, "temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
         "max_new_tokens": int(cfg.max_new_tokens), "dtype": str(dtype).replace("torch.", ""), "device": device.type,
+        "kernel": _kernel_of(cfg, device),
         "method_opts": OmegaConf.to_container(cfg.method, resolve=True) if method_name == cfg.method.name
         else {"name": method_name},
         "seed": int(cfg.seed), "dataset_cfg": OmegaConf.to_container(cfg.dataset, resolve=True),
@@ -353,7 +365,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
         if cfg.bs > len(questions):  # it would run a smaller batch than the record says
             raise ConfigError(f"bs={cfg.bs} is larger than the {len(questions)} prompts of dataset={cfg.dataset.name} "
                               f"limit={cfg.limit}: raise limit (null = all) or lower bs")
-        model, tokenizer = cached_model(cfg.model, device, dtype)
+        model, tokenizer = cached_model(cfg.model, device, dtype, kernels.resolve(cfg.get("kernel", "torch"), device))
     except ConfigError as e:
         return [_fail(cfg, method_name, device, dtype, sweep_id, "error", str(e))]
     except (torch.OutOfMemoryError, MemoryError) as e:

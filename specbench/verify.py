@@ -166,10 +166,44 @@ def _typical(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generat
     return _verdict(draft, keep, counts, counts - 1, sample(p[rows, best], gen))
 
 
+def _sampled_chain(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | None) -> Verdict:
+    """The lossless rule on chains, all rows at once (Leviathan / Chen speculative
+    sampling): draft j passes with probability min(1, p_j(x_j) / q_j(x_j)) (q one-hot for a
+    deterministic candidate); the first failure's residual norm(max(0, p - q)) draws the
+    extra token, or p after the last valid draft when every draft passed."""
+    B, N, V = p_all.shape
+    n = N - 1
+    dev = p_all.device
+    rows = torch.arange(B, device=dev)
+    x = draft.tokens
+    amask = draft.accept_mask()
+    px = p_all[:, :n].gather(2, x[..., None]).squeeze(-1)  # [B, n]
+    q = None if draft.q is None else draft.q.float()
+    qx = torch.ones_like(px) if q is None else q.gather(2, x[..., None]).squeeze(-1)
+    u = torch.rand(B, n, generator=gen, device=dev)
+    ok = (qx > 0) & (u < px / qx.clamp(min=1e-30)) & amask
+    n_acc = ok.long().cumprod(1).sum(1)  # [B]
+    rejected = n_acc < amask.long().sum(1)  # a valid draft failed (else: the bonus)
+    p_end = p_all[rows, n_acc]  # [B, V] the target's distribution after the accepted drafts
+    at = n_acc.clamp(max=n - 1)
+    if q is None:
+        resid = p_end.scatter(1, x[rows, at][:, None], 0.0)
+    else:
+        resid = (p_end - q[rows, at]).clamp(min=0.0)
+    tot = resid.sum(1, keepdim=True)
+    resid = torch.where(rejected[:, None] & (tot > 0), resid / tot.clamp(min=1e-30), p_end)
+    extra = sample(resid, gen)
+    m = int(n_acc.max()) + 1
+    keep = torch.arange(m, device=dev)[None].expand(B, m).clone()
+    return _verdict(draft, keep, n_acc + 1, n_acc, extra)
+
+
 def _sampled(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
     B, N, _ = logits.shape
     dev = logits.device
     p_all = warp(logits, s)  # [B, N, V]
+    if draft.is_chain:
+        return _sampled_chain(p_all, draft, gen)
     tokens = draft.tokens.tolist()
     parents = draft.parents.tolist()
     amask = draft.accept_mask().tolist()

@@ -7,6 +7,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from analysis import compare, report, simulate, theory
 from analysis.load import load
@@ -262,3 +263,24 @@ def test_identity_table_reads_first_divergence_from_tokens(tmp_path):
     floor = t[t["method"] == "ar (floor)"].iloc[0]
     assert floor["bs"] == 2 and floor["identical %"] == 100.0 and floor["diverged"] == 0
     assert set(t["vs AR bs"]) == {1}
+
+
+def test_profile_roofline_and_spread(capsys):
+    from analysis.profile import forward_bytes, print_curves, profile
+    from helpers import CPU, tiny_llama
+
+    m = tiny_llama()
+    w = sum(p.numel() for p in m.parameters()) * 4
+    # 2 layers x (K and V) x 2 KV heads x head_dim 16 x 10 positions x 3 rows x 4 bytes
+    assert forward_bytes(m, 3, 10, torch.float32) == w + 2 * 2 * 2 * 16 * 10 * 3 * 4
+    c = profile(m, None, [1, 2], [1, 3], 8, CPU, torch.float32, reps=1, repeats=3)
+    for b in ("1", "2"):
+        for n in ("1", "3"):
+            lo, hi = c["target_spread"][b][n]
+            assert lo <= c["target"][b][n] <= hi
+            assert c["roofline"][b][n] == pytest.approx(forward_bytes(m, int(b), 8 + int(n), torch.float32)
+                                                       / (c["bandwidth_gbs"] * 1e9))
+    assert c["bandwidth_gbs"] > 0.1 and c["repeats"] == 3
+    print_curves(c, [1, 2], [1, 3])
+    out = capsys.readouterr().out
+    assert "x roofline" in out and "read bandwidth" in out

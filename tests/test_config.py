@@ -101,6 +101,7 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
     ({"dataset.path": "/no/such/file.jsonl"}, "does not exist"),
     ({"model.path": "/no/such/model"}, "model path '/no/such/model' does not exist"),
     ({"temperature": -1.0}, "temperature must be >= 0"),
+    ({"kernel": "triton"}, "unknown kernel 'triton'; choices: auto, torch, onednn"),
     ({"top_p": 0.0}, "top_p must be in"),
     ({"method": {"name": "eagle9"}}, "unknown method 'eagle9'"),
     ({"method": {"name": "leviathan"}, "draft.layers": 5}, "draft.layers must be an integer in 1..1"),
@@ -198,6 +199,16 @@ def test_job_records_and_reuses_ar(tiny_dirs, tmp_path):
     assert [r["method"] for r in runner.job(cfg3, sweep_id="s3")] == ["pld"]
 
 
+
+
+def test_kernel_is_recorded_and_pairs_ar_on_the_same_path(tiny_dirs, tmp_path):
+    pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
+    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, kernel="onednn", **pld), sweep_id="k")
+    assert [(r["method"], r["kernel"]) for r in recs] == [("ar", "onednn"), ("pld", "onednn")]
+    assert recs[1]["metrics"]["match_ar"] == 1.0
+    # the torch path is another baseline: a torch job runs its own AR
+    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, kernel="torch", **pld), sweep_id="k")
+    assert [(r["method"], r["kernel"]) for r in recs] == [("ar", "torch"), ("pld", "torch")]
 
 
 def test_first_divergence_bookkeeping():

@@ -6,7 +6,7 @@ import torch
 from helpers import CPU, greedy_cases, cfg_for, run_engine, tiny_llama
 from methods.base import Proposer
 from methods.leviathan import Leviathan
-from methods.pld import PromptLookup, lookup
+from methods.pld import NgramIndex, PromptLookup, lookup
 from methods.reject import Reject
 from specbench.draft import Draft
 from specbench.models import self_layers_draft
@@ -149,6 +149,21 @@ def test_rows_keep_what_they_accept(model, cases):
     assert any(len(set(s)) > 1 for s in per_step)  # ragged acceptance happened
     for r, ref in zip(res, refs):
         assert r.tokens == ref[:N_NEW]
+
+
+def test_pld_index_answers_as_the_scan():
+    """The incremental n-gram index gives the scan's answer at every step of growing
+    sequences (small vocabularies: many repeats, ties, EOS cuts)."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        vocab = 3 + trial % 6
+        seq = torch.randint(0, vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        max_n, min_n = 1 + trial % 4, 1 + (trial % 4 > 1)
+        ix = NgramIndex(max_n, min_n)
+        for _ in range(25):
+            eos = {trial % vocab} if trial % 3 == 0 else set()
+            assert ix.lookup(seq, 4, eos) == lookup(seq, 4, max_n, min_n, eos), (seq, max_n, min_n)
+            seq = seq + torch.randint(0, vocab, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
 
 
 def test_pld_lookup():

@@ -109,6 +109,37 @@ def test_chain_sampling_is_lossless(pq):
     assert chi2_pvalue(counts, torch.softmax(p_logits, -1)) > 1e-3
 
 
+@pytest.mark.parametrize("with_q", [True, False])
+def test_two_token_chain_sampling_is_lossless(pq, with_q):
+    """Chains of two drafts (with q: Leviathan; without: deterministic candidates), a third
+    of the rows with only the first draft valid: the first emitted token follows p_a, and
+    the second, in rows that accepted the first draft, follows p_b (the target at node 1)."""
+    p_logits, q_logits = pq
+    g0 = torch.Generator().manual_seed(3)
+    pb_logits = torch.randn(V, generator=g0) * 1.5
+    n = 12000
+    g = torch.Generator().manual_seed(11)
+    q = torch.softmax(q_logits, -1)
+    if with_q:
+        x = torch.multinomial(q.expand(n, V), 2, replacement=True, generator=g)
+        d = Draft.chain(x, q=q.expand(n, 2, V).clone())
+    else:  # the target's two likeliest tokens: accepted often, rejected often enough
+        top = torch.topk(p_logits, 2).indices
+        x = top[torch.randint(0, 2, (n, 2), generator=g)]
+        d = Draft.chain(x)
+    d.valid = torch.ones(n, 2, dtype=torch.bool)
+    d.valid[: n // 3, 1] = False
+    logits = torch.stack([p_logits, pb_logits, p_logits])[None].expand(n, 3, V).clone()
+    v = verify(logits, d, S, g)
+    ex = v.extra.tolist()
+    first = torch.tensor([a[0] if a else e for a, e in zip(v.accepted, ex)])
+    assert chi2_pvalue(torch.bincount(first, minlength=V), torch.softmax(p_logits, -1)) > 1e-3
+    second = torch.tensor([a[1] if len(a) > 1 else e for a, e in zip(v.accepted, ex) if a])
+    assert len(second) > 2000
+    assert chi2_pvalue(torch.bincount(second, minlength=V), torch.softmax(pb_logits, -1)) > 1e-3
+    assert all(len(a) <= (1 if b < n // 3 else 2) for b, a in enumerate(v.accepted))
+
+
 def test_statistic_detects_a_lossy_rule(pq):
     """The test has power: the draft's own distribution (what 'accept everything' emits)
     is rejected at the same sample size."""
