@@ -33,7 +33,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 bench-peers: setup
-	$(BIN)/python -m specbench.peers $(ARGS)
+	$(BIN)/python -m specbench.peers --dtype fp32,bf16 $(ARGS)
 
 # The shipped SmolLM2 draft: K = 1..8 on MT-Bench and HumanEval, greedy and T=0.7, with a report.
 BENCH_DRAFT_DIR := results/bench-draft

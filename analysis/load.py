@@ -24,6 +24,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         row = {k: r.get(k) for k in ("sweep_id", "method", "model", "draft", "K", "bs", "ctx", "dataset", "limit",
                                      "temperature", "top_k", "top_p", "max_new_tokens", "dtype", "device", "seed",
                                      "status", "error", "lossless")}
+        row["kernel"] = r.get("kernel") or "torch"  # records before kernels ran torch's path
         row.update({k: m.get(k) for k in ("new_tokens", "wall_s", "tokens_per_s", "steps", "iterations", "tau",
                                           "draft_nodes", "forward_nodes",
                                           "speedup", "match_ar", "verify_share", "engine_overhead", "ttft_s",

@@ -186,13 +186,19 @@ def fig_time_split(df, out, written):
     save(fig, out, "time_split", written)
 
 
+def curves_for(curves, model, device, dtype, kernel=None) -> list[dict]:
+    """The profiled cost curves of this model, device, dtype and linear-layer kernel path
+    (curves and records from before kernels existed ran torch's)."""
+    return [c for c in curves if str(c.get("model")) == str(model) and c.get("device") == device
+            and c.get("dtype") == dtype and (c.get("kernel") or "torch") == (kernel or "torch")]
+
+
 def batch_aware(df, curves) -> pd.Series:
     """S(b) from the cost curve that matches each job's model/device/dtype (nearest ctx)."""
     vals = []
     for _, r in df.iterrows():
         s = math.nan
-        cand = [c for c in curves if str(c.get("model")) == str(r["model"]) and c.get("device") == r["device"]
-                and c.get("dtype") == r["dtype"]]
+        cand = curves_for(curves, r["model"], r["device"], r["dtype"], r.get("kernel"))
         if r["method"] != "ar" and cand and r.get("iterations"):
             c = cand[-1]
             T = c["target"]
@@ -277,9 +283,9 @@ def fig_hist(df, out, written):
 def simulated(df, curves) -> pd.DataFrame:
     rows = []
     sd = _sd(df)
-    for (model, bs, dev, dt, ds, temp), g in sd.groupby(["model", "bs", "device", "dtype", "dataset", "temperature"]):
-        cand = [c for c in curves if str(c.get("model")) == str(model) and c.get("device") == dev
-                and c.get("dtype") == dt]
+    for (model, bs, dev, dt, kern, ds, temp), g in sd.groupby(["model", "bs", "device", "dtype", "kernel", "dataset",
+                                                              "temperature"]):
+        cand = curves_for(curves, model, dev, dt, kern)
         if not cand:
             continue
         curve = cand[-1]["target"]
@@ -357,10 +363,13 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
 def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
     df = df.assign(speedup_ci=[f"{lo:.2f}-{hi:.2f}" if lo == lo and hi == hi else None
                                for lo, hi in zip(df["speedup_lo"], df["speedup_hi"])])
-    cols = ["label", "model", "dataset", "dtype", "temperature", "bs", "K", "ctx", "tokens_per_s", "speedup",
+    for col in ("bound_batch", "of_bound"):
+        if col not in df:
+            df[col] = float("nan")
+    cols = ["label", "model", "dataset", "dtype", "kernel", "temperature", "bs", "K", "ctx", "tokens_per_s", "speedup",
             "speedup_ci", "tau",
             "alpha", "c",
-            "bound_leviathan", "verify_share", "match_ar", "peak_mem_bytes"]
+            "bound_leviathan", "bound_batch", "of_bound", "verify_share", "match_ar", "peak_mem_bytes"]
     scored = df["quality"].notna().any() if "quality" in df else False
     if scored:  # task score of the job and of its AR baseline (GSM8K accuracy, HumanEval pass@1)
         cols = cols[:-1] + ["quality", "quality_ar", "peak_mem_bytes"]
@@ -375,7 +384,9 @@ def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
         t[col] = t[col].astype("Int64")
     t["verify_share"] = 100 * t["verify_share"]
     t["match_ar"] = 100 * t["match_ar"]
+    t["of_bound"] = 100 * t["of_bound"]
     t = t.rename(columns={"label": "method", "temperature": "T", "tokens_per_s": "tok/s", "bound_leviathan": "bound",
+                          "bound_batch": "batch bound", "of_bound": "% of batch bound",
                           "speedup_ci": "95% CI",
                           "verify_share": "verify %", "match_ar": "match AR %", "peak_mem_bytes": "peak MiB"})
     return t.sort_values(["model", "dataset", "dtype", "T", "bs", "method", "K"],
@@ -484,6 +495,8 @@ def build(records, out: Path, **filters) -> list[Path]:
     fig_quality(df, out, written)
     sim = simulated(df, curves)
     fig_simulator(sim, df, out, written)
+    df["bound_batch"] = batch_aware(df, curves)  # from the profiled cost curve (NaN without one)
+    df["of_bound"] = df["speedup"] / df["bound_batch"]
     tables = {"sweep": (sweep_table(df), "Sweep: tokens/s, speedup over AR, mean accepted length, bound"),
               "per_category": (per_category(df), "Speedup and mean accepted length per category")}
     ident = identity_table(df)

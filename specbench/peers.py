@@ -24,8 +24,9 @@ from methods.ar import AR
 from methods.leviathan import Leviathan
 from methods.pld import PromptLookup
 from specbench import data as D
+from specbench import kernels
 from specbench.engine import Engine
-from specbench.models import eos_ids, load_model, load_tokenizer, resolve_device, resolve_dtype, self_layers_draft
+from specbench.models import ConfigError, eos_ids, load_model, load_tokenizer, resolve_device, resolve_dtype, self_layers_draft
 from specbench.models import CONF_DIR
 from specbench.timing import PhaseTimer, sync
 from specbench.verify import Sampling
@@ -95,14 +96,27 @@ def main(argv=None) -> int:
                     help="draft = the target's first n layers (an HF model, as assisted generation needs)")
     ap.add_argument("--bs", default="1,8", help="batch sizes for the AR comparison")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default="auto", help="one or a comma list (fp32,bf16): each runs every comparison")
+    ap.add_argument("--kernel", default="torch", help="linear-layer path of the model both sides run (specbench.kernels)")
     ap.add_argument("--out", default=None, help="also write the JSON line here")
     a = ap.parse_args(argv)
 
     device = resolve_device(a.device)
-    dtype = resolve_dtype(a.dtype, device)
+    try:
+        kernel = kernels.resolve(a.kernel, device)
+        dtypes = [resolve_dtype(d, device) for d in a.dtype.split(",")]
+    except ConfigError as e:
+        ap.error(str(e))
+    for dtype in dtypes:
+        run(a, device, dtype, kernel)
+    return 0
+
+
+def run(a, device, dtype, kernel: str) -> dict:
+    """Every comparison in one dtype; prints the table and the JSON line."""
     mcfg = OmegaConf.load(CONF_DIR / "model" / f"{a.model}.yaml")
     model = load_model(mcfg, device, dtype)
+    kernels.apply(model, kernel)  # both sides run the same kernels: the engine is what differs
     tok = load_tokenizer(mcfg)
     eos = eos_ids(model, tok)
     chat = bool(mcfg.get("chat", True))
@@ -111,13 +125,13 @@ def main(argv=None) -> int:
     cfg = OmegaConf.create({"K": a.K, "method": {"name": "pld", "max_ngram": a.ngram, "min_ngram": 1},
                             "draft": {"name": "self_layers", "layers": a.draft_layers}})
     draft, draft_name = self_layers_draft(model, a.draft_layers), f"self_layers:{a.draft_layers}"
-    print(f"[peers] {a.model} {dtype} on {device}, {len(prompts)} prompts x {a.max_new} new tokens", file=sys.stderr)
+    print(f"[peers] {a.model} {dtype} ({kernel} linears) on {device}, {len(prompts)} prompts x {a.max_new} new tokens", file=sys.stderr)
 
     # warm both paths up (untimed)
     ours(model, AR(cfg, model, tok, device, dtype), prompts[:1], 8, eos, device, dtype)
     hf_generate(model, tok, prompts[:1], 8, eos)
 
-    result = {"model": a.model, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+    result = {"model": a.model, "device": str(device), "dtype": str(dtype).replace("torch.", ""), "kernel": kernel,
               "prompts": len(prompts), "max_new_tokens": a.max_new, "K": a.K, "ngram": a.ngram,
               "draft": draft_name}
     rows = []
@@ -167,7 +181,7 @@ def main(argv=None) -> int:
         {"assistant_model": draft, "num_assistant_tokens": a.K, "num_assistant_tokens_schedule": "constant",
          "assistant_confidence_threshold": 0.0})
 
-    print(f"\n{'comparison':<16}{'ours tok/s':>11}{'HF tok/s':>10}{'ratio':>8}{'identical':>11}{'tau ours':>10}"
+    print(f"\n{result['dtype']}, kernel={kernel}\n{'comparison':<16}{'ours tok/s':>11}{'HF tok/s':>10}{'ratio':>8}{'identical':>11}{'tau ours':>10}"
           f"{'tau HF':>8}{'overhead':>10}")
     for label, r in rows:
         tau_o = "-" if r["tau_ours"] is None else f"{r['tau_ours']:.2f}"
@@ -186,7 +200,7 @@ def main(argv=None) -> int:
         with open(a.out, "a") as f:
             f.write(line + "\n")
     print(line)
-    return 0
+    return summary
 
 
 if __name__ == "__main__":

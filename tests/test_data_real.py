@@ -103,3 +103,19 @@ def test_lookahead_rest_specdec_sweep_with_task_scores(tmp_path):
             assert q["ar_value"] is not None
     assert recs[1]["metrics"]["forward_nodes"] > recs[1]["metrics"]["draft_nodes"]  # the window is verified too
     assert recs[2]["lossless"] and recs[2]["method_cfg"]["beta"] == 1
+
+
+@pytest.mark.slow
+def test_peers_benchmark_runs_and_agrees(tmp_path):
+    """`make bench-peers` in miniature: both sides run the same packed (oneDNN) model, AR is
+    token-identical to `generate`, and the JSON line carries every ratio."""
+    out = subprocess.run(
+        [sys.executable, "-m", "specbench.peers", "--limit", "1", "--max-new", "8", "--bs", "1,2", "--dtype", "fp32",
+         "--kernel", "onednn", "--out", str(tmp_path / "peers.jsonl")],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = json.loads((tmp_path / "peers.jsonl").read_text().splitlines()[-1])
+    assert line["kernel"] == "onednn" and line["dtype"] == "float32"
+    for k in ("ar_bs1", "ar_bs2", "pld", "leviathan"):
+        assert line[f"{k}_ratio"] > 0, k
+    assert line["ar_bs1_identical"] == 1.0 and line["ar_bs2_identical"] == 1.0
