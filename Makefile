@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: setup run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor train-draft report regress regress-baseline profile clean-cache
+.PHONY: setup run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu train-draft report regress regress-baseline profile clean-cache
 
 setup: $(STAMP)
 
@@ -115,3 +115,17 @@ bench-floor: setup
 	$(BIN)/python -m specbench method=pld,leviathan,eagle,medusa,lookahead,rest,specdec dtype=fp32,bf16 $(FLOOR_ARGS) $(ARGS)
 	$(BIN)/python -m analysis.report $(BENCH_FLOOR_DIR) --out $(BENCH_FLOOR_DIR)/report
 	cat $(BENCH_FLOOR_DIR)/report/identity.md
+
+# The CPU engine at the hardware's limit (issue 10): the cost curve of both linear-layer paths,
+# interleaved, with the roofline (3 repeats: medians and spread); AR and PLD on MT-Bench (10
+# questions, both turns, 128 tokens) on both paths; every method at bs=1 on the faster path
+# (5 questions) for the batch-aware bound; a report. Quiet machine only (~45 min on 2 cores).
+BENCH_CPU_DIR := results/bench-cpu
+bench-cpu: setup
+	$(BIN)/python -m analysis.profile --bs 1,8 --n 1,2,4,8,16 --draft-layers 0 --kernel torch,onednn --repeats 3 \
+		--dtype fp32 --results-dir $(BENCH_CPU_DIR)
+	$(BIN)/python -m specbench method=ar,pld kernel=torch,onednn dataset=mt_bench limit=10 max_new_tokens=128 \
+		dtype=fp32 progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS)
+	$(BIN)/python -m specbench method=leviathan,eagle,medusa,lookahead,rest,specdec kernel=onednn dataset=mt_bench \
+		limit=5 max_new_tokens=128 dtype=fp32 progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS)
+	$(BIN)/python -m analysis.report $(BENCH_CPU_DIR) --out $(BENCH_CPU_DIR)/report
