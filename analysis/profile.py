@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="forwards per point (median)")
     ap.add_argument("--repeats", type=int, default=1, help="whole curves, interleaved (median and spread)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--kernel", default="torch", help="linear-layer path(s): auto, torch, onednn; a comma list "
+    ap.add_argument("--kernel", default="auto", help="linear-layer path(s): auto, torch, onednn; a comma list "
                     "profiles each (interleaved) and prints their ratios")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--results-dir", default="results")

@@ -23,6 +23,7 @@ output layer, the same dtype); only the summation order inside a dot product cha
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 
@@ -61,18 +62,37 @@ def apply(model: torch.nn.Module, kernel: str) -> int:
     return n
 
 
+# layer -> (the weight it was packed from, packed weight). Kept outside the module: an opaque
+# oneDNN tensor cannot be deep-copied, and a copy must not inherit another layer's numbers.
+_PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _packed_weight(mod: torch.nn.Linear) -> torch.Tensor:
+    """The oneDNN-packed copy of ``mod.weight``, repacked whenever the weight is another
+    tensor (a deep copy of the layer, e.g. a draft built from the target's layers) or was
+    changed in place (``load_state_dict`` into it): a stale packed weight would silently
+    compute with someone else's numbers."""
+    w = mod.weight
+    key = (id(w), w.data_ptr(), w._version)
+    hit = _PACKED.get(mod)
+    if hit is None or hit[0] != key:
+        # the batch-size hint sizes oneDNN's blocks; 8 rows is what a verify forward brings
+        hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8))
+        _PACKED[mod] = hit
+    return hit[1]
+
+
+def _onednn_forward(self, x):
+    if (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
+            or self.weight.dtype != torch.float32 or x.dtype != torch.float32:
+        return torch.nn.functional.linear(x, self.weight, self.bias)  # training, other dtypes: as loaded
+    shape = x.shape
+    b = None if self.bias is None else self.bias.detach()
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), _packed_weight(self), b, "none", [], "")
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
 def _pack(mod: torch.nn.Linear) -> None:
-    w = mod.weight.detach()
-    # the batch-size hint sizes oneDNN's blocks; 8 rows is what a verify forward brings
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
-    bias = None if mod.bias is None else mod.bias.detach()
-
-    def forward(self, x):
-        if torch.is_grad_enabled() and x.requires_grad:  # training goes through the layer as loaded
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, bias, "none", [], "")
-        return y.reshape(*shape[:-1], y.shape[-1])
-
-    mod.forward = types.MethodType(forward, mod)
+    _packed_weight(mod)
+    mod.forward = types.MethodType(_onednn_forward, mod)  # a deep copy rebinds it to the copy
     mod._specbench_kernel = "onednn"

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bs", default="1,8", help="batch sizes for the AR comparison")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="one or a comma list (fp32,bf16): each runs every comparison")
-    ap.add_argument("--kernel", default="torch", help="linear-layer path of the model both sides run (specbench.kernels)")
+    ap.add_argument("--kernel", default="auto", help="linear-layer path of the model both sides run (specbench.kernels)")
     ap.add_argument("--out", default=None, help="also write the JSON line here")
     a = ap.parse_args(argv)
 

@@ -59,3 +59,23 @@ def test_resolve():
         kernels.resolve("onednn", torch.device("cuda"))
     with pytest.raises(ConfigError, match="unknown kernel"):
         kernels.resolve("fast", CPU)
+
+
+def test_a_copied_or_reloaded_layer_computes_with_its_own_weights():
+    """Drafts are built by deep-copying the target's layers and loading trained weights into
+    them: the packed weight must follow (a stale one cost Leviathan its acceptance)."""
+    import copy
+
+    m = tiny_llama(seed=0)
+    kernels.apply(m, "onednn")
+    layer = m.model.layers[0].mlp.up_proj
+    x = torch.randn(3, 64)
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.mul_(2.0)  # in place, as load_state_dict does
+    with torch.inference_mode():
+        assert torch.allclose(twin(x), 2 * layer(x), atol=1e-5)
+        other = tiny_llama(seed=5).model.layers[0].mlp.up_proj
+        twin.load_state_dict(other.state_dict())
+        assert torch.allclose(twin(x), torch.nn.functional.linear(x, other.weight), atol=1e-5)
+        assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5)
