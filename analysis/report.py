@@ -412,24 +412,15 @@ def identity_table(df: pd.DataFrame) -> pd.DataFrame:
         for _, r in grp.iterrows():
             if r["method"] == "ar" and r["bs"] == ref_row["bs"]:
                 continue
-            pos, n, same = [], 0, 0
-            for rq in r["requests"]:
-                a = ref.get((rq["id"], rq["turn"], rq.get("repeat", 0)))
-                if a is None or a.get("prompt_sha") != rq.get("prompt_sha"):
-                    continue
-                n += 1
-                d = R.first_divergence(rq["tokens"], a["tokens"])
-                if d is None:
-                    same += 1
-                else:
-                    pos.append(d)
-            if not n:
+            d = R.divergence(r["requests"], ref, mark=False)
+            if not d:
                 continue
+            pos, n = d["positions"], d["compared"]
             floor = r["method"] in ("ar", "reject")
             rows.append({"method": r["label"] + (" (floor)" if floor else ""), "model": str(key[0]).split("/")[-1],
                          "dataset": key[1], "dtype": key[2], "bs": int(r["bs"]),
                          "K": None if r["method"] == "ar" else r["K"], "vs AR bs": int(ref_row["bs"]),
-                         "compared": n, "identical %": 100.0 * same / n, "diverged": len(pos),
+                         "compared": n, "identical %": 100.0 * (n - len(pos)) / n, "diverged": len(pos),
                          "median first divergence": float(np.median(pos)) if pos else None,
                          "earliest": min(pos) if pos else None})
     t = pd.DataFrame(rows)

@@ -1,7 +1,7 @@
 """A draft that is always rejected: every step verifies K copies of one fixed token (a
 chain) that the target almost never predicts, so nearly every step accepts nothing and
-emits the target's own next token. Output equals AR's; what changes is the kernel shape (K+1 tokens per forward instead
-of 1) and the verification bookkeeping. Two uses:
+emits the target's own next token. Output equals AR's; what changes is the kernel shape
+(K+1 tokens per forward instead of 1) and the verification bookkeeping. Two uses:
 
 - the identity floor: in bf16 (or any low precision) AR and AR-through-the-verify-path can
   disagree on near-ties only because a forward over K+1 tokens rounds differently from one

@@ -149,3 +149,31 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def ar_request(ref: dict, r: dict) -> dict:
+    """AR's request for the same question and turn (the same repeat where AR has it)."""
+    return ref.get((r["id"], r["turn"], r.get("repeat", 0))) or ref.get((r["id"], r["turn"], 0)) or {}
+
+
+def divergence(requests: list[dict], ref: dict, mark: bool = True) -> dict | None:
+    """Where greedy outputs first differ from AR's for the same prompt (``ref``: AR's
+    requests by (id, turn, repeat)) and the summary; ``mark`` also sets each request's
+    ``diverge_at`` (None when identical). Requests whose prompt already differs (a second
+    turn after a diverged first) are left out: they compare different inputs."""
+    pos, n = [], 0
+    for r in requests:
+        a = ar_request(ref, r)
+        if not a or "tokens" not in a or "tokens" not in r or a.get("prompt_sha") != r.get("prompt_sha"):
+            continue
+        n += 1
+        d = first_divergence(r["tokens"], a["tokens"])
+        if mark:
+            r["diverge_at"] = d
+        if d is not None:
+            pos.append(d)
+    if not n:
+        return None
+    pos.sort()
+    return {"compared": n, "diverged": len(pos), "median_at": pos[len(pos) // 2] if pos else None,
+            "first_at": pos[0] if pos else None, "positions": pos}

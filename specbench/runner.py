@@ -304,9 +304,9 @@ def fill_against_ar(rec: dict, ar: dict) -> None:
         m["speedup"] = m["tokens_per_s"] / a["tokens_per_s"]
     if rec["temperature"] == 0:
         ref = {(r["id"], r["turn"], r.get("repeat", 0)): r for r in ar["requests"]}
-        same = [_ar_request(ref, r).get("out_sha") == r["out_sha"] for r in rec["requests"]]
+        same = [R.ar_request(ref, r).get("out_sha") == r["out_sha"] for r in rec["requests"]]
         m["match_ar"] = sum(same) / len(same) if same else None
-        m["divergence"] = divergence(rec["requests"], ref)
+        m["divergence"] = R.divergence(rec["requests"], ref)
     q, qa = m.get("quality"), a.get("quality")
     if q and qa:
         q["ar_value"] = qa.get("value")
@@ -314,31 +314,6 @@ def fill_against_ar(rec: dict, ar: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- a job
-def _ar_request(ref: dict, r: dict) -> dict:
-    """AR's request for the same question and turn (the same repeat where AR has it)."""
-    return ref.get((r["id"], r["turn"], r.get("repeat", 0))) or ref.get((r["id"], r["turn"], 0)) or {}
-
-
-def divergence(requests: list[dict], ref: dict) -> dict | None:
-    """Per request ``diverge_at`` (first token that differs from AR's output for the same
-    prompt; None when identical) and its summary. Requests whose prompt already differs
-    (a second turn after a diverged first) are left out: they compare different inputs."""
-    pos, n = [], 0
-    for r in requests:
-        a = _ar_request(ref, r)
-        if not a or "tokens" not in a or "tokens" not in r or a.get("prompt_sha") != r.get("prompt_sha"):
-            continue
-        n += 1
-        r["diverge_at"] = R.first_divergence(r["tokens"], a["tokens"])
-        if r["diverge_at"] is not None:
-            pos.append(r["diverge_at"])
-    if not n:
-        return None
-    pos.sort()
-    return {"compared": n, "diverged": len(pos), "median_at": pos[len(pos) // 2] if pos else None,
-            "first_at": pos[0] if pos else None, "positions": pos}
-
-
 def sweep_id_of(cfg) -> str:
     try:
         from hydra.core.hydra_config import HydraConfig

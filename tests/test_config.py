@@ -222,7 +222,7 @@ def test_first_divergence_bookkeeping():
     mine = [{"id": "a", "turn": 1, "prompt_sha": "p", "tokens": [1, 2, 9, 4]},
             {"id": "a", "turn": 2, "prompt_sha": "other", "tokens": [7, 8]},  # its prompt already differs
             {"id": "b", "turn": 1, "prompt_sha": "r", "tokens": [5, 6]}]
-    d = runner.divergence(mine, ref)
+    d = R.divergence(mine, ref)
     assert d == {"compared": 2, "diverged": 1, "median_at": 2, "first_at": 2, "positions": [2]}
     assert mine[0]["diverge_at"] == 2 and "diverge_at" not in mine[1] and mine[2]["diverge_at"] is None
 
