@@ -26,8 +26,13 @@ from omegaconf import OmegaConf
 from specbench import kernels
 from specbench import records as R
 from specbench.kv import RaggedCache
-from specbench.models import load_model, resolve_device, resolve_dtype, self_layers_draft
-from specbench.models import CONF_DIR
+from specbench.models import (
+    CONF_DIR,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    self_layers_draft,
+)
 from specbench.timing import sync
 
 
@@ -54,9 +59,9 @@ def forward_time(model, bs: int, n: int, ctx: int, device, dtype, reps: int, voc
     return statistics.median(times)
 
 
-def memory_bandwidth(device, mb: int = 256, reps: int = 9) -> tuple[float, float, float]:
-    """Read bandwidth in bytes/s (median, min, max over ``reps``): one pass of ``sum`` over an
-    ``mb`` MiB fp32 tensor, larger than any cache."""
+def memory_bandwidth(device, mb: int = 256, reps: int = 9) -> float:
+    """Read bandwidth in bytes/s, median over ``reps`` passes of ``sum`` over an ``mb`` MiB
+    fp32 tensor, larger than any cache (the spread is taken over the profile's repeats)."""
     x = torch.ones(mb * 2**20 // 4, device=device)
     ts = []
     for i in range(reps + 1):
@@ -66,9 +71,7 @@ def memory_bandwidth(device, mb: int = 256, reps: int = 9) -> tuple[float, float
         sync(device)
         if i:
             ts.append(time.perf_counter() - t)
-    nbytes = x.numel() * 4
-    del x
-    return nbytes / statistics.median(ts), nbytes / max(ts), nbytes / min(ts)
+    return x.numel() * 4 / statistics.median(ts)
 
 
 def forward_bytes(model, bs: int, ctx: int, dtype) -> int:
@@ -102,7 +105,7 @@ def profile_many(models: dict, draft, bs_list, n_list, ctx, device, dtype, reps,
     bw_runs = []
     with tqdm(total=repeats * len(points) * len(models), desc="cost curve", file=sys.stderr) as bar:
         for _ in range(repeats):
-            bw_runs.append(memory_bandwidth(device)[0])
+            bw_runs.append(memory_bandwidth(device))
             for k, model in models.items():
                 for b, n in points:
                     runs[(k, (b, n))].append(forward_time(model, b, n, ctx, device, dtype, reps, vocab))
@@ -133,7 +136,7 @@ def print_curves(curves: dict, bs_list, n_list) -> None:
     for b in bs_list:
         T, sp, rf = curves["target"][str(b)], curves["target_spread"][str(b)], curves["roofline"][str(b)]
         t1 = T[str(n_list[0])]
-        print(f"bs={b:<4} {'n':>4} {'ms':>8} {'spread ms':>15} {'T(n)/T(%d)' % n_list[0]:>10} {'roofline ms':>12} "
+        print(f"bs={b:<4} {'n':>4} {'ms':>8} {'spread ms':>15} {f'T(n)/T({n_list[0]})':>10} {'roofline ms':>12} "
               f"{'x roofline':>10}")
         for n in n_list:
             t, (lo, hi), r = T[str(n)], sp[str(n)], rf[str(n)]

@@ -19,12 +19,18 @@ def lookup(seq: list[int], K: int, max_ngram: int, min_ngram: int = 1, eos: set[
         first = tail[0]
         for i in range(0, L - n):  # earliest match whose continuation is not empty
             if seq[i] == first and seq[i:i + n] == tail:
-                out = seq[i + n:min(i + n + K, L)]
-                for j, t in enumerate(out):  # proposing past an EOS is wasted work
-                    if t in eos:
-                        return out[:j]
-                return out
+                return continuation(seq, i + n, K, eos)
     return []
+
+
+def continuation(seq: list[int], start: int, K: int, eos: set[int]) -> list[int]:
+    """Up to K tokens of ``seq`` from ``start``, cut before an EOS (proposing past one is
+    wasted work)."""
+    out = seq[start:start + K]
+    for j, t in enumerate(out):
+        if t in eos:
+            return out[:j]
+    return out
 
 
 class NgramIndex:
@@ -50,11 +56,7 @@ class NgramIndex:
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
             i = self.first.get(tuple(seq[L - n:]))
             if i is not None and i < L - n:  # an earlier occurrence, so its continuation is not empty
-                out = seq[i + n:min(i + n + K, L)]
-                for j, t in enumerate(out):
-                    if t in eos:
-                        return out[:j]
-                return out
+                return continuation(seq, i + n, K, eos)
         return []
 
 

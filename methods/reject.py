@@ -28,7 +28,8 @@ class Reject(Proposer):
         t = cfg.method.get("token")
         vocab = int(getattr(target_config, "vocab_size", 0) or 0)
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < (vocab or t + 1)):
-            raise ConfigError(f"reject.token must be a token id in 0..{vocab - 1} or null (the tokenizer's BOS), got {t!r}")
+            raise ConfigError(f"reject.token must be a token id in 0..{vocab - 1} or null (the tokenizer's BOS), "
+                              f"got {t!r}")
 
     def __init__(self, cfg, target, tokenizer, device, dtype):
         super().__init__(cfg, target, tokenizer, device, dtype)

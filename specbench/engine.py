@@ -121,7 +121,8 @@ class Engine:
                     r.tokens.extend(new)
                     state.seqs[i].extend(new)
                     r.steps += 1
-                    r.accept_lens.append(min(len(v.accepted[i]), len(new)))  # drafts kept (an EOS or the budget cuts the rest)
+                    # drafts kept: an EOS or the token budget cuts the rest
+                    r.accept_lens.append(min(len(v.accepted[i]), len(new)))
                     r.drafted.append(int(n_cand[i]))
                     r.nodes.append(int(n_all[i]))
                     r.t_done = now

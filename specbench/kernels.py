@@ -64,7 +64,7 @@ def apply(model: torch.nn.Module, kernel: str) -> int:
 
 # layer -> (the weight it was packed from, packed weight). Kept outside the module: an opaque
 # oneDNN tensor cannot be deep-copied, and a copy must not inherit another layer's numbers.
-_PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_PACKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 def _packed_weight(mod: torch.nn.Linear) -> torch.Tensor:

@@ -26,8 +26,16 @@ from methods.pld import PromptLookup
 from specbench import data as D
 from specbench import kernels
 from specbench.engine import Engine
-from specbench.models import ConfigError, eos_ids, load_model, load_tokenizer, resolve_device, resolve_dtype, self_layers_draft
-from specbench.models import CONF_DIR
+from specbench.models import (
+    CONF_DIR,
+    ConfigError,
+    eos_ids,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    self_layers_draft,
+)
 from specbench.timing import PhaseTimer, sync
 from specbench.verify import Sampling
 
@@ -125,7 +133,8 @@ def run(a, device, dtype, kernel: str) -> dict:
     cfg = OmegaConf.create({"K": a.K, "method": {"name": "pld", "max_ngram": a.ngram, "min_ngram": 1},
                             "draft": {"name": "self_layers", "layers": a.draft_layers}})
     draft, draft_name = self_layers_draft(model, a.draft_layers), f"self_layers:{a.draft_layers}"
-    print(f"[peers] {a.model} {dtype} ({kernel} linears) on {device}, {len(prompts)} prompts x {a.max_new} new tokens", file=sys.stderr)
+    print(f"[peers] {a.model} {dtype} ({kernel} linears) on {device}, {len(prompts)} prompts x {a.max_new} new tokens",
+          file=sys.stderr)
 
     # warm both paths up (untimed)
     ours(model, AR(cfg, model, tok, device, dtype), prompts[:1], 8, eos, device, dtype)
@@ -181,7 +190,8 @@ def run(a, device, dtype, kernel: str) -> dict:
         {"assistant_model": draft, "num_assistant_tokens": a.K, "num_assistant_tokens_schedule": "constant",
          "assistant_confidence_threshold": 0.0})
 
-    print(f"\n{result['dtype']}, kernel={kernel}\n{'comparison':<16}{'ours tok/s':>11}{'HF tok/s':>10}{'ratio':>8}{'identical':>11}{'tau ours':>10}"
+    print(f"\n{result['dtype']}, kernel={kernel}")
+    print(f"{'comparison':<16}{'ours tok/s':>11}{'HF tok/s':>10}{'ratio':>8}{'identical':>11}{'tau ours':>10}"
           f"{'tau HF':>8}{'overhead':>10}")
     for label, r in rows:
         tau_o = "-" if r["tau_ours"] is None else f"{r['tau_ours']:.2f}"

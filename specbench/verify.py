@@ -91,9 +91,7 @@ def _greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
         match = (draft.tokens == amax[:, :-1]) & draft.accept_mask()
         n_acc = match.long().cumprod(dim=1).sum(dim=1)  # accepted drafts per row
         best = n_acc
-        m = int(n_acc.max()) + 1
-        keep = torch.arange(m, device=dev)[None].expand(B, m).clone()
-        counts = n_acc + 1
+        keep, counts = _chain_keep(n_acc)
     else:
         ok = (draft.tokens == amax.gather(1, draft.parents)) & draft.accept_mask()
         keep, counts, best = _walk(ok, draft.parents)
@@ -117,6 +115,13 @@ def _relaxed(logits: torch.Tensor, draft: Draft, beta: int, tol: float) -> Verdi
     close = lp >= top.values[..., 0].gather(1, par) - tol
     keep, counts, best = _walk(in_top & close & draft.accept_mask(), par)
     return _verdict(draft, keep, counts, counts - 1, top.indices[rows, best, 0])
+
+
+def _chain_keep(n_acc: torch.Tensor):
+    """A chain keeps its root and the first n_acc[b] drafts: keep [B, m] (padded), counts [B]."""
+    m = int(n_acc.max()) + 1
+    keep = torch.arange(m, device=n_acc.device)[None].expand(n_acc.shape[0], m).clone()
+    return keep, n_acc + 1
 
 
 def _walk(ok: torch.Tensor, par: torch.Tensor):
@@ -171,7 +176,7 @@ def _sampled_chain(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | Non
     sampling): draft j passes with probability min(1, p_j(x_j) / q_j(x_j)) (q one-hot for a
     deterministic candidate); the first failure's residual norm(max(0, p - q)) draws the
     extra token, or p after the last valid draft when every draft passed."""
-    B, N, V = p_all.shape
+    B, N, _ = p_all.shape
     n = N - 1
     dev = p_all.device
     rows = torch.arange(B, device=dev)
@@ -192,10 +197,8 @@ def _sampled_chain(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | Non
         resid = (p_end - q[rows, at]).clamp(min=0.0)
     tot = resid.sum(1, keepdim=True)
     resid = torch.where(rejected[:, None] & (tot > 0), resid / tot.clamp(min=1e-30), p_end)
-    extra = sample(resid, gen)
-    m = int(n_acc.max()) + 1
-    keep = torch.arange(m, device=dev)[None].expand(B, m).clone()
-    return _verdict(draft, keep, n_acc + 1, n_acc, extra)
+    keep, counts = _chain_keep(n_acc)
+    return _verdict(draft, keep, counts, n_acc, sample(resid, gen))
 
 
 def _sampled(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
