@@ -15,19 +15,38 @@ output layer, the same dtype); only the summation order inside a dot product cha
 - ``onednn``: prepacked oneDNN weights (CPU, fp32 layers; bf16 packing needs a CPU with
   AVX512 or AVX-NE-CONVERT, so bf16 layers keep torch's path). Costs one extra copy of the
   linear weights in memory.
-- ``auto``: ``onednn`` on CPU where this torch has oneDNN, else ``torch``.
+- ``avx2``: specbench's own few-row kernel (``specbench/csrc/few_rows.cpp``, built once per
+  machine into ``$SPECBENCH_CACHE/kernels`` with the compiler torch's extensions use): every
+  weight packed once into blocks of 8 output columns, streamed once per forward for all rows,
+  on all of torch's threads (MKL's one-row sgemv runs on one core). Forwards over at most
+  ``FEW_ROWS`` rows take it, larger ones (prefill, big batches) take the ``onednn`` path. A
+  row's outputs do not depend on how many rows share the forward (bit for bit). fp32 layers
+  on a CPU with AVX2 and FMA; costs two extra copies of the linear weights in memory.
+- ``auto``: ``avx2`` on a CPU that has it (and where the kernel builds), else ``onednn``
+  where this torch has oneDNN, else ``torch``.
 
-``analysis.profile --kernel torch,onednn`` measures both cost curves in one run.
+Every path but ``torch`` also runs a GQA model's attention over several new tokens without
+``repeat_kv``: the queries of the heads that share a key/value head are folded into one longer
+query (``_gqa_sdpa``), so a verify forward no longer copies the whole KV cache per layer.
+
+``analysis.profile --kernel torch,onednn,avx2`` measures the cost curves in one run.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import sys
 import types
 import weakref
+from pathlib import Path
 
 import torch
 
-KERNELS = ("auto", "torch", "onednn")
+KERNELS = ("auto", "torch", "onednn", "avx2")
+FEW_ROWS = 16  # the avx2 kernel's row limit: above it oneDNN's GEMM is faster (make bench-cpu)
+_SRC = Path(__file__).parent / "csrc" / "few_rows.cpp"
 
 
 def resolve(name: str, device: torch.device) -> str:
@@ -36,11 +55,18 @@ def resolve(name: str, device: torch.device) -> str:
     if name not in KERNELS:
         raise ConfigError(f"unknown kernel '{name}'; choices: {', '.join(KERNELS)}")
     if name == "auto":
-        return "onednn" if device.type == "cpu" and onednn_available() else "torch"
-    if name == "onednn" and device.type != "cpu":
-        raise ConfigError(f"kernel=onednn is a CPU path (device is {device.type}); use kernel=torch or auto")
-    if name == "onednn" and not onednn_available():
-        raise ConfigError("kernel=onednn: this torch build has no oneDNN (torch.backends.mkldnn); use kernel=torch")
+        if device.type != "cpu" or not onednn_available():
+            return "torch"
+        why = avx2_unavailable()
+        if why and why != _NO_AVX2:
+            print(f"[specbench] kernel=auto: using onednn ({why})", file=sys.stderr)
+        return "onednn" if why else "avx2"
+    if name in ("onednn", "avx2") and device.type != "cpu":
+        raise ConfigError(f"kernel={name} is a CPU path (device is {device.type}); use kernel=torch or auto")
+    if name in ("onednn", "avx2") and not onednn_available():
+        raise ConfigError(f"kernel={name}: this torch build has no oneDNN (torch.backends.mkldnn); use kernel=torch")
+    if name == "avx2" and (why := avx2_unavailable()):
+        raise ConfigError(f"kernel=avx2 unavailable: {why}; use kernel=onednn")
     return name
 
 
@@ -48,51 +74,186 @@ def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+_NO_AVX2 = "this CPU has no AVX2/FMA"
+
+
+@functools.lru_cache(maxsize=None)
+def avx2_unavailable() -> str | None:
+    """None when the avx2 kernel can run here (building it on first use), else why not."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return _NO_AVX2
+    try:
+        _extension()
+    except Exception as e:  # no compiler, no Python headers, ...: one line, then the caller falls back
+        msg = " ".join(str(e).split())
+        return f"the kernel did not build ({type(e).__name__}: {msg[:200]})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _extension():
+    """Build (once per machine and source version) and load the few-row kernel."""
+    from torch.utils import cpp_extension
+
+    from specbench.models import cache_dir
+
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    key = hashlib.sha256(_SRC.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
+    build = cache_dir() / "kernels" / key
+    build.mkdir(parents=True, exist_ok=True)
+    try:  # torch builds with ninja; the `ninja` package puts it beside the interpreter, maybe not on PATH
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    if not any(build.glob("*.so")):
+        print(f"[specbench] building the avx2 linear kernel into {build} (once; ~40 s) ...", file=sys.stderr)
+    return cpp_extension.load(name=f"specbench_few_rows_{key}", sources=[str(_SRC)], build_directory=str(build),
+                              extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def pack(w: torch.Tensor, cols: int = 8) -> torch.Tensor:
+    """[O, I] -> [ceil(O/cols), I, cols]: blocks of ``cols`` output columns, each one contiguous
+    stream (the avx2 kernel's layout)."""
+    O, I = w.shape
+    blocks = -(-O // cols)
+    w = torch.nn.functional.pad(w.detach(), (0, 0, 0, blocks * cols - O))
+    return w.view(blocks, cols, I).transpose(1, 2).contiguous()
+
+
+def few_rows_linear(x: torch.Tensor, wp: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ W.T`` for a 2-D fp32 ``x`` through the avx2 kernel (``wp = pack(W)``)."""
+    return _extension().few_rows_linear(x.contiguous(), wp, out_features)
+
+
 def apply(model: torch.nn.Module, kernel: str) -> int:
     """Switch ``model``'s linear layers to ``kernel`` (a resolved name); returns how many
     layers changed. Idempotent."""
     if kernel == "torch":
         return 0
+    _fold_gqa(model)
     n = 0
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear) and mod.weight.dtype == torch.float32 \
-                and not getattr(mod, "_specbench_kernel", None):
-            _pack(mod)
+                and getattr(mod, "_specbench_kernel", None) != kernel:
+            _pack(mod, kernel)
             n += 1
     return n
 
 
-# layer -> (the weight it was packed from, packed weight). Kept outside the module: an opaque
-# oneDNN tensor cannot be deep-copied, and a copy must not inherit another layer's numbers.
-_PACKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+# (layer, layout) -> (the weight it was packed from, packed weight). Kept outside the module: an
+# opaque oneDNN tensor cannot be deep-copied, and a copy must not inherit another layer's numbers.
+_PACKED: dict[str, weakref.WeakKeyDictionary] = {"onednn": weakref.WeakKeyDictionary(),
+                                                  "avx2": weakref.WeakKeyDictionary()}
 
 
-def _packed_weight(mod: torch.nn.Linear) -> torch.Tensor:
-    """The oneDNN-packed copy of ``mod.weight``, repacked whenever the weight is another
+def _packed_weight(mod: torch.nn.Linear, layout: str = "onednn") -> torch.Tensor:
+    """The packed copy of ``mod.weight`` in ``layout``, repacked whenever the weight is another
     tensor (a deep copy of the layer, e.g. a draft built from the target's layers) or was
     changed in place (``load_state_dict`` into it): a stale packed weight would silently
     compute with someone else's numbers."""
     w = mod.weight
     key = (id(w), w.data_ptr(), w._version)
-    hit = _PACKED.get(mod)
+    hit = _PACKED[layout].get(mod)
     if hit is None or hit[0] != key:
         # the batch-size hint sizes oneDNN's blocks; 8 rows is what a verify forward brings
-        hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8))
-        _PACKED[mod] = hit
+        packed = pack(w) if layout == "avx2" else torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
+        hit = (key, packed)
+        _PACKED[layout][mod] = hit
     return hit[1]
 
 
-def _onednn_forward(self, x):
-    if (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
-            or self.weight.dtype != torch.float32 or x.dtype != torch.float32:
-        return torch.nn.functional.linear(x, self.weight, self.bias)  # training, other dtypes: as loaded
-    shape = x.shape
+def _as_loaded(self, x) -> bool:
+    """Training and non-fp32 layers keep torch's path."""
+    return (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
+        or self.weight.dtype != torch.float32 or x.dtype != torch.float32
+
+
+def _onednn(self, x2: torch.Tensor) -> torch.Tensor:
     b = None if self.bias is None else self.bias.detach()
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), _packed_weight(self), b, "none", [], "")
-    return y.reshape(*shape[:-1], y.shape[-1])
+    return torch.ops.mkldnn._linear_pointwise(x2, _packed_weight(self), b, "none", [], "")
 
 
-def _pack(mod: torch.nn.Linear) -> None:
+def _onednn_forward(self, x):
+    if _as_loaded(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    y = _onednn(self, x.reshape(-1, x.shape[-1]))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _avx2_forward(self, x):
+    if _as_loaded(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] > FEW_ROWS:
+        y = _onednn(self, x2)
+    else:
+        y = few_rows_linear(x2, _packed_weight(self, "avx2"), self.out_features)
+        if self.bias is not None:
+            y += self.bias.detach()
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _pack(mod: torch.nn.Linear, kernel: str) -> None:
     _packed_weight(mod)
-    mod.forward = types.MethodType(_onednn_forward, mod)  # a deep copy rebinds it to the copy
-    mod._specbench_kernel = "onednn"
+    if kernel == "avx2":
+        _packed_weight(mod, "avx2")
+    # a deep copy rebinds the method to the copy
+    mod.forward = types.MethodType(_avx2_forward if kernel == "avx2" else _onednn_forward, mod)
+    mod._specbench_kernel = kernel
+
+
+_GQA = "specbench_sdpa"
+
+
+def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """``sdpa`` with the query heads of each key/value group folded into one query: q queries of
+    g heads become g*q queries of one head against that group's keys, the mask repeated g times
+    along the queries. Same attention, no copy of the cache; anything else goes to HF's sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = getattr(module, "num_key_value_groups", 1)
+    B, H, q, d = query.shape
+    if g == 1 or q == 1 or dropout or attention_mask is None or attention_mask.dim() != 4 \
+            or attention_mask.shape[1] != 1 \
+            or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux", "sinks")):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    kv_heads = key.shape[1]
+    folded = query.reshape(B, kv_heads, g * q, d)  # head h = group h // g: rows (h % g) * q + i
+    out = torch.nn.functional.scaled_dot_product_attention(
+        folded, key, value, attn_mask=_folded_mask(attention_mask, g, query.dtype), scale=scaling)
+    return out.reshape(B, H, q, d).transpose(1, 2).contiguous(), None
+
+
+_last_mask: list = [None, None, None]  # (weakref to the mask, groups, folded mask): one per forward
+
+
+def _folded_mask(mask: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mask repeated g times along the queries, additive (flash attention on CPU is faster
+    with a float mask); every layer of a forward gets the same mask object, so it is built once."""
+    ref, groups, folded = _last_mask
+    if ref is not None and ref() is mask and groups == g and folded.dtype == dtype:
+        return folded
+    add = mask
+    if mask.dtype == torch.bool:
+        add = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
+                          torch.full((), torch.finfo(dtype).min, dtype=dtype, device=mask.device))
+    folded = add.repeat(1, 1, g, 1)
+    _last_mask[:] = [weakref.ref(mask), g, folded]
+    return folded
+
+
+def _fold_gqa(model: torch.nn.Module) -> None:
+    """Route a GQA model's ``sdpa`` attention through ``_gqa_sdpa`` (per model: its config)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_GQA, _gqa_sdpa)
+    AttentionMaskInterface.register(_GQA, sdpa_mask)
+    configs = [getattr(model, "config", None)]
+    configs.append(getattr(configs[0], "text_config", None))
+    for c in configs:
+        if c is not None and getattr(c, "_attn_implementation", None) == "sdpa":
+            c._attn_implementation = _GQA

@@ -9,14 +9,67 @@ and crops the cache to the longest row. No row ever gives up tokens it accepted.
 
 Token position ids are per row: the i-th committed token of a row has position i, a tree
 node has position ``length[b] + depth``.
+
+Each layer appends into a buffer with room to spare (``SlabLayer``) instead of concatenating:
+``DynamicCache`` copies the whole cache on every forward (O(context) per step), which at long
+contexts costs more than the step's attention.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from specbench.models import text_config
+
+
+class SlabLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values are views of a larger buffer: a forward writes its
+    new slots in place, and the buffer doubles when full (amortised O(new tokens) per forward).
+    Whoever replaces ``keys``/``values`` with another tensor (rows selected, say) just makes the
+    next update copy them into a fresh buffer; a slice of the buffer keeps appending in place."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._k = self._v = None
+
+    def _offset(self) -> int | None:
+        """Slot where ``keys``/``values`` start inside the buffer, None if they are not a slice of it."""
+        for t, buf in ((self.keys, self._k), (self.values, self._v)):
+            if buf is None or t.dim() != 4 or t.shape[:2] != buf.shape[:2] or t.stride() != buf.stride() \
+                    or t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+                return None
+        off, rem = divmod(self.keys.storage_offset() - self._k.storage_offset(), self._k.stride(2))
+        off_v = (self.values.storage_offset() - self._v.storage_offset()) // self._v.stride(2)
+        return off if rem == 0 and off == off_v and off >= 0 else None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        L = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        off = self._offset()
+        if off is None or off + L + n > self._k.shape[2]:
+            cap = max(64, 2 * (L + n))
+            k, v = key_states, value_states
+            self._k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            self._v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+            if L:
+                self._k[:, :, :L] = self.keys
+                self._v[:, :, :L] = self.values
+            off = 0
+        self._k[:, :, off + L:off + L + n] = key_states
+        self._v[:, :, off + L:off + L + n] = value_states
+        self.keys = self._k[:, :, off:off + L + n]
+        self.values = self._v[:, :, off:off + L + n]
+        return self.keys, self.values
+
+
+def _slab_cache() -> DynamicCache:
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = SlabLayer
+    return cache
 
 
 class RaggedCache:
@@ -29,7 +82,7 @@ class RaggedCache:
         # Models with interleaved sliding-window layers (Gemma 3) take a mask per layer type.
         layer_types = getattr(cfg, "layer_types", None) or []
         self.window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
-        self.cache = DynamicCache()
+        self.cache = _slab_cache()
         self.start = torch.zeros(0, dtype=torch.long, device=device)
         self.length = torch.zeros(0, dtype=torch.long, device=device)
         self.C = 0
@@ -72,7 +125,7 @@ class RaggedCache:
             ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
         ids = ids.to(self.device)
         lens = lens.to(self.device)
-        self.cache = DynamicCache()
+        self.cache = _slab_cache()
         self.start = P - lens
         self.length = torch.zeros_like(lens)
         self.C = 0

@@ -101,7 +101,7 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
     ({"dataset.path": "/no/such/file.jsonl"}, "does not exist"),
     ({"model.path": "/no/such/model"}, "model path '/no/such/model' does not exist"),
     ({"temperature": -1.0}, "temperature must be >= 0"),
-    ({"kernel": "triton"}, "unknown kernel 'triton'; choices: auto, torch, onednn"),
+    ({"kernel": "triton"}, "unknown kernel 'triton'; choices: auto, torch, onednn, avx2"),
     ({"top_p": 0.0}, "top_p must be in"),
     ({"method": {"name": "eagle9"}}, "unknown method 'eagle9'"),
     ({"method": {"name": "leviathan"}, "draft.layers": 5}, "draft.layers must be an integer in 1..1"),

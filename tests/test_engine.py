@@ -171,3 +171,40 @@ def test_pld_lookup():
     assert lookup(seq, 3, 3) == [4, 5, 1]  # earliest match of [1, 2, 3]
     assert lookup([5, 6, 7], 2, 3) == []
     assert lookup([4, 8, 4], 4, 2) == [8, 4]  # falls back to a 1-gram, continuation runs to the end
+
+
+def test_slab_layer_keeps_what_a_concatenating_cache_keeps():
+    """The engine's cache layer appends in place; under the RaggedCache's own edits (crop to a
+    slice, drop left padding, select rows, move slots in place) it must hold exactly what
+    torch.cat would."""
+    from specbench.kv import SlabLayer
+
+    g = torch.Generator().manual_seed(0)
+    layer, keys, vals = SlabLayer(), None, None
+
+    def new(n, b):
+        return torch.randn(b, 2, n, 4, generator=g), torch.randn(b, 2, n, 4, generator=g)
+
+    b = 3
+    for step in range(40):
+        k, v = new(1 + step % 5, b)
+        got_k, got_v = layer.update(k, v)
+        keys = k if keys is None else torch.cat([keys, k], 2)
+        vals = v if vals is None else torch.cat([vals, v], 2)
+        assert torch.equal(got_k, keys) and torch.equal(got_v, vals), step
+        op = step % 4
+        if op == 0:  # crop
+            keep = max(1, keys.shape[2] - 2)
+            layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+            keys, vals = keys[:, :, :keep], vals[:, :, :keep]
+        elif op == 1 and keys.shape[2] > 3:  # drop left padding
+            layer.keys, layer.values = layer.keys[:, :, 1:], layer.values[:, :, 1:]
+            keys, vals = keys[:, :, 1:], vals[:, :, 1:]
+        elif op == 2:  # move a slot in place
+            layer.keys[0, :, 0] = layer.keys[0, :, -1]
+            keys[0, :, 0] = keys[0, :, -1]
+        elif op == 3 and step == 15:  # a row leaves the batch
+            sel = torch.tensor([0, 2])
+            layer.keys, layer.values = layer.keys[sel], layer.values[sel]
+            keys, vals, b = keys[sel], vals[sel], 2
+    assert layer._k.shape[2] < 4 * keys.shape[2] + 64  # grew by doubling, not per step

@@ -1,5 +1,6 @@
-"""The oneDNN linear path (``kernel=onednn``): same numbers as torch's within fp32 rounding,
-greedy identity of the engine on it, and training untouched."""
+"""The packed linear paths (``kernel=onednn``, ``kernel=avx2``): same numbers as torch's within
+fp32 rounding, greedy identity of the engine on them, training untouched; the avx2 kernel's
+rows independent of each other bit for bit."""
 
 import pytest
 import torch
@@ -11,14 +12,16 @@ from specbench import kernels
 from specbench.models import ConfigError
 
 pytestmark = pytest.mark.skipif(not kernels.onednn_available(), reason="torch built without oneDNN")
+PACKED = ["onednn", pytest.param("avx2", marks=pytest.mark.skipif(
+    kernels.avx2_unavailable() is not None, reason=f"avx2 kernel: {kernels.avx2_unavailable()}"))]
 
 
-@pytest.fixture(scope="module")
-def packed():
+@pytest.fixture(scope="module", params=PACKED)
+def packed(request):
     m = tiny_llama(seed=0, scale=4.0)
     ref = tiny_llama(seed=0, scale=4.0)
-    assert kernels.apply(m, "onednn") == 2 * 7 + 1  # q k v o gate up down per layer + the head
-    assert kernels.apply(m, "onednn") == 0  # idempotent
+    assert kernels.apply(m, request.param) == 2 * 7 + 1  # q k v o gate up down per layer + the head
+    assert kernels.apply(m, request.param) == 0  # idempotent
     return m, ref
 
 
@@ -53,21 +56,23 @@ def test_training_and_other_dtypes_keep_torchs_path(packed):
 
 def test_resolve():
     assert kernels.resolve("torch", CPU) == "torch"
-    assert kernels.resolve("auto", CPU) == "onednn"
+    assert kernels.resolve("auto", CPU) == ("avx2" if kernels.avx2_unavailable() is None else "onednn")
     assert kernels.resolve("auto", torch.device("cuda")) == "torch"
-    with pytest.raises(ConfigError, match="kernel=onednn is a CPU path"):
-        kernels.resolve("onednn", torch.device("cuda"))
+    for k in ("onednn", "avx2"):
+        with pytest.raises(ConfigError, match=f"kernel={k} is a CPU path"):
+            kernels.resolve(k, torch.device("cuda"))
     with pytest.raises(ConfigError, match="unknown kernel"):
         kernels.resolve("fast", CPU)
 
 
-def test_a_copied_or_reloaded_layer_computes_with_its_own_weights():
+@pytest.mark.parametrize("kernel", PACKED)
+def test_a_copied_or_reloaded_layer_computes_with_its_own_weights(kernel):
     """Drafts are built by deep-copying the target's layers and loading trained weights into
     them: the packed weight must follow (a stale one cost Leviathan its acceptance)."""
     import copy
 
     m = tiny_llama(seed=0)
-    kernels.apply(m, "onednn")
+    kernels.apply(m, kernel)
     layer = m.model.layers[0].mlp.up_proj
     x = torch.randn(3, 64)
     twin = copy.deepcopy(layer)
@@ -79,3 +84,77 @@ def test_a_copied_or_reloaded_layer_computes_with_its_own_weights():
         twin.load_state_dict(other.state_dict())
         assert torch.allclose(twin(x), torch.nn.functional.linear(x, other.weight), atol=1e-5)
         assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5)
+
+
+avx2 = pytest.mark.skipif(kernels.avx2_unavailable() is not None, reason=f"avx2 kernel: {kernels.avx2_unavailable()}")
+
+
+@avx2
+@pytest.mark.parametrize("out_features,in_features", [(16, 8), (200, 576), (37, 129), (1, 5), (12, 7)])
+def test_avx2_kernel_matches_torch_at_every_row_count(out_features, in_features):
+    g = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    wp = kernels.pack(w)
+    assert wp.shape == (-(-out_features // 8), in_features, 8)
+    for n in range(0, kernels.FEW_ROWS + 1):
+        x = torch.randn(n, in_features, generator=g)
+        y = kernels.few_rows_linear(x, wp, out_features)
+        assert y.shape == (n, out_features)
+        assert torch.allclose(y, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-5), n
+
+
+@avx2
+def test_avx2_rows_do_not_depend_on_each_other():
+    """Each output is one fixed-order sum whatever tile its row lands in: a row alone and the
+    same row among 1..16 others agree bit for bit (a verify forward computes the linears of a
+    committed token exactly as the decode step would)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(100, 96, generator=g)
+    wp = kernels.pack(w)
+    x = torch.randn(kernels.FEW_ROWS, 96, generator=g)
+    alone = torch.cat([kernels.few_rows_linear(x[i:i + 1], wp, 100) for i in range(len(x))])
+    for n in range(1, kernels.FEW_ROWS + 1):
+        assert torch.equal(kernels.few_rows_linear(x[:n], wp, 100), alone[:n]), n
+
+
+@avx2
+def test_avx2_layer_takes_onednn_above_the_row_limit_and_adds_its_bias():
+    lin = torch.nn.Linear(40, 24, bias=True)
+    kernels.apply(lin, "avx2")
+    for rows in (1, kernels.FEW_ROWS, kernels.FEW_ROWS + 1, 3 * kernels.FEW_ROWS):
+        x = torch.randn(rows, 2, 40).transpose(0, 1)  # [2, rows, 40], not contiguous
+        with torch.inference_mode():
+            y = lin(x)
+        assert torch.allclose(y, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5), rows
+
+
+@avx2
+def test_avx2_kernel_refuses_a_wrong_packing():
+    w = torch.randn(32, 8)
+    with pytest.raises(RuntimeError, match="packing"):
+        kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w), 40)
+    with pytest.raises(RuntimeError, match="packing"):
+        kernels.few_rows_linear(torch.randn(2, 9), kernels.pack(w), 32)
+
+
+@pytest.mark.parametrize("kernel", PACKED)
+def test_gqa_attention_folds_queries_without_changing_the_forward(kernel):
+    """A tree verify forward on ragged rows (4D mask, several queries, 4 heads on 2 KV heads):
+    the packed paths fold each KV group's queries into one (no repeat_kv); logits as torch's."""
+    from specbench.draft import tree_geometry
+    from specbench.kv import RaggedCache
+
+    m, ref = tiny_llama(seed=2), tiny_llama(seed=2)
+    kernels.apply(m, kernel)
+    assert m.config._attn_implementation == kernels._GQA and ref.config._attn_implementation == "sdpa"
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    parents = torch.tensor([[0, 1, 1], [0, 0, 2]])  # a tree per row over the root and 3 drafts
+    depth, anc = tree_geometry(parents)
+    toks = torch.tensor([[20, 21, 22, 23], [30, 31, 32, 33]])
+    outs = []
+    with torch.inference_mode():
+        for model in (m, ref):
+            cache = RaggedCache(model, CPU, torch.float32)
+            cache.prefill(prompts)
+            outs.append(cache.forward(toks, depth, anc).logits)
+    assert (outs[0] - outs[1]).abs().max() < 1e-4
