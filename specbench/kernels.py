@@ -77,7 +77,7 @@ def onednn_available() -> bool:
 _NO_AVX2 = "this CPU has no AVX2/FMA"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def avx2_unavailable() -> str | None:
     """None when the avx2 kernel can run here (building it on first use), else why not."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -90,7 +90,7 @@ def avx2_unavailable() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _extension():
     """Build (once per machine and source version) and load the few-row kernel."""
     from torch.utils import cpp_extension

@@ -96,7 +96,7 @@ def test_avx2_kernel_matches_torch_at_every_row_count(out_features, in_features)
     w = torch.randn(out_features, in_features, generator=g)
     wp = kernels.pack(w)
     assert wp.shape == (-(-out_features // 8), in_features, 8)
-    for n in range(0, kernels.FEW_ROWS + 1):
+    for n in range(kernels.FEW_ROWS + 1):
         x = torch.randn(n, in_features, generator=g)
         y = kernels.few_rows_linear(x, wp, out_features)
         assert y.shape == (n, out_features)
