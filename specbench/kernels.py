@@ -123,8 +123,8 @@ def pack(w: torch.Tensor, cols: int = 8) -> torch.Tensor:
 
 
 def few_rows_linear(x: torch.Tensor, wp: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x @ W.T`` for a 2-D fp32 ``x`` through the avx2 kernel (``wp = pack(W)``)."""
-    return _extension().few_rows_linear(x.contiguous(), wp, out_features)
+    """``x @ W.T`` for an fp32 ``x`` of any leading shape through the avx2 kernel (``wp = pack(W)``)."""
+    return _extension().few_rows_linear(x, wp, out_features)
 
 
 def apply(model: torch.nn.Module, kernel: str) -> int:
@@ -183,16 +183,18 @@ def _onednn_forward(self, x):
 
 
 def _avx2_forward(self, x):
-    if _as_loaded(self, x):
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] > FEW_ROWS:
-        y = _onednn(self, x2)
-    else:
-        y = few_rows_linear(x2, _packed_weight(self, "avx2"), self.out_features)
-        if self.bias is not None:
-            y += self.bias.detach()
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    # the decode hot path: ~200 calls per forward, so no reshapes here (the kernel takes any
+    # leading shape) and the cheap checks first
+    w = self.weight
+    if x.dtype != torch.float32 or w.dtype != torch.float32 \
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return torch.nn.functional.linear(x, w, self.bias)
+    if x.numel() > FEW_ROWS * x.shape[-1]:
+        return _onednn_forward(self, x)
+    y = _extension().few_rows_linear(x, _packed_weight(self, "avx2"), self.out_features)
+    if self.bias is not None:
+        y += self.bias.detach()
+    return y
 
 
 def _pack(mod: torch.nn.Linear, kernel: str) -> None:

@@ -80,15 +80,20 @@ inline void rows_through_block(const float* x, int64_t n, int64_t I, const float
 
 }  // namespace
 
-// x: [n, I] fp32 contiguous; wp: [ceil(O/8), I, 8] fp32 contiguous (kernels.pack).
-torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t O) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "few_rows_linear: x must be a contiguous 2-D fp32 CPU tensor");
-  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == kCols && wp.size(1) == x.size(1) && wp.is_contiguous() &&
+// x: [..., I] fp32 (made contiguous here); wp: [ceil(O/8), I, 8] fp32 contiguous (kernels.pack).
+// Returns [..., O]: the leading dimensions are rows, so a layer calls it without reshaping.
+torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& wp, int64_t O) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == torch::kFloat && x_in.device().is_cpu(),
+              "few_rows_linear: x must be an fp32 CPU tensor");
+  const auto x = x_in.contiguous();
+  const int64_t I = x.size(-1);
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == kCols && wp.size(1) == I && wp.is_contiguous() &&
                   wp.scalar_type() == torch::kFloat && wp.size(0) * kCols >= O && (wp.size(0) - 1) * kCols < O,
               "few_rows_linear: wp must be the [ceil(O/8), in, 8] packing of an fp32 [O, in] weight");
-  const int64_t n = x.size(0), I = x.size(1), blocks = wp.size(0);
-  auto y = torch::empty({n, O}, x.options());
+  const int64_t n = I ? x.numel() / I : 0, blocks = wp.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = O;
+  auto y = torch::empty(sizes, x.options());
   if (n == 0 || O == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wpp = wp.data_ptr<float>();
