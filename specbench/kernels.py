@@ -164,34 +164,32 @@ def _packed_weight(mod: torch.nn.Linear, layout: str = "onednn") -> torch.Tensor
     return hit[1]
 
 
-def _as_loaded(self, x) -> bool:
-    """Training and non-fp32 layers keep torch's path."""
-    return (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
-        or self.weight.dtype != torch.float32 or x.dtype != torch.float32
+def _as_loaded(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """Training and non-fp32 layers keep torch's path (cheapest tests first: a hot path)."""
+    return x.dtype != torch.float32 or w.dtype != torch.float32 \
+        or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
 
 
-def _onednn(self, x2: torch.Tensor) -> torch.Tensor:
+def _onednn_rows(self, x: torch.Tensor) -> torch.Tensor:
     b = None if self.bias is None else self.bias.detach()
-    return torch.ops.mkldnn._linear_pointwise(x2, _packed_weight(self), b, "none", [], "")
-
-
-def _onednn_forward(self, x):
-    if _as_loaded(self, x):
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    y = _onednn(self, x.reshape(-1, x.shape[-1]))
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), _packed_weight(self), b, "none", [], "")
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def _onednn_forward(self, x):
+    if _as_loaded(self.weight, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    return _onednn_rows(self, x)
+
+
 def _avx2_forward(self, x):
-    # the decode hot path: ~200 calls per forward, so no reshapes here (the kernel takes any
-    # leading shape) and the cheap checks first
-    w = self.weight
-    if x.dtype != torch.float32 or w.dtype != torch.float32 \
-            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
-        return torch.nn.functional.linear(x, w, self.bias)
+    # the decode hot path (~200 calls per forward): no reshapes here, the kernel takes any
+    # leading shape
+    if _as_loaded(self.weight, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
     if x.numel() > FEW_ROWS * x.shape[-1]:
-        return _onednn_forward(self, x)
-    y = _extension().few_rows_linear(x, _packed_weight(self, "avx2"), self.out_features)
+        return _onednn_rows(self, x)
+    y = few_rows_linear(x, _packed_weight(self, "avx2"), self.out_features)
     if self.bias is not None:
         y += self.bias.detach()
     return y

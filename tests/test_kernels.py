@@ -12,8 +12,8 @@ from specbench import kernels
 from specbench.models import ConfigError
 
 pytestmark = pytest.mark.skipif(not kernels.onednn_available(), reason="torch built without oneDNN")
-PACKED = ["onednn", pytest.param("avx2", marks=pytest.mark.skipif(
-    kernels.avx2_unavailable() is not None, reason=f"avx2 kernel: {kernels.avx2_unavailable()}"))]
+avx2 = pytest.mark.skipif(kernels.avx2_unavailable() is not None, reason=f"avx2 kernel: {kernels.avx2_unavailable()}")
+PACKED = ["onednn", pytest.param("avx2", marks=avx2)]
 
 
 @pytest.fixture(scope="module", params=PACKED)
@@ -85,8 +85,6 @@ def test_a_copied_or_reloaded_layer_computes_with_its_own_weights(kernel):
         assert torch.allclose(twin(x), torch.nn.functional.linear(x, other.weight), atol=1e-5)
         assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5)
 
-
-avx2 = pytest.mark.skipif(kernels.avx2_unavailable() is not None, reason=f"avx2 kernel: {kernels.avx2_unavailable()}")
 
 
 @avx2
