@@ -15,13 +15,14 @@ output layer, the same dtype); only the summation order inside a dot product cha
 - ``onednn``: prepacked oneDNN weights (CPU, fp32 layers; bf16 packing needs a CPU with
   AVX512 or AVX-NE-CONVERT, so bf16 layers keep torch's path). Costs one extra copy of the
   linear weights in memory.
-- ``avx2``: specbench's own few-row kernel (``specbench/csrc/few_rows.cpp``, built once per
-  machine into ``$SPECBENCH_CACHE/kernels`` with the compiler torch's extensions use): every
-  weight packed once into blocks of 8 output columns, streamed once per forward for all rows,
-  on all of torch's threads (MKL's one-row sgemv runs on one core). Forwards over at most
-  ``FEW_ROWS`` rows take it, larger ones (prefill, big batches) take the ``onednn`` path. A
+- ``avx2``: specbench's own kernel (``specbench/csrc/few_rows.cpp``, built once per machine
+  into ``$SPECBENCH_CACHE/kernels`` with the compiler torch's extensions use): every weight
+  packed once into blocks of 8 output columns, streamed once per forward for all rows (in
+  register tiles of up to 4 rows x 24 columns), on all of torch's threads (MKL's one-row sgemv
+  runs on one core). Made for decode and verify forwards, it also beats oneDNN's and MKL's
+  GEMMs on prefill-sized forwards here (``make bench-cpu``), so every row count takes it. A
   row's outputs do not depend on how many rows share the forward (bit for bit). fp32 layers
-  on a CPU with AVX2 and FMA; costs two extra copies of the linear weights in memory.
+  on a CPU with AVX2 and FMA; costs one extra copy of the linear weights in memory.
 - ``auto``: ``avx2`` on a CPU that has it (and where the kernel builds), else ``onednn``
   where this torch has oneDNN, else ``torch``.
 
@@ -45,7 +46,6 @@ from pathlib import Path
 import torch
 
 KERNELS = ("auto", "torch", "onednn", "avx2")
-FEW_ROWS = 16  # the avx2 kernel's row limit: above it oneDNN's GEMM is faster (make bench-cpu)
 _SRC = Path(__file__).parent / "csrc" / "few_rows.cpp"
 
 
@@ -55,18 +55,21 @@ def resolve(name: str, device: torch.device) -> str:
     if name not in KERNELS:
         raise ConfigError(f"unknown kernel '{name}'; choices: {', '.join(KERNELS)}")
     if name == "auto":
-        if device.type != "cpu" or not onednn_available():
+        if device.type != "cpu":
             return "torch"
         why = avx2_unavailable()
-        if why and why != _NO_AVX2:
-            print(f"[specbench] kernel=auto: using onednn ({why})", file=sys.stderr)
-        return "onednn" if why else "avx2"
+        if not why:
+            return "avx2"
+        fallback = "onednn" if onednn_available() else "torch"
+        if why != _NO_AVX2:
+            print(f"[specbench] kernel=auto: using {fallback} ({why})", file=sys.stderr)
+        return fallback
     if name in ("onednn", "avx2") and device.type != "cpu":
         raise ConfigError(f"kernel={name} is a CPU path (device is {device.type}); use kernel=torch or auto")
-    if name in ("onednn", "avx2") and not onednn_available():
-        raise ConfigError(f"kernel={name}: this torch build has no oneDNN (torch.backends.mkldnn); use kernel=torch")
+    if name == "onednn" and not onednn_available():
+        raise ConfigError("kernel=onednn: this torch build has no oneDNN (torch.backends.mkldnn); use kernel=torch")
     if name == "avx2" and (why := avx2_unavailable()):
-        raise ConfigError(f"kernel=avx2 unavailable: {why}; use kernel=onednn")
+        raise ConfigError(f"kernel=avx2 unavailable: {why}; use kernel=onednn or torch")
     return name
 
 
@@ -97,7 +100,7 @@ def _extension():
 
     from specbench.models import cache_dir
 
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]  # FMAs only where the code asks for them
     key = hashlib.sha256(_SRC.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
     build = cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
@@ -129,15 +132,24 @@ def few_rows_linear(x: torch.Tensor, wp: torch.Tensor, out_features: int) -> tor
 
 def apply(model: torch.nn.Module, kernel: str) -> int:
     """Switch ``model``'s linear layers to ``kernel`` (a resolved name); returns how many
-    layers changed. Idempotent."""
+    layers changed. Idempotent. With ``avx2``, Llama decoder layers also take the fused layer
+    forward (``_fused_llama_forward``), and the projections it fuses are packed only there."""
     if kernel == "torch":
         return 0
     _fold_gqa(model)
+    fused = set()
+    if kernel == "avx2":
+        for mod in model.modules():
+            if _fusable(mod):
+                mod.forward = types.MethodType(_fused_llama_forward, mod)
+                _fused_weights(mod)
+                a, m = mod.self_attn, mod.mlp
+                fused |= {id(a.q_proj), id(a.k_proj), id(a.v_proj), id(m.gate_proj), id(m.up_proj)}
     n = 0
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear) and mod.weight.dtype == torch.float32 \
                 and getattr(mod, "_specbench_kernel", None) != kernel:
-            _pack(mod, kernel)
+            _pack(mod, kernel, eager=id(mod) not in fused)
             n += 1
     return n
 
@@ -170,16 +182,12 @@ def _as_loaded(w: torch.Tensor, x: torch.Tensor) -> bool:
         or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
 
 
-def _onednn_rows(self, x: torch.Tensor) -> torch.Tensor:
-    b = None if self.bias is None else self.bias.detach()
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), _packed_weight(self), b, "none", [], "")
-    return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
 def _onednn_forward(self, x):
     if _as_loaded(self.weight, x):
         return torch.nn.functional.linear(x, self.weight, self.bias)
-    return _onednn_rows(self, x)
+    b = None if self.bias is None else self.bias.detach()
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), _packed_weight(self), b, "none", [], "")
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _avx2_forward(self, x):
@@ -187,18 +195,15 @@ def _avx2_forward(self, x):
     # leading shape
     if _as_loaded(self.weight, x):
         return torch.nn.functional.linear(x, self.weight, self.bias)
-    if x.numel() > FEW_ROWS * x.shape[-1]:
-        return _onednn_rows(self, x)
     y = few_rows_linear(x, _packed_weight(self, "avx2"), self.out_features)
     if self.bias is not None:
         y += self.bias.detach()
     return y
 
 
-def _pack(mod: torch.nn.Linear, kernel: str) -> None:
-    _packed_weight(mod)
-    if kernel == "avx2":
-        _packed_weight(mod, "avx2")
+def _pack(mod: torch.nn.Linear, kernel: str, eager: bool = True) -> None:
+    if eager:  # else packed on its first call, if it ever runs on its own
+        _packed_weight(mod, kernel)
     # a deep copy rebinds the method to the copy
     mod.forward = types.MethodType(_avx2_forward if kernel == "avx2" else _onednn_forward, mod)
     mod._specbench_kernel = kernel
@@ -257,3 +262,99 @@ def _fold_gqa(model: torch.nn.Module) -> None:
     for c in configs:
         if c is not None and getattr(c, "_attn_implementation", None) == "sdpa":
             c._attn_implementation = _GQA
+
+
+# ---------------------------------------------------------------- fused Llama decoder layers
+#
+# A decode forward through Hugging Face's Llama layer runs ~100 small torch ops per layer (the
+# RMSNorm alone is eight), each a few microseconds: on a 135M model a third of a decode step.
+# With the avx2 kernel, each Llama layer instead runs: RMSNorm (one extension call), one kernel
+# call for q|k|v (their weights packed side by side), RoPE on q and k in place (one call), the
+# cache update, attention (one call for up to 4 queries per row: GQA without repeating the
+# cache, the mask applied as given; longer forwards take the model's own attention function,
+# whose flash kernel blocks many queries better), o_proj, RMSNorm, one call for gate|up,
+# silu * up, down_proj. The linears and RoPE compute exactly what the layer-by-layer path
+# computes (the kernel's outputs do not depend on which other columns share a call; RoPE is the
+# same products and sums); RMSNorm and attention sum in another order (last-bit differences).
+
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (weights key, qkv, gate|up)
+
+
+def _fusable(mod: torch.nn.Module) -> bool:
+    from transformers.activations import SiLUActivation
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
+    if type(mod) is not LlamaDecoderLayer:
+        return False
+    a, m = mod.self_attn, mod.mlp
+    return type(mod.input_layernorm) is LlamaRMSNorm and type(mod.post_attention_layernorm) is LlamaRMSNorm \
+        and isinstance(m.act_fn, (torch.nn.SiLU, SiLUActivation)) and a.q_proj.weight.dtype == torch.float32 \
+        and all(p.bias is None for p in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj))
+
+
+def _fused_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed q|k|v and gate|up weights of ``layer``, repacked when any of them is another
+    tensor or was changed in place (as ``_packed_weight``; read through the modules' own dicts:
+    this runs once per layer per forward)."""
+    a, m = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
+    ws = [a[k]._parameters["weight"] for k in ("q_proj", "k_proj", "v_proj")] \
+        + [m[k]._parameters["weight"] for k in ("gate_proj", "up_proj")]
+    key = [(id(w), w.data_ptr(), w._version) for w in ws]
+    hit = _FUSED.get(layer)
+    if hit is None or hit[0] != key:
+        hit = (key, pack(torch.cat(ws[:3])), pack(torch.cat(ws[3:])))
+        _FUSED[layer] = hit
+    return hit[1], hit[2]
+
+
+# queries per row up to which the extension's attention runs: it reads a KV head's cache once
+# per query head and query, torch's flash attention blocks them; measured here (256-token cache,
+# 9 heads on 3): 17 vs 41 us at 1 query, 51 vs 68 at 4, even at 6, behind above
+_ATTENTION_ROWS = 4
+_NO_MASK = torch.empty(0)
+
+
+def _additive(mask: torch.Tensor | None) -> torch.Tensor:
+    """The layer's attention mask as the extension takes it: additive fp32, or empty for causal."""
+    if mask is None:
+        return _NO_MASK
+    if mask.dtype == torch.bool:
+        return torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    return mask
+
+
+def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                         use_cache=False, position_embeddings=None, **kwargs):
+    x = hidden_states
+    attn, mlp = self._modules["self_attn"], self._modules["mlp"]
+    if _as_loaded(attn.q_proj.weight, x) or position_embeddings is None:
+        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  past_key_values=past_key_values, use_cache=use_cache,
+                                  position_embeddings=position_embeddings, **kwargs)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    ext = _extension()
+    qkv_w, gate_up_w = _fused_weights(self)
+    B, n, _ = x.shape
+    d = attn.head_dim
+    nq, nkv = attn.config.num_attention_heads, attn.config.num_key_value_heads
+    norm = self._modules["input_layernorm"]
+    qkv = few_rows_linear(ext.rms_norm(x, norm.weight, norm.variance_epsilon), qkv_w, (nq + 2 * nkv) * d)
+    qkv = qkv.view(B, n, nq + 2 * nkv, d)
+    ext.rope_(qkv, *position_embeddings, nq + nkv)  # q and k, in place
+    q, k, v = (t.transpose(1, 2) for t in qkv.split((nq, nkv, nkv), dim=2))
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, attn.layer_idx)
+    if n <= _ATTENTION_ROWS and attn.config._attn_implementation in ("sdpa", _GQA) \
+            and (attention_mask is None or isinstance(attention_mask, torch.Tensor)):
+        o = ext.attention(q, k, v, _additive(attention_mask), attn.scaling)
+    else:  # prefill and anything unusual: the model's own attention function
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+        o, _ = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, position_ids=position_ids,
+                      **kwargs)
+    x = x + attn.o_proj(o.reshape(B, n, nq * d))
+    norm = self._modules["post_attention_layernorm"]
+    h = ext.rms_norm(x, norm.weight, norm.variance_epsilon)
+    gate, up = few_rows_linear(h, gate_up_w, 2 * mlp.down_proj.in_features).chunk(2, dim=-1)
+    return x + mlp.down_proj(torch.nn.functional.silu(gate) * up)

@@ -33,9 +33,13 @@ class SlabLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._k = self._v = None
+        self._mine = (None, None, 0)  # the views this layer last handed out, and their offset
 
     def _offset(self) -> int | None:
         """Slot where ``keys``/``values`` start inside the buffer, None if they are not a slice of it."""
+        k, v, off = self._mine
+        if k is self.keys and v is self.values:  # untouched since the last update: the decode hot path
+            return off
         for t, buf in ((self.keys, self._k), (self.values, self._v)):
             if buf is None or t.dim() != 4 or t.shape[:2] != buf.shape[:2] or t.stride() != buf.stride() \
                     or t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
@@ -63,6 +67,7 @@ class SlabLayer(DynamicLayer):
         self._v[:, :, off + L:off + L + n] = value_states
         self.keys = self._k[:, :, off:off + L + n]
         self.values = self._v[:, :, off:off + L + n]
+        self._mine = (self.keys, self.values, off)
         return self.keys, self.values
 
 

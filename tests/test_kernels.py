@@ -94,7 +94,7 @@ def test_avx2_kernel_matches_torch_at_every_row_count(out_features, in_features)
     w = torch.randn(out_features, in_features, generator=g)
     wp = kernels.pack(w)
     assert wp.shape == (-(-out_features // 8), in_features, 8)
-    for n in range(kernels.FEW_ROWS + 1):
+    for n in range(36):
         x = torch.randn(n, in_features, generator=g)
         y = kernels.few_rows_linear(x, wp, out_features)
         assert y.shape == (n, out_features)
@@ -103,23 +103,24 @@ def test_avx2_kernel_matches_torch_at_every_row_count(out_features, in_features)
 
 @avx2
 def test_avx2_rows_do_not_depend_on_each_other():
-    """Each output is one fixed-order sum whatever tile its row lands in: a row alone and the
-    same row among 1..16 others agree bit for bit (a verify forward computes the linears of a
-    committed token exactly as the decode step would)."""
+    """Each output is one fixed-order sum whatever tile, pass or chunk its row lands in: a row
+    alone and the same row among 1..40 others agree bit for bit (a verify forward computes the
+    linears of a committed token exactly as the decode step would). 100 outputs: groups of
+    blocks, single blocks and a partial last block; 200 inputs: several k chunks and a partial one."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(100, 96, generator=g)
+    w = torch.randn(100, 200, generator=g)
     wp = kernels.pack(w)
-    x = torch.randn(kernels.FEW_ROWS, 96, generator=g)
+    x = torch.randn(40, 200, generator=g)
     alone = torch.cat([kernels.few_rows_linear(x[i:i + 1], wp, 100) for i in range(len(x))])
-    for n in range(1, kernels.FEW_ROWS + 1):
+    for n in range(1, len(x) + 1):
         assert torch.equal(kernels.few_rows_linear(x[:n], wp, 100), alone[:n]), n
 
 
 @avx2
-def test_avx2_layer_takes_onednn_above_the_row_limit_and_adds_its_bias():
+def test_avx2_layer_takes_any_row_count_and_adds_its_bias():
     lin = torch.nn.Linear(40, 24, bias=True)
     kernels.apply(lin, "avx2")
-    for rows in (1, kernels.FEW_ROWS, kernels.FEW_ROWS + 1, 3 * kernels.FEW_ROWS):
+    for rows in (1, 16, 17, 300):  # 300: more than one sweep over the weight (256 rows each)
         x = torch.randn(rows, 2, 40).transpose(0, 1)  # [2, rows, 40], not contiguous
         with torch.inference_mode():
             y = lin(x)
@@ -156,3 +157,95 @@ def test_gqa_attention_folds_queries_without_changing_the_forward(kernel):
             cache.prefill(prompts)
             outs.append(cache.forward(toks, depth, anc).logits)
     assert (outs[0] - outs[1]).abs().max() < 1e-4
+
+
+@avx2
+def test_rope_and_rms_norm_of_the_extension_match_hugging_face():
+    """RoPE in place: the same products and sums as apply_rotary_pos_emb, bit for bit (on a
+    strided view, as the fused layer calls it); RMSNorm: LlamaRMSNorm up to the order of the
+    sum of squares."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    m = tiny_llama(seed=3)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 5, 8, 16, generator=g)  # [B, n, 4 q + 2 k + 2 v heads, d]
+    pos = torch.tensor([[3, 4, 5, 6, 7], [0, 1, 1, 2, 9]])
+    cos, sin = LlamaRotaryEmbedding(m.config)(qkv, pos)
+    q, k = apply_rotary_pos_emb(qkv[:, :, :4].transpose(1, 2), qkv[:, :, 4:6].transpose(1, 2), cos, sin)
+    mine = qkv.clone()
+    kernels._extension().rope_(mine, cos, sin, 6)
+    assert torch.equal(mine[:, :, :4].transpose(1, 2), q) and torch.equal(mine[:, :, 4:6].transpose(1, 2), k)
+    assert torch.equal(mine[:, :, 6:], qkv[:, :, 6:])  # v untouched
+    norm = LlamaRMSNorm(37, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(37, generator=g))
+    x = 3 * torch.randn(4, 2, 37, generator=g)
+    assert torch.allclose(kernels._extension().rms_norm(x, norm.weight, 1e-5), norm(x), rtol=1e-5, atol=1e-6)
+
+
+@avx2
+def test_llama_layers_take_the_fused_forward_and_keep_the_layer_semantics():
+    """With avx2 each Llama layer runs the fused forward (q|k|v and gate|up in one kernel call
+    each, RMSNorm and RoPE in the extension): a ragged tree verify forward gives torch's logits
+    within fp32 rounding; a deep copy with other weights loaded in place computes with its own;
+    a layer under autograd keeps Hugging Face's forward."""
+    import copy
+
+    from specbench.draft import tree_geometry
+    from specbench.kv import RaggedCache
+
+    m, ref = tiny_llama(seed=2), tiny_llama(seed=2)
+    kernels.apply(m, "avx2")
+    assert all(layer.forward.__func__ is kernels._fused_llama_forward for layer in m.model.layers)
+    parents = torch.tensor([[0, 1, 1], [0, 0, 2]])
+    depth, anc = tree_geometry(parents)
+    toks = torch.tensor([[20, 21, 22, 23], [30, 31, 32, 33]])
+
+    def verify(model):
+        cache = RaggedCache(model, CPU, torch.float32)
+        with torch.inference_mode():
+            first = cache.prefill([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]).logits
+            return torch.cat([first, cache.forward(toks, depth, anc).logits], dim=1)
+
+    assert (verify(m) - verify(ref)).abs().max() < 1e-4
+    twin, other = copy.deepcopy(m), tiny_llama(seed=7)
+    twin.load_state_dict(other.state_dict())  # in place: the fused packing must follow
+    assert (verify(twin) - verify(other)).abs().max() < 1e-4
+    assert (verify(m) - verify(ref)).abs().max() < 1e-4  # the original kept its own
+    x = torch.randn(1, 3, 64, requires_grad=True)
+    pe = m.model.rotary_emb(x, torch.arange(3)[None])
+    m.model.layers[0](x, position_embeddings=pe).sum().backward()
+    assert x.grad is not None and m.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
+@avx2
+@pytest.mark.parametrize("d", [64, 16])
+def test_extension_attention_matches_sdpa(d):
+    """The fused layer's attention: queries as strided views, keys and values as views of a
+    larger buffer (the slab cache), 6 query heads on 2 KV heads; an additive tree mask per row,
+    one shared by the batch, and none (causal: the last n of L positions, a prefill when n = L)."""
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(d)
+    B, H, Hkv, n, L = 2, 6, 2, 5, 37
+    q = torch.randn(B, n, H, d, generator=g).transpose(1, 2)
+    buf = torch.randn(2, B, Hkv, 64, d, generator=g)
+    k, v = buf[0, :, :, 3:3 + L], buf[1, :, :, 3:3 + L]
+    ok = torch.rand(B, 1, n, L, generator=g) < 0.6
+    ok[..., 0] = True
+    add = torch.where(ok, 0.0, torch.finfo(torch.float32).min)
+    ext = kernels._extension()
+
+    def ref(q, k, v, mask=None, causal=False):
+        if causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True).transpose(1, 2)
+
+    for mask in (add, add[:1]):
+        assert torch.allclose(ext.attention(q, k, v, mask, 0.3), ref(q, k, v, mask), atol=1e-5)
+    assert torch.allclose(ext.attention(q, k, v, torch.empty(0), 0.3), ref(q, k, v, causal=True), atol=1e-5)
+    q1 = q[:, :, -1:]
+    assert torch.allclose(ext.attention(q1, k, v, torch.empty(0), 0.3), ref(q1, k, v), atol=1e-5)
+    qL = torch.randn(B, H, L, d, generator=g)
+    assert torch.allclose(ext.attention(qL, k, v, torch.empty(0), 0.3), ref(qL, k, v, causal=True), atol=1e-5)
+    with pytest.raises(RuntimeError, match="mask must be additive"):
+        ext.attention(q, k, v, add[..., :-1], 0.3)

@@ -2,80 +2,131 @@
 //
 // y[n, O] = x[n, I] @ W[O, I]^T for small n (a decode step, a verify forward over K+1 tokens).
 // The weight is packed once into blocks of 8 output columns, wp[O/8][I][8], so that a block is
-// one contiguous stream. Each thread takes a contiguous range of blocks and, per block, runs
-// the rows of x through it in one pass of up to 8 rows (one AVX2 accumulator per row): the
-// weight is read from memory once per forward and every load of it feeds all those rows, so
-// the FMAs overlap the stream instead of following it. More than 8 rows take further passes
-// over the block while it is still in L1. The blocks are spread over all of torch's threads
-// (MKL's sgemv for one row runs on one core; its sgemm for 2..16 rows repacks the weight on
-// every call). One row goes through two blocks at a time: two independent FMA chains.
+// one contiguous stream. The blocks are spread over all of torch's threads (MKL's sgemv for one
+// row runs on one core; its sgemm for 2..16 rows repacks the weight on every call), and each
+// thread runs the rows of x through its blocks in register tiles of R rows x C blocks: per k,
+// C loads of the weight and R broadcasts of x feed R*C FMAs into R*C AVX2 accumulators, so the
+// weight is read from memory once per forward and every load of it feeds several rows. One row
+// goes through 4 blocks at a time (4 independent FMA chains; a decode step is bound by the
+// stream); 2 or more rows through 3 blocks in passes of at most 4 rows (12 accumulators, the
+// most that 16 registers hold beside the loads: enough independent FMAs to hide their latency).
+// Every loop over registers is fully unrolled: a rolled one kept the accumulators in memory (a
+// store per FMA) and ran at half the FMA rate.
 //
-// Every output is one fixed-order sum over k = 0..I-1 (one FMA per k into its own lane), the
-// same whichever pass its row lands in: a row's result does not depend on n or on the other
-// rows (batch-invariant, bit for bit).
+// Every output is one fixed-order sum over k = 0..I-1 (one FMA per k into its own lane, partial
+// sums kept in fp32 between chunks), the same whichever tile or pass its row lands in: a row's
+// result does not depend on n or on the other rows (batch-invariant, bit for bit).
+//
+// Below it, the other steps of the fused Llama layer (kernels._fused_llama_forward): RMSNorm,
+// RoPE in place, and the attention of a decode step over the KV cache.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
 constexpr int kCols = 8;
-constexpr int kMaxRows = 8;
+constexpr int kGroup = 16;  // rows whose partial sums are kept while the blocks stream by
+constexpr int kChunk = 64;  // k per step when the rows take several passes
+constexpr int64_t kSlab = 256;  // rows per sweep over the weight
+constexpr int kAhead = 32;  // k ahead that the first of several passes prefetches (1 KB per block)
 
-template <int R>
-inline void pass(const float* x, int64_t I, const float* w, float* y, int64_t ldy, int64_t cols) {
-  __m256 acc[R];
-  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < I; k++) {
-    const __m256 wk = _mm256_loadu_ps(w + kCols * k);
-    for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * I + k), wk, acc[r]);
-  }
-  for (int r = 0; r < R; r++) {
-    if (cols == kCols) {
-      _mm256_storeu_ps(y + r * ldy, acc[r]);
-    } else {  // the last block of a layer whose width is not a multiple of 8
-      alignas(32) float t[kCols];
-      _mm256_store_ps(t, acc[r]);
-      std::memcpy(y + r * ldy, t, cols * sizeof(float));
+// R rows of x (row stride I) through C consecutive blocks of w over k in [k0, k1): the tile's
+// partial sums come from acc (unless k0 == 0) and go back to it, R*C vectors of 8.
+template <int R, int C, bool Prefetch>
+inline void tile(const float* x, int64_t I, const float* w, int64_t k0, int64_t k1, float* acc) {
+  __m256 a[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c++) a[r][c] = k0 ? _mm256_load_ps(acc + (r * C + c) * kCols) : _mm256_setzero_ps();
+  const int64_t ws = I * kCols;
+  for (int64_t k = k0; k < k1; k++) {
+    __m256 wk[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c++) wk[c] = _mm256_loadu_ps(w + c * ws + kCols * k);
+    if constexpr (Prefetch)
+      if (!(k & 1))  // one 64-byte line per block every two k, kept inside the block
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++)
+          _mm_prefetch(reinterpret_cast<const char*>(w + c * ws + kCols * std::min(k + kAhead, I - 1)), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+      const __m256 xk = _mm256_broadcast_ss(x + r * I + k);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; c++) a[r][c] = _mm256_fmadd_ps(xk, wk[c], a[r][c]);
     }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c++) _mm256_store_ps(acc + (r * C + c) * kCols, a[r][c]);
+}
+
+template <int C, int Rmax, bool Prefetch>
+inline void tile_rows(int64_t R, const float* x, int64_t I, const float* w, int64_t k0, int64_t k1, float* acc) {
+  switch (R) {
+    case 8: if constexpr (Rmax >= 8) tile<8, C, Prefetch>(x, I, w, k0, k1, acc); break;
+    case 7: if constexpr (Rmax >= 7) tile<7, C, Prefetch>(x, I, w, k0, k1, acc); break;
+    case 6: if constexpr (Rmax >= 6) tile<6, C, Prefetch>(x, I, w, k0, k1, acc); break;
+    case 5: if constexpr (Rmax >= 5) tile<5, C, Prefetch>(x, I, w, k0, k1, acc); break;
+    case 4: if constexpr (Rmax >= 4) tile<4, C, Prefetch>(x, I, w, k0, k1, acc); break;
+    case 3: if constexpr (Rmax >= 3) tile<3, C, Prefetch>(x, I, w, k0, k1, acc); break;
+    case 2: if constexpr (Rmax >= 2) tile<2, C, Prefetch>(x, I, w, k0, k1, acc); break;
+    default: tile<1, C, Prefetch>(x, I, w, k0, k1, acc); break;
   }
 }
 
-inline void row_through_two_blocks(const float* x, int64_t I, const float* w0, const float* w1, float* y) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  for (int64_t k = 0; k < I; k++) {
-    const __m256 xk = _mm256_broadcast_ss(x + k);
-    a0 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w0 + kCols * k), a0);
-    a1 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w1 + kCols * k), a1);
+// All n rows through C blocks (the last one cols_last columns wide), kGroup rows at a time, each
+// group split evenly into passes of at most Rmax rows (6 rows with Rmax 4: 3 + 3, not 4 + 2).
+// With one pass the blocks stream by once. With several, the passes take turns over chunks of
+// kChunk k: every pass after the first finds the chunk in L1, and the first prefetches kAhead k
+// ahead, so the memory stream goes on under all of them (passes over whole blocks left the
+// memory idle while the later ones reran the blocks from cache, and compute and stream added up).
+template <int C, int Rmax>
+inline void rows_through(const float* x, int64_t n, int64_t I, const float* w, float* y, int64_t O,
+                         int64_t cols_last) {
+  alignas(32) float acc[kGroup * C * kCols];
+  for (int64_t g = 0; g < n; g += kGroup) {
+    const int64_t gn = std::min<int64_t>(kGroup, n - g);
+    int64_t sizes[kGroup], passes = 0;
+    for (int64_t r = 0; r < gn; passes++) {
+      const int64_t left = gn - r, p = (left + Rmax - 1) / Rmax;
+      sizes[passes] = (left + p - 1) / p;
+      r += sizes[passes];
+    }
+    const int64_t chunk = passes > 1 ? kChunk : I;
+    for (int64_t k0 = 0; k0 < I; k0 += chunk)
+      for (int64_t p = 0, r = 0; p < passes; r += sizes[p++]) {
+        const float* xr = x + (g + r) * I;
+        const int64_t k1 = std::min(I, k0 + chunk);
+        if (p == 0 && passes > 1)
+          tile_rows<C, Rmax, true>(sizes[p], xr, I, w, k0, k1, acc + r * C * kCols);
+        else
+          tile_rows<C, Rmax, false>(sizes[p], xr, I, w, k0, k1, acc + r * C * kCols);
+      }
+    for (int64_t r = 0; r < gn; r++)
+      for (int c = 0; c < C; c++)
+        std::memcpy(y + (g + r) * O + c * kCols, acc + (r * C + c) * kCols,
+                    (c < C - 1 ? kCols : cols_last) * sizeof(float));
   }
-  _mm256_storeu_ps(y, a0);
-  _mm256_storeu_ps(y + kCols, a1);
 }
 
-inline void rows_through_block(const float* x, int64_t n, int64_t I, const float* w, float* y, int64_t O,
-                               int64_t cols) {
-  int64_t r = 0;
-  while (r < n) {  // rows split evenly into passes of at most 8 (12 rows: 6 + 6, not 8 + 4)
-    const int64_t left = n - r;
-    const int64_t passes = (left + kMaxRows - 1) / kMaxRows;
-    const int64_t R = (left + passes - 1) / passes;
-    const float* xr = x + r * I;
-    float* yr = y + r * O;
-    switch (R) {
-      case 8: pass<8>(xr, I, w, yr, O, cols); break;
-      case 7: pass<7>(xr, I, w, yr, O, cols); break;
-      case 6: pass<6>(xr, I, w, yr, O, cols); break;
-      case 5: pass<5>(xr, I, w, yr, O, cols); break;
-      case 4: pass<4>(xr, I, w, yr, O, cols); break;
-      case 3: pass<3>(xr, I, w, yr, O, cols); break;
-      case 2: pass<2>(xr, I, w, yr, O, cols); break;
-      default: pass<1>(xr, I, w, yr, O, cols); break;
-    }
-    r += R;
-  }
+// Blocks [b0, b1) in groups of C, the rest one at a time.
+template <int C, int Rmax>
+inline void blocks_range(const float* x, int64_t n, int64_t I, const float* wp, float* y, int64_t O, int64_t b0,
+                         int64_t b1) {
+  int64_t b = b0;
+  for (; b + C <= b1; b += C)
+    rows_through<C, Rmax>(x, n, I, wp + b * I * kCols, y + kCols * b, O,
+                          std::min<int64_t>(kCols, O - kCols * (b + C - 1)));
+  for (; b < b1; b++)
+    rows_through<1, 8>(x, n, I, wp + b * I * kCols, y + kCols * b, O, std::min<int64_t>(kCols, O - kCols * b));
 }
 
 }  // namespace
@@ -98,17 +149,250 @@ torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& wp
   const float* xp = x.data_ptr<float>();
   const float* wpp = wp.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    int64_t b = b0;
-    if (n == 1)
-      for (; b + 1 < b1 && kCols * (b + 2) <= O; b += 2)
-        row_through_two_blocks(xp, I, wpp + b * I * kCols, wpp + (b + 1) * I * kCols, yp + kCols * b);
-    for (; b < b1; b++)
-      rows_through_block(xp, n, I, wpp + b * I * kCols, yp + kCols * b, O, std::min<int64_t>(kCols, O - kCols * b));
+  // Many rows (a prefill) go kSlab at a time, so the rows that each thread reruns against every
+  // group of blocks stay in cache; the weight is streamed once per slab.
+  for (int64_t s = 0; s < n; s += kSlab) {
+    const int64_t m = std::min(kSlab, n - s);
+    const float* xs = xp + s * I;
+    float* ys = yp + s * O;
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      if (m == 1)
+        blocks_range<4, 1>(xs, m, I, wpp, ys, O, b0, b1);
+      else
+        blocks_range<3, 4>(xs, m, I, wpp, ys, O, b0, b1);
+    });
+  }
+  return y;
+}
+
+// The small steps of a fused Llama layer (kernels._fused_llama_forward): one call each instead of
+// the several torch ops (~3 us apiece at decode sizes) that Hugging Face's modules run.
+
+// RMSNorm over the last dimension: y = w * (x * (1 / sqrt(mean(x^2) + eps))), fp32 throughout, as
+// LlamaRMSNorm in fp32 (only the order of the sum of squares differs).
+torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == torch::kFloat && x_in.device().is_cpu() &&
+                  w_in.scalar_type() == torch::kFloat && w_in.dim() == 1 && w_in.size(0) == x_in.size(-1),
+              "rms_norm: x must be fp32 [..., D] and w fp32 [D]");
+  const auto x = x_in.contiguous();
+  const auto w = w_in.contiguous();
+  auto y = torch::empty_like(x);
+  const int64_t D = x.size(-1), n = D ? x.numel() / D : 0;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const float* xr = xp + r * D;
+      float* yr = yp + r * D;
+      __m256 acc = _mm256_setzero_ps();
+      int64_t k = 0;
+      for (; k + kCols <= D; k += kCols) {
+        const __m256 v = _mm256_loadu_ps(xr + k);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      alignas(32) float t[kCols];
+      _mm256_store_ps(t, acc);
+      float ss = 0.f;
+      for (int i = 0; i < kCols; i++) ss += t[i];
+      for (; k < D; k++) ss += xr[k] * xr[k];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+      for (k = 0; k < D; k++) yr[k] = wp[k] * (xr[k] * inv);
+    }
   });
   return y;
 }
 
+// Rotary embedding in place on the first `heads` heads of x [B, n, H, d] (d contiguous), with
+// cos, sin [B, n, d] (or [1, n, d], shared by the batch): x * cos + rotate_half(x) * sin, the same products and sums as Hugging
+// Face's apply_rotary_pos_emb (the extension is built with -ffp-contract=off: no FMA here).
+void rope_(torch::Tensor x, const torch::Tensor& cos_in, const torch::Tensor& sin_in, int64_t heads) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == torch::kFloat && x.stride(3) == 1 && heads <= x.size(2) &&
+                  x.size(3) % 2 == 0,
+              "rope_: x must be fp32 [B, n, H, d] with d contiguous and even");
+  const auto cos = cos_in.to(torch::kFloat).contiguous(), sin = sin_in.to(torch::kFloat).contiguous();
+  const int64_t B = x.size(0), n = x.size(1), d = x.size(3), half = d / 2;
+  TORCH_CHECK(cos.numel() == sin.numel() && (cos.numel() == B * n * d || cos.numel() == n * d),
+              "rope_: cos and sin must be [B, n, d] or [1, n, d]");
+  const int64_t cb = cos.numel() == n * d ? 0 : n * d;  // one position row shared by the batch
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t t = 0; t < n; t++) {
+      const float* c = cp + b * cb + t * d;
+      const float* s = sp + b * cb + t * d;
+      for (int64_t h = 0; h < heads; h++) {
+        float* v = xp + b * x.stride(0) + t * x.stride(1) + h * x.stride(2);
+        for (int64_t i = 0; i < half; i++) {
+          const float lo = v[i], hi = v[i + half];
+          v[i] = lo * c[i] + (-hi) * s[i];
+          v[i + half] = hi * c[i + half] + lo * s[i + half];
+        }
+      }
+    }
+}
+
+namespace {
+
+// e^x for 8 floats (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, 2^n through the
+// exponent bits; about 1 ulp). Inputs below -87.3 give 0 (an additive mask's -3.4e38 included).
+inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3365f);
+  const __m256 zero_out = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3762f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(zero_out, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// The dot products of q with 8 keys (rows ks floats apart), d a multiple of 8: the 8 partial
+// vectors reduced together (two rounds of hadd, then the two 128-bit halves), in key order.
+inline __m256 dots8(const float* q, const float* k, int64_t ks, int64_t d) {
+  __m256 a[8];
+#pragma GCC unroll 8
+  for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < d; e += kCols) {
+    const __m256 qe = _mm256_loadu_ps(q + e);
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(k + u * ks + e), a[u]);
+  }
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float hmax(__m256 v) {
+  alignas(32) float t[kCols];
+  _mm256_store_ps(t, v);
+  float m = t[0];
+  for (int i = 1; i < kCols; i++) m = std::max(m, t[i]);
+  return m;
+}
+
+inline float hsum(__m256 v) {
+  alignas(32) float t[kCols];
+  _mm256_store_ps(t, v);
+  float s = 0.f;
+  for (int i = 0; i < kCols; i++) s += t[i];
+  return s;
+}
+
+}  // namespace
+
+// Attention of a decode or verify forward: n queries per row against the row's L cached keys,
+// heads grouped over the KV heads (GQA: query head h reads KV head h / (H / Hkv)), without
+// repeating the cache. q [B, H, n, d], k and v [B, Hkv, L, d] (any strides, d contiguous);
+// mask: additive [B or 1, 1, n, L], or empty for causal (query i sees keys up to L - n + i).
+// Returns [B, n, H, d]. One (row, head, query) per task; scores in fp32, softmax with its max.
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& mask_in, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == torch::kFloat &&
+                  k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat && q.stride(3) == 1 &&
+                  k.stride(3) == 1 && v.stride(3) == 1 && q.size(3) == k.size(3) && k.sizes() == v.sizes() &&
+                  q.size(0) == k.size(0) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "attention: q [B, H, n, d], k and v [B, Hkv, L, d], fp32, d contiguous, H a multiple of Hkv");
+  const int64_t B = q.size(0), H = q.size(1), n = q.size(2), d = q.size(3), Hkv = k.size(1), L = k.size(2);
+  const int64_t g = H / Hkv;
+  const bool masked = mask_in.numel() > 0;
+  torch::Tensor mask;
+  int64_t mb = 0;
+  if (masked) {
+    mask = mask_in.to(torch::kFloat).contiguous();
+    TORCH_CHECK(mask.dim() == 4 && mask.size(1) == 1 && mask.size(2) == n && mask.size(3) == L &&
+                    (mask.size(0) == B || mask.size(0) == 1),
+                "attention: mask must be additive [B, 1, n, L]");
+    mb = mask.size(0) == 1 ? 0 : n * L;
+  }
+  auto out = torch::empty({B, n, H, d}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* mp = masked ? mask.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * H * n, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s(L);
+    std::vector<float> acc(d);
+    for (int64_t t = t0; t < t1; t++) {
+      const int64_t b = t / (H * n), h = (t / n) % H, i = t % n, j = h / g;
+      const float* qv = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+      const float* kb = kp + b * k.stride(0) + j * k.stride(1);
+      const float* vb = vp + b * v.stride(0) + j * v.stride(1);
+      const int64_t seen = masked ? L : L - n + i + 1;
+      float mx = -INFINITY;
+      int64_t l0 = 0;
+      if (d % kCols == 0)
+        for (; l0 + kCols <= seen; l0 += kCols) {
+          __m256 sv = _mm256_mul_ps(dots8(qv, kb + l0 * k.stride(2), k.stride(2), d), _mm256_set1_ps(sc));
+          if (masked) sv = _mm256_add_ps(sv, _mm256_loadu_ps(mp + b * mb + i * L + l0));
+          _mm256_storeu_ps(s.data() + l0, sv);
+          mx = std::max(mx, hmax(sv));
+        }
+      for (int64_t l = l0; l < seen; l++) {
+        const float* kr = kb + l * k.stride(2);
+        __m256 a = _mm256_setzero_ps();
+        int64_t e = 0;
+        for (; e + kCols <= d; e += kCols) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + e), _mm256_loadu_ps(kr + e), a);
+        float dot = hsum(a);
+        for (; e < d; e++) dot += qv[e] * kr[e];
+        s[l] = dot * sc + (masked ? mp[b * mb + i * L + l] : 0.f);
+        mx = std::max(mx, s[l]);
+      }
+      if (mx == -INFINITY) mx = 0.f;  // nothing visible (cannot happen for a real row): zeros out
+      const __m256 mxv = _mm256_set1_ps(mx);
+      __m256 sumv = _mm256_setzero_ps();
+      int64_t l = 0;
+      for (; l + kCols <= seen; l += kCols) {
+        const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s.data() + l), mxv));
+        _mm256_storeu_ps(s.data() + l, p);
+        sumv = _mm256_add_ps(sumv, p);
+      }
+      float sum = hsum(sumv);
+      for (; l < seen; l++) {
+        s[l] = std::exp(s[l] - mx);
+        sum += s[l];
+      }
+      float* o = op + ((b * n + i) * H + h) * d;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      int64_t e0 = 0;
+      for (; e0 + 8 * kCols <= d; e0 += 8 * kCols) {  // 64 dimensions at a time in registers
+        __m256 a[8];
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+        for (l = 0; l < seen; l++) {
+          const float* vr = vb + l * v.stride(2) + e0;
+          const __m256 p = _mm256_set1_ps(s[l]);
+#pragma GCC unroll 8
+          for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + u * kCols), a[u]);
+        }
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(o + e0 + u * kCols, _mm256_mul_ps(a[u], _mm256_set1_ps(inv)));
+      }
+      if (e0 < d) {  // head sizes that are not a multiple of 64
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (l = 0; l < seen; l++)
+          for (int64_t e = e0; e < d; e++) acc[e] += s[l] * vb[l * v.stride(2) + e];
+        for (int64_t e = e0; e < d; e++) o[e] = acc[e] * inv;
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attention", &attention, "decode/verify attention over a KV cache, GQA without repeating it");
   m.def("few_rows_linear", &few_rows_linear, "y = x @ W^T for a few rows, W packed in 8-column blocks");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (fp32)");
+  m.def("rope_", &rope_, "rotary embedding in place on the first heads of x [B, n, H, d]");
 }
