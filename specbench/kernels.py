@@ -270,12 +270,13 @@ def _fold_gqa(model: torch.nn.Module) -> None:
 # RMSNorm alone is eight), each a few microseconds: on a 135M model a third of a decode step.
 # With the avx2 kernel, each Llama layer instead runs: RMSNorm (one extension call), one kernel
 # call for q|k|v (their weights packed side by side), RoPE on q and k in place (one call), the
-# cache update, attention (one call for up to 4 queries per row: GQA without repeating the
+# cache update, attention (one call for up to 8 queries per row: GQA without repeating the
 # cache, the mask applied as given; longer forwards take the model's own attention function,
 # whose flash kernel blocks many queries better), o_proj, RMSNorm, one call for gate|up,
-# silu * up, down_proj. The linears and RoPE compute exactly what the layer-by-layer path
-# computes (the kernel's outputs do not depend on which other columns share a call; RoPE is the
-# same products and sums); RMSNorm and attention sum in another order (last-bit differences).
+# silu(gate) * up (one call), down_proj. The linears and RoPE compute exactly what the
+# layer-by-layer path computes (the kernel's outputs do not depend on which other columns share
+# a call; RoPE is the same products and sums); RMSNorm, attention and SiLU round differently
+# (last-bit differences).
 
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (weights key, qkv, gate|up)
 
@@ -292,25 +293,28 @@ def _fusable(mod: torch.nn.Module) -> bool:
         and all(p.bias is None for p in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj))
 
 
-def _fused_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed q|k|v and gate|up weights of ``layer``, repacked when any of them is another
-    tensor or was changed in place (as ``_packed_weight``; read through the modules' own dicts:
-    this runs once per layer per forward)."""
+def _fused_weights(layer) -> tuple:
+    """(packed q|k|v, packed gate|up, query heads, KV heads, head size, MLP width) of ``layer``,
+    repacked when any of the weights is another tensor or was changed in place (as
+    ``_packed_weight``; read through the modules' own dicts: this runs once per layer per forward)."""
     a, m = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
     ws = [a[k]._parameters["weight"] for k in ("q_proj", "k_proj", "v_proj")] \
         + [m[k]._parameters["weight"] for k in ("gate_proj", "up_proj")]
     key = [(id(w), w.data_ptr(), w._version) for w in ws]
     hit = _FUSED.get(layer)
     if hit is None or hit[0] != key:
-        hit = (key, pack(torch.cat(ws[:3])), pack(torch.cat(ws[3:])))
+        d = layer.self_attn.head_dim
+        hit = (key, (pack(torch.cat(ws[:3])), pack(torch.cat(ws[3:])), ws[0].shape[0] // d, ws[1].shape[0] // d, d,
+                     ws[3].shape[0]))
         _FUSED[layer] = hit
-    return hit[1], hit[2]
+    return hit[1]
 
 
 # queries per row up to which the extension's attention runs: it reads a KV head's cache once
-# per query head and query, torch's flash attention blocks them; measured here (256-token cache,
-# 9 heads on 3): 17 vs 41 us at 1 query, 51 vs 68 at 4, even at 6, behind above
-_ATTENTION_ROWS = 4
+# per query head and query, torch's flash attention blocks them. Measured here in whole forwards
+# (256-token cache, interleaved): faster at 1-8 queries per row (by ~1 ms per forward at 5 and
+# 8), even at 16
+_ATTENTION_ROWS = 8
 _NO_MASK = torch.empty(0)
 
 
@@ -331,14 +335,9 @@ def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   past_key_values=past_key_values, use_cache=use_cache,
                                   position_embeddings=position_embeddings, **kwargs)
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
     ext = _extension()
-    qkv_w, gate_up_w = _fused_weights(self)
+    qkv_w, gate_up_w, nq, nkv, d, width = _fused_weights(self)
     B, n, _ = x.shape
-    d = attn.head_dim
-    nq, nkv = attn.config.num_attention_heads, attn.config.num_key_value_heads
     norm = self._modules["input_layernorm"]
     qkv = few_rows_linear(ext.rms_norm(x, norm.weight, norm.variance_epsilon), qkv_w, (nq + 2 * nkv) * d)
     qkv = qkv.view(B, n, nq + 2 * nkv, d)
@@ -346,15 +345,18 @@ def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=
     q, k, v = (t.transpose(1, 2) for t in qkv.split((nq, nkv, nkv), dim=2))
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, attn.layer_idx)
-    if n <= _ATTENTION_ROWS and attn.config._attn_implementation in ("sdpa", _GQA) \
+    impl = attn.config._attn_implementation
+    if n <= _ATTENTION_ROWS and impl in ("sdpa", _GQA) \
             and (attention_mask is None or isinstance(attention_mask, torch.Tensor)):
         o = ext.attention(q, k, v, _additive(attention_mask), attn.scaling)
     else:  # prefill and anything unusual: the model's own attention function
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
         o, _ = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, position_ids=position_ids,
                       **kwargs)
     x = x + attn.o_proj(o.reshape(B, n, nq * d))
     norm = self._modules["post_attention_layernorm"]
     h = ext.rms_norm(x, norm.weight, norm.variance_epsilon)
-    gate, up = few_rows_linear(h, gate_up_w, 2 * mlp.down_proj.in_features).chunk(2, dim=-1)
-    return x + mlp.down_proj(torch.nn.functional.silu(gate) * up)
+    return x + mlp.down_proj(ext.silu_mul(few_rows_linear(h, gate_up_w, 2 * width)))

@@ -249,3 +249,12 @@ def test_extension_attention_matches_sdpa(d):
     assert torch.allclose(ext.attention(qL, k, v, torch.empty(0), 0.3), ref(qL, k, v, causal=True), atol=1e-5)
     with pytest.raises(RuntimeError, match="mask must be additive"):
         ext.attention(q, k, v, add[..., :-1], 0.3)
+
+
+@avx2
+def test_extension_silu_mul_matches_torch():
+    g = torch.Generator().manual_seed(0)
+    gu = 6 * torch.randn(3, 2, 2 * 37, generator=g)  # 37: a tail after the vectors
+    gu[0, 0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    gate, up = gu.chunk(2, dim=-1)
+    assert torch.allclose(kernels._extension().silu_mul(gu), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)

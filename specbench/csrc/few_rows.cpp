@@ -390,7 +390,38 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   return out;
 }
 
+// silu(gate) * up for the fused MLP: gu [..., 2F] holds gate | up (one kernel call made both);
+// returns [..., F]. silu(x) = x / (1 + e^-x), e^x as in the attention (about 1 ulp).
+torch::Tensor silu_mul(const torch::Tensor& gu_in) {
+  TORCH_CHECK(gu_in.dim() >= 1 && gu_in.scalar_type() == torch::kFloat && gu_in.size(-1) % 2 == 0,
+              "silu_mul: gu must be fp32 [..., 2F]");
+  const auto gu = gu_in.contiguous();
+  const int64_t F = gu.size(-1) / 2, n = F ? gu.numel() / (2 * F) : 0;
+  auto sizes = gu.sizes().vec();
+  sizes.back() = F;
+  auto y = torch::empty(sizes, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (int64_t r = r0; r < r1; r++) {
+      const float* g = gp + r * 2 * F;
+      const float* u = g + F;
+      float* o = yp + r * F;
+      int64_t i = 0;
+      for (; i + kCols <= F; i += kCols) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+      }
+      for (; i < F; i++) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("silu_mul", &silu_mul, "silu(gate) * up from one [..., gate | up] tensor");
   m.def("attention", &attention, "decode/verify attention over a KV cache, GQA without repeating it");
   m.def("few_rows_linear", &few_rows_linear, "y = x @ W^T for a few rows, W packed in 8-column blocks");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (fp32)");
