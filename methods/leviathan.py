@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from methods.base import BatchState, Proposer
-from specbench import drafters
+from specbench import drafters, kernels
 from specbench.draft import Draft
 from specbench.kv import RaggedCache
 from specbench.models import (ConfigError, cached_model, load_tokenizer, model_cfg, resolve_path, self_layers_draft,
@@ -70,7 +70,7 @@ class Leviathan(Proposer):
         dm = hf_draft_cfg(cfg)
         if dm is None:
             return self_layers_draft(target, int(cfg.draft.layers))
-        return cached_model(dm, device, dtype)[0]
+        return cached_model(dm, device, dtype, kernels.kernel_of(target))[0]  # on the target's kernel path
 
     def __init__(self, cfg, target, tokenizer, device, dtype, draft_model=None):
         super().__init__(cfg, target, tokenizer, device, dtype)

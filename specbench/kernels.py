@@ -176,6 +176,29 @@ def _packed_weight(mod: torch.nn.Linear, layout: str = "onednn") -> torch.Tensor
     return hit[1]
 
 
+def kernel_of(model: torch.nn.Module) -> str:
+    """The kernel path ``apply`` put ``model``'s linear layers on ("torch" if none)."""
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            return getattr(mod, "_specbench_kernel", "torch")
+    return "torch"
+
+
+_PACKED_ROWS: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its avx2 packing)
+
+
+def linear_like(x: torch.Tensor, w: torch.Tensor, like: torch.nn.Module) -> torch.Tensor:
+    """``x @ w.T`` on the kernel path of the layer ``like``: a drafter's rows of its target's
+    output layer take the target head's path (avx2: ``w`` packed once, while it lives)."""
+    if getattr(like, "_specbench_kernel", None) != "avx2" or _as_loaded(w, x):
+        return x @ w.T
+    hit = _PACKED_ROWS.get(id(w))
+    if hit is None or hit[0]() is not w:
+        hit = (weakref.ref(w, lambda _, k=id(w): _PACKED_ROWS.pop(k, None)), pack(w))
+        _PACKED_ROWS[id(w)] = hit
+    return few_rows_linear(x, hit[1], w.shape[0])
+
+
 def _as_loaded(w: torch.Tensor, x: torch.Tensor) -> bool:
     """Training and non-fp32 layers keep torch's path (cheapest tests first: a hot path)."""
     return x.dtype != torch.float32 or w.dtype != torch.float32 \
@@ -318,13 +341,20 @@ _ATTENTION_ROWS = 8
 _NO_MASK = torch.empty(0)
 
 
+_last_bool: list = [None, None]  # (weakref to a bool mask, its additive form): every layer gets the same mask
+
+
 def _additive(mask: torch.Tensor | None) -> torch.Tensor:
     """The layer's attention mask as the extension takes it: additive fp32, or empty for causal."""
     if mask is None:
         return _NO_MASK
-    if mask.dtype == torch.bool:
-        return torch.where(mask, 0.0, torch.finfo(torch.float32).min)
-    return mask
+    if mask.dtype != torch.bool:
+        return mask
+    ref, add = _last_bool
+    if ref is None or ref() is not mask:
+        add = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+        _last_bool[:] = [weakref.ref(mask), add]
+    return add
 
 
 def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,

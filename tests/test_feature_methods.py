@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from helpers import CPU, greedy_cases, chi2_pvalue, prompts_of, reference_greedy, run_engine, tiny_llama
 from methods.eagle import Eagle
 from methods.medusa import Medusa
+from specbench import kernels
 from specbench.draft import Draft
 from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.medusa import MedusaHeads, sparse_tree
@@ -85,6 +86,27 @@ def test_greedy_identity(model, cases, name, bs):
     for r, ref in zip(res, refs):
         assert r.tokens == ref
         assert len(r.accept_lens) == r.steps
+
+
+@pytest.mark.skipif(kernels.avx2_unavailable() is not None, reason="no avx2 kernel here")
+@pytest.mark.parametrize("name", ["eagle", "medusa"])
+def test_drafters_take_the_targets_kernel_path(name):
+    """On an avx2 target, a drafter's own linear layers and its rows of the target's output layer
+    run through the avx2 kernel too (as ``drafters.load`` sets them up), and decoding stays
+    token-identical to greedy on that target."""
+    target = tiny_llama(seed=0, scale=4.0)
+    kernels.apply(target, "avx2")
+    prop = make(name, target)
+    (drafter,) = prop.modules()
+    kernels.apply(drafter, kernels.kernel_of(target))
+    assert kernels.kernel_of(drafter) == ("avx2" if name == "eagle" else "torch")  # Medusa's heads: no nn.Linear
+    h = torch.randn(3, 64)
+    with torch.inference_mode():
+        w = drafter.parts.head_weight()
+        assert torch.allclose(drafter.parts.logits(h), h @ w.T, atol=1e-5)
+        assert id(w) in kernels._PACKED_ROWS  # packed once, reused while the slice lives
+    prompts, refs = greedy_cases(target, N_NEW)[4]
+    assert [r.tokens for r in run_engine(target, prop, prompts, N_NEW)] == refs
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from specbench import kernels
 from specbench.models import text_config
 
 KINDS = {"draft_lm": "specbench.drafters.draft_lm", "medusa": "specbench.drafters.medusa",
@@ -90,7 +91,9 @@ def load(folder, target, device, dtype, kind: str | None = None):
         raise ValueError(f"{folder}: checkpoint does not fit the drafter (missing {bad[:3]}, unexpected {unexpected[:3]})")
     for p in drafter.parameters():
         p.requires_grad_(False)
-    return drafter.to(device=device, dtype=dtype).eval()
+    drafter = drafter.to(device=device, dtype=dtype).eval()
+    kernels.apply(drafter, kernels.kernel_of(target))  # the drafter's own layers on the target's path
+    return drafter
 
 
 class Drafter(torch.nn.Module):
@@ -125,6 +128,10 @@ class TargetParts:
                 (torch.is_inference(c[1]) and not torch.is_inference_mode_enabled()):
             self._head = (w, w.detach()[self.vocab_ids.to(w.device)])
         return self._head[1]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` [..., d] -> logits over the draft vocabulary, on the target head's kernel path."""
+        return kernels.linear_like(h, self.head_weight().to(h.dtype), self.target.get_output_embeddings())
 
     def rope(self, x: torch.Tensor, pos: torch.Tensor):
         return self.target.model.rotary_emb(x, pos)

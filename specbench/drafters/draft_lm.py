@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specbench import kernels
 from specbench.drafters import Drafter
 from specbench.models import text_config
 
@@ -78,7 +79,7 @@ class DraftLM(Drafter):
 
 
     def reduced_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.head_weight().T
+        return kernels.linear_like(hidden, self.head_weight(), self._target_head[0])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.body.embed_tokens(input_ids)

@@ -119,7 +119,7 @@ class EagleDrafter(Drafter):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary [.., V']."""
-        return h @ self.parts.head_weight().T.to(h.dtype)
+        return self.parts.logits(h)
 
     def step(self, feats, tokens, pos, k_ctx, v_ctx, mask):
         """Run pairs (feats, tokens) at positions ``pos`` [B, n] over context keys/values

@@ -40,7 +40,7 @@ class MedusaHeads(Drafter):
 
     def logits_of(self, f: torch.Tensor) -> torch.Tensor:
         """The target's own logits over the draft vocabulary (what head 0 would be)."""
-        return f @ self.parts.head_weight().T.to(f.dtype)
+        return self.parts.logits(f)
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         """f [..., d] -> logits over the draft vocabulary [n_heads, ..., V']."""
@@ -48,7 +48,7 @@ class MedusaHeads(Drafter):
         shape = f.shape
         x = f.reshape(-1, shape[-1])
         h = x[None] + F.silu(torch.einsum("nd,hed->hne", x, w) + self.bias.to(f.dtype)[:, None])
-        out = h @ self.parts.head_weight().T.to(f.dtype)
+        out = self.parts.logits(h)
         return out.view(self.n_heads, *shape[:-1], -1)
 
 
