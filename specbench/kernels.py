@@ -194,9 +194,13 @@ def linear_like(x: torch.Tensor, w: torch.Tensor, like: torch.nn.Module) -> torc
         return x @ w.T
     hit = _PACKED_ROWS.get(id(w))
     if hit is None or hit[0]() is not w:
-        hit = (weakref.ref(w, lambda _, k=id(w): _PACKED_ROWS.pop(k, None)), pack(w))
+        hit = (weakref.ref(w, functools.partial(_forget_rows, id(w))), pack(w))
         _PACKED_ROWS[id(w)] = hit
     return few_rows_linear(x, hit[1], w.shape[0])
+
+
+def _forget_rows(key: int, _ref) -> None:  # the weight died: drop its packing
+    _PACKED_ROWS.pop(key, None)
 
 
 def _as_loaded(w: torch.Tensor, x: torch.Tensor) -> bool:
