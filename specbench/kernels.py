@@ -305,7 +305,7 @@ def _fold_gqa(model: torch.nn.Module) -> None:
 # a call; RoPE is the same products and sums); RMSNorm, attention and SiLU round differently
 # (last-bit differences).
 
-_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (weights key, qkv, gate|up)
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (weights key, _fused_weights tuple)
 
 
 def _fusable(mod: torch.nn.Module) -> bool:
