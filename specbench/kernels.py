@@ -154,26 +154,34 @@ def apply(model: torch.nn.Module, kernel: str) -> int:
     return n
 
 
-# (layer, layout) -> (the weight it was packed from, packed weight). Kept outside the module: an
-# opaque oneDNN tensor cannot be deep-copied, and a copy must not inherit another layer's numbers.
-_PACKED: dict[str, weakref.WeakKeyDictionary] = {"onednn": weakref.WeakKeyDictionary(),
-                                                  "avx2": weakref.WeakKeyDictionary()}
+# owner -> (key of the weights it was packed from, packing), one store per kind of packing: a
+# Linear's oneDNN or avx2 weight, a fused layer's q|k|v and gate|up, a drafter's rows of its
+# target's output layer. Kept outside the modules: an opaque oneDNN tensor cannot be deep-copied,
+# and a copy must not inherit another layer's numbers.
+_PACKED: dict[str, weakref.WeakKeyDictionary] = {k: weakref.WeakKeyDictionary()
+                                                  for k in ("onednn", "avx2", "fused", "rows")}
+
+
+def _cached_packing(store: str, owner, weights, build):
+    """``build()``, cached for ``owner`` and redone whenever one of ``weights`` is another tensor
+    (a deep copy of the layer, e.g. a draft built from the target's layers) or was changed in
+    place (``load_state_dict`` into it; an inference tensor, such as a drafter's slice of its
+    target's head, has no version counter and counts as unchanged): a stale packing would
+    silently compute with someone else's numbers."""
+    key = [(id(w), w.data_ptr(), 0 if w.is_inference() else w._version) for w in weights]  # no counter there
+    hit = _PACKED[store].get(owner)
+    if hit is None or hit[0] != key:
+        hit = (key, build())
+        _PACKED[store][owner] = hit
+    return hit[1]
 
 
 def _packed_weight(mod: torch.nn.Linear, layout: str = "onednn") -> torch.Tensor:
-    """The packed copy of ``mod.weight`` in ``layout``, repacked whenever the weight is another
-    tensor (a deep copy of the layer, e.g. a draft built from the target's layers) or was
-    changed in place (``load_state_dict`` into it): a stale packed weight would silently
-    compute with someone else's numbers."""
+    """The packed copy of ``mod.weight`` in ``layout``."""
     w = mod.weight
-    key = (id(w), w.data_ptr(), w._version)
-    hit = _PACKED[layout].get(mod)
-    if hit is None or hit[0] != key:
-        # the batch-size hint sizes oneDNN's blocks; 8 rows is what a verify forward brings
-        packed = pack(w) if layout == "avx2" else torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
-        hit = (key, packed)
-        _PACKED[layout][mod] = hit
-    return hit[1]
+    # the batch-size hint sizes oneDNN's blocks; 8 rows is what a verify forward brings
+    return _cached_packing(layout, mod, (w,), lambda: pack(w) if layout == "avx2"
+                           else torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8))
 
 
 def kernel_of(model: torch.nn.Module) -> str:
@@ -184,23 +192,13 @@ def kernel_of(model: torch.nn.Module) -> str:
     return "torch"
 
 
-_PACKED_ROWS: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its avx2 packing)
-
-
-def linear_like(x: torch.Tensor, w: torch.Tensor, like: torch.nn.Module) -> torch.Tensor:
+def linear_like(x: torch.Tensor, w: torch.Tensor, like: torch.nn.Module, owner) -> torch.Tensor:
     """``x @ w.T`` on the kernel path of the layer ``like``: a drafter's rows of its target's
-    output layer take the target head's path (avx2: ``w`` packed once, while it lives)."""
+    output layer take the target head's path (avx2: ``w`` packed once for ``owner``, the object
+    that keeps the rows)."""
     if getattr(like, "_specbench_kernel", None) != "avx2" or _as_loaded(w, x):
         return x @ w.T
-    hit = _PACKED_ROWS.get(id(w))
-    if hit is None or hit[0]() is not w:
-        hit = (weakref.ref(w, functools.partial(_forget_rows, id(w))), pack(w))
-        _PACKED_ROWS[id(w)] = hit
-    return few_rows_linear(x, hit[1], w.shape[0])
-
-
-def _forget_rows(key: int, _ref) -> None:  # the weight died: drop its packing
-    _PACKED_ROWS.pop(key, None)
+    return few_rows_linear(x, _cached_packing("rows", owner, (w,), lambda: pack(w)), w.shape[0])
 
 
 def _as_loaded(w: torch.Tensor, x: torch.Tensor) -> bool:
@@ -272,7 +270,7 @@ def _folded_mask(mask: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor
     if mask.dtype == torch.bool:
         add = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
                           torch.full((), torch.finfo(dtype).min, dtype=dtype, device=mask.device))
-    folded = add.repeat(1, 1, g, 1)
+    folded = add if g == 1 else add.repeat(1, 1, g, 1)
     _last_mask[:] = [weakref.ref(mask), g, folded]
     return folded
 
@@ -305,9 +303,6 @@ def _fold_gqa(model: torch.nn.Module) -> None:
 # a call; RoPE is the same products and sums); RMSNorm, attention and SiLU round differently
 # (last-bit differences).
 
-_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (weights key, _fused_weights tuple)
-
-
 def _fusable(mod: torch.nn.Module) -> bool:
     from transformers.activations import SiLUActivation
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
@@ -321,20 +316,18 @@ def _fusable(mod: torch.nn.Module) -> bool:
 
 
 def _fused_weights(layer) -> tuple:
-    """(packed q|k|v, packed gate|up, query heads, KV heads, head size, MLP width) of ``layer``,
-    repacked when any of the weights is another tensor or was changed in place (as
-    ``_packed_weight``; read through the modules' own dicts: this runs once per layer per forward)."""
+    """(packed q|k|v, packed gate|up, query heads, KV heads, head size, MLP width) of ``layer``
+    (weights read through the modules' own dicts: this runs once per layer per forward)."""
     a, m = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
     ws = [a[k]._parameters["weight"] for k in ("q_proj", "k_proj", "v_proj")] \
         + [m[k]._parameters["weight"] for k in ("gate_proj", "up_proj")]
-    key = [(id(w), w.data_ptr(), w._version) for w in ws]
-    hit = _FUSED.get(layer)
-    if hit is None or hit[0] != key:
+
+    def build():
         d = layer.self_attn.head_dim
-        hit = (key, (pack(torch.cat(ws[:3])), pack(torch.cat(ws[3:])), ws[0].shape[0] // d, ws[1].shape[0] // d, d,
-                     ws[3].shape[0]))
-        _FUSED[layer] = hit
-    return hit[1]
+        return (pack(torch.cat(ws[:3])), pack(torch.cat(ws[3:])), ws[0].shape[0] // d, ws[1].shape[0] // d, d,
+                ws[3].shape[0])
+
+    return _cached_packing("fused", layer, ws, build)
 
 
 # queries per row up to which the extension's attention runs: it reads a KV head's cache once
@@ -345,20 +338,10 @@ _ATTENTION_ROWS = 8
 _NO_MASK = torch.empty(0)
 
 
-_last_bool: list = [None, None]  # (weakref to a bool mask, its additive form): every layer gets the same mask
-
-
 def _additive(mask: torch.Tensor | None) -> torch.Tensor:
-    """The layer's attention mask as the extension takes it: additive fp32, or empty for causal."""
-    if mask is None:
-        return _NO_MASK
-    if mask.dtype != torch.bool:
-        return mask
-    ref, add = _last_bool
-    if ref is None or ref() is not mask:
-        add = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
-        _last_bool[:] = [weakref.ref(mask), add]
-    return add
+    """The layer's attention mask as the extension takes it: additive fp32 (built once per
+    forward), or empty for causal."""
+    return _NO_MASK if mask is None else _folded_mask(mask, 1, torch.float32)
 
 
 def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,

@@ -104,7 +104,7 @@ def test_drafters_take_the_targets_kernel_path(name):
     with torch.inference_mode():
         w = drafter.parts.head_weight()
         assert torch.allclose(drafter.parts.logits(h), h @ w.T, atol=1e-5)
-        assert id(w) in kernels._PACKED_ROWS  # packed once, reused while the slice lives
+        assert kernels._PACKED["rows"][drafter.parts][0] == [(id(w), w.data_ptr(), 0)]  # packed once for the slice
     prompts, refs = greedy_cases(target, N_NEW)[4]
     assert [r.tokens for r in run_engine(target, prop, prompts, N_NEW)] == refs
 

@@ -131,7 +131,7 @@ class TargetParts:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``h`` [..., d] -> logits over the draft vocabulary, on the target head's kernel path."""
-        return kernels.linear_like(h, self.head_weight().to(h.dtype), self.target.get_output_embeddings())
+        return kernels.linear_like(h, self.head_weight().to(h.dtype), self.target.get_output_embeddings(), self)
 
     def rope(self, x: torch.Tensor, pos: torch.Tensor):
         return self.target.model.rotary_emb(x, pos)

@@ -79,7 +79,7 @@ class DraftLM(Drafter):
 
 
     def reduced_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return kernels.linear_like(hidden, self.head_weight(), self._target_head[0])
+        return kernels.linear_like(hidden, self.head_weight(), self._target_head[0], self)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.body.embed_tokens(input_ids)
