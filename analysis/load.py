@@ -21,7 +21,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
     rows = []
     for r in recs:
         m = r["metrics"]
-        row = {k: r.get(k) for k in ("sweep_id", "method", "model", "draft", "K", "bs", "ctx", "dataset", "limit",
+        row = {k: r.get(k) for k in ("sweep_id", "job_id", "ar_job_id", "method", "model", "draft", "K", "bs", "ctx", "dataset", "limit",
                                      "temperature", "top_k", "top_p", "max_new_tokens", "dtype", "device", "seed",
                                      "status", "error", "lossless")}
         row["kernel"] = r.get("kernel") or "torch"  # records before kernels ran torch's path
@@ -64,14 +64,33 @@ def label(row) -> str:
     return str(row["method"])
 
 
+def ar_baselines(df: pd.DataFrame):
+    """A function giving each job's AR row: the exact record it was paired with when that is
+    loaded (``ar_job_id``: a paired job's own AR run), else the latest AR job with the same
+    baseline settings; None for AR jobs and jobs without one."""
+    ars = df[df["method"] == "ar"]
+    by_key = {k: row for k, row in ars.drop_duplicates("_key", keep="last").set_index("_key").iterrows()}
+    by_id = {row["job_id"]: row for _, row in ars.iterrows() if row.get("job_id")} if "job_id" in ars else {}
+
+    def of(r):
+        if r["method"] == "ar":
+            return None
+        jid = r.get("ar_job_id")
+        if isinstance(jid, str) and jid in by_id:
+            return by_id[jid]
+        return by_key.get(r["_key"])
+
+    return of
+
+
 def add_theory(df: pd.DataFrame) -> pd.DataFrame:
     """Per job: the measured cost ratio c, the i.i.d. alpha and the two closed-form bounds."""
-    ar = df[df["method"] == "ar"].drop_duplicates("_key", keep="last").set_index("_key")
+    ar_of = ar_baselines(df)
     cs, alphas, lev, pos = [], [], [], []
     for _, r in df.iterrows():
         c = a = s_lev = s_pos = float("nan")
-        if r["method"] != "ar" and r["K"] and r["_key"] in ar.index and r.get("iterations"):
-            base = ar.loc[r["_key"]]
+        base = ar_of(r)
+        if r["K"] and base is not None and r.get("iterations"):
             t_target = base["t_verify"] / base["iterations"] if base.get("iterations") else float("nan")
             t_draft_tok = r["t_draft"] / r["iterations"] / r["K"]
             c = t_draft_tok / t_target if t_target and t_target > 0 else float("nan")
@@ -87,8 +106,9 @@ def add_theory(df: pd.DataFrame) -> pd.DataFrame:
     lo, hi = [], []
     for _, r in df.iterrows():  # 95% bootstrap interval of the speedup, over batches, paired with AR
         ci = None
-        if r["method"] != "ar" and r["_key"] in ar.index and r["requests"]:
-            ci = theory.bootstrap_speedup(r["requests"], ar.loc[r["_key"]]["requests"], int(r["bs"]))
+        base = ar_of(r)
+        if base is not None and r["requests"]:
+            ci = theory.bootstrap_speedup(r["requests"], base["requests"], int(r["bs"]))
         lo.append(ci[0] if ci else float("nan"))
         hi.append(ci[1] if ci else float("nan"))
     df["speedup_lo"] = lo

@@ -7,7 +7,8 @@ Beside each point it prints the roofline: the bytes one forward must read (the w
 the KV cache of every row) over the machine's measured read bandwidth, and the ratio of the
 measured time to it. ``--repeats R`` measures the whole curve R times, interleaved, and
 reports the median with its spread (min-max over repeats): on a shared host the spread says
-how far a single number can be trusted.
+how far a single number can be trusted. T(n)/T(1) is taken within each repeat, where its
+two points are seconds apart, and reported as the median of those ratios with their spread.
 
     python -m analysis.profile --bs 1,2,4,8 --n 1,2,4,8,16 --ctx 256 --draft-layers 4 --repeats 3
 """
@@ -117,13 +118,17 @@ def profile_many(models: dict, draft, bs_list, n_list, ctx, device, dtype, reps,
             draft_t[str(b)] = forward_time(draft, b, 1, ctx, device, dtype, reps, vocab)
     out = {}
     for k, model in models.items():
-        target, spread, roof = {}, {}, {}
+        target, spread, roof, ratio = {}, {}, {}, {}
         for b, n in points:
             ts = runs[(k, (b, n))]
             target.setdefault(str(b), {})[str(n)] = statistics.median(ts)
             spread.setdefault(str(b), {})[str(n)] = [min(ts), max(ts)]
             roof.setdefault(str(b), {})[str(n)] = forward_bytes(model, b, ctx + n, dtype) / bw
-        out[k] = {"target": target, "target_spread": spread, "roofline": roof, "draft_step": draft_t,
+            # T(n)/T(n0) within each repeat (seconds apart), so a drift between repeats cancels
+            rs = [t / t0 for t, t0 in zip(ts, runs[(k, (b, n_list[0]))])]
+            ratio.setdefault(str(b), {})[str(n)] = [statistics.median(rs), min(rs), max(rs)]
+        out[k] = {"target": target, "target_spread": spread, "roofline": roof, "ratio_in_repeat": ratio,
+                  "draft_step": draft_t,
                   "bandwidth_gbs": bw / 1e9, "bandwidth_spread_gbs": [min(bw_runs) / 1e9, max(bw_runs) / 1e9],
                   "repeats": repeats}
     return out
@@ -133,15 +138,17 @@ def print_curves(curves: dict, bs_list, n_list) -> None:
     """Per batch size: T(n) median [spread], T(n)/T(1), the roofline and the ratio to it."""
     print(f"read bandwidth {curves['bandwidth_gbs']:.1f} GB/s (spread {curves['bandwidth_spread_gbs'][0]:.1f}-"
           f"{curves['bandwidth_spread_gbs'][1]:.1f}); {curves['repeats']} repeat(s), medians [min-max]")
+    n0 = n_list[0]
+    print(f"T(n)/T({n0}): the ratio within each repeat (its two points seconds apart), median [min-max]")
     for b in bs_list:
         T, sp, rf = curves["target"][str(b)], curves["target_spread"][str(b)], curves["roofline"][str(b)]
-        t1 = T[str(n_list[0])]
-        print(f"bs={b:<4} {'n':>4} {'ms':>8} {'spread ms':>15} {f'T(n)/T({n_list[0]})':>10} {'roofline ms':>12} "
+        ratio = curves["ratio_in_repeat"][str(b)]
+        print(f"bs={b:<4} {'n':>4} {'ms':>8} {'spread ms':>15} {f'T(n)/T({n0})':>18} {'roofline ms':>12} "
               f"{'x roofline':>10}")
         for n in n_list:
-            t, (lo, hi), r = T[str(n)], sp[str(n)], rf[str(n)]
-            print(f"{'':9} {n:>4} {1000 * t:>8.1f} {f'{1000 * lo:.1f}-{1000 * hi:.1f}':>15} {t / t1:>10.2f} "
-                  f"{1000 * r:>12.1f} {t / r:>10.2f}")
+            t, (lo, hi), r, (rm, rlo, rhi) = T[str(n)], sp[str(n)], rf[str(n)], ratio[str(n)]
+            print(f"{'':9} {n:>4} {1000 * t:>8.1f} {f'{1000 * lo:.1f}-{1000 * hi:.1f}':>15} "
+                  f"{f'{rm:.2f} [{rlo:.2f}-{rhi:.2f}]':>18} {1000 * r:>12.1f} {t / r:>10.2f}")
 
 
 def main(argv=None) -> int:

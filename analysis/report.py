@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis import simulate, theory  # noqa: E402
-from analysis.load import load, load_cost_curves  # noqa: E402
+from analysis.load import ar_baselines, load, load_cost_curves  # noqa: E402
 from analysis.profile import interp  # noqa: E402
 from specbench import records as R  # noqa: E402
 
@@ -334,11 +334,11 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
     """Spec-Bench style: speedup and tau per category (and overall) for each method, at each
     batch size; speedup from per-request tokens and wall time against the AR job."""
     rows = []
-    ar = df[df["method"] == "ar"].drop_duplicates("_key", keep="last").set_index("_key")
+    ar_of = ar_baselines(df)
     for _, r in _sd(df).iterrows():
-        if r["_key"] not in ar.index:
+        if (ar := ar_of(r)) is None:
             continue
-        base = pd.DataFrame(ar.loc[r["_key"]]["requests"])
+        base = pd.DataFrame(ar["requests"])
         mine = pd.DataFrame(r["requests"])
         if base.empty or mine.empty:
             continue

@@ -20,11 +20,16 @@ def gpu_handle(nv, device):
 
 
 class NvmlMonitor:
+    """Entered once for a whole job, or once per block of it (a paired job's own units): the
+    result covers every block, energy summed, samples pooled."""
+
     def __init__(self, device=None, index: int | None = None, interval_s: float = 0.05):
         self.interval = interval_s
         self.h = None
         self.nv = None
         self.result: dict | None = None
+        self.samples: list[tuple] = []
+        self._energy: float | None = 0.0  # joules over the blocks so far; None once a reading failed
         if index is None and (device is None or getattr(device, "type", None) != "cuda"):
             return
         try:
@@ -44,7 +49,6 @@ class NvmlMonitor:
     def __enter__(self):
         if self.h is None:
             return self
-        self.samples: list[tuple] = []
         self._stop = threading.Event()
         try:
             self.e0 = self.nv.nvmlDeviceGetTotalEnergyConsumption(self.h)
@@ -74,9 +78,10 @@ class NvmlMonitor:
                 energy = (self.nv.nvmlDeviceGetTotalEnergyConsumption(self.h) - self.e0) / 1000.0
             except Exception:  # noqa: BLE001
                 energy = None
+        self._energy = None if energy is None or self._energy is None else self._energy + energy
         s = self.samples
         self.result = {
-            "energy_j": energy,
+            "energy_j": self._energy,
             "power_w_mean": sum(x[0] for x in s) / len(s) if s else None,
             "power_w_max": max(x[0] for x in s) if s else None,
             "mem_used_max_bytes": max(x[1] for x in s) if s else None,

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from specbench.monitor import NvmlMonitor
 from specbench.timing import PHASES, PhaseTimer, sync
 from specbench.verify import Sampling
 
+AR_BASELINES = ("sweep", "any", "paired")
 FAILED: list[str] = []  # one-line errors of this sweep's jobs (sets the exit code)
 
 # `device=cuda:${mod:${hydra:job.num},4}`: one GPU per job of a parallel launcher (joblib)
@@ -54,6 +56,8 @@ def validate(cfg: DictConfig) -> None:
     loggers.check(cfg)
     if cfg.temperature < 0:
         raise ConfigError(f"temperature must be >= 0, got {cfg.temperature}")
+    if cfg.get("ar_baseline", "sweep") not in AR_BASELINES:
+        raise ConfigError(f"unknown ar_baseline '{cfg.ar_baseline}'; choices: {', '.join(AR_BASELINES)}")
     if cfg.get("kernel", "torch") not in kernels.KERNELS:
         raise ConfigError(f"unknown kernel '{cfg.kernel}'; choices: {', '.join(kernels.KERNELS)}")
     if not 0.0 < float(cfg.top_p) <= 1.0:
@@ -83,7 +87,8 @@ def validate(cfg: DictConfig) -> None:
 # ---------------------------------------------------------------------------- loading
 # ---------------------------------------------------------------------------- measuring
 class PeakMemory:
-    """Peak GPU allocator memory, or peak process RSS sampled every 20 ms on the CPU."""
+    """Peak GPU allocator memory, or peak process RSS sampled every 20 ms on the CPU: the
+    highest over every block it has been entered for."""
 
     def __init__(self, device):
         self.device = device
@@ -100,10 +105,11 @@ class PeakMemory:
             return 0
 
     def __enter__(self):
+        self._stop.clear()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            self.peak = self.rss()
+            self.peak = max(self.peak, self.rss())
 
             def loop():
                 while not self._stop.wait(0.02):
@@ -115,7 +121,7 @@ class PeakMemory:
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
-            self.peak = int(torch.cuda.max_memory_allocated(self.device))
+            self.peak = max(self.peak, int(torch.cuda.max_memory_allocated(self.device)))
         else:
             self._stop.set()
             self._thread.join()
@@ -138,116 +144,169 @@ def build_requests(cfg, tokenizer):
     return qs
 
 
+class MethodRun:
+    """One method over the prompt set, a unit (one batch of prompts, every turn, one repeat) at
+    a time, so that two runs can take turns on the same units (``ar_baseline=paired``). Each
+    run keeps its own generator, torch's global RNG state, timer and monitors between units:
+    its tokens and measurements do not depend on what ran in between."""
+
+    def __init__(self, cfg: DictConfig, method_name: str, model, tokenizer, device, dtype, questions):
+        from specbench.engine import Engine
+
+        self.cfg, self.name, self.model, self.tokenizer, self.device = cfg, method_name, model, tokenizer, device
+        self.questions = questions
+        mcfg = OmegaConf.merge(cfg, {"method": OmegaConf.load(CONF_DIR / "method" / f"{method_name}.yaml")}) \
+            if method_name != cfg.method.name else cfg
+        self.proposer = methods.get(method_name)(mcfg, model, tokenizer, device, dtype)
+        sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
+        self.chat = bool(cfg.model.get("chat", True))
+        eos = eos_ids(model, tokenizer)
+        self.npos = max_positions(model.config)
+
+        def engine(timer):
+            return Engine(model, self.proposer, sampling, device, dtype, eos, timer)
+
+        if cfg.warmup:  # the job's own shapes: a full batch of its ragged prompts (padding masks, tree masks)
+            qs = questions[:int(cfg.bs)]  # the first batch, as the timed job will see it
+            ids = [q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], self.chat) for q in qs]
+            engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
+        self.timer = PhaseTimer(device)
+        self.eng = engine(self.timer)
+        self.gen = torch.Generator(device).manual_seed(int(cfg.seed))
+        torch.manual_seed(int(cfg.seed))
+        self._rng = _rng_state(device)
+        self.repeats = int(cfg.get("repeats") or 1)
+        self.requests: list[dict] = []
+        self.wall, self.n_batches = 0.0, 0
+        self.rep_tokens, self.rep_wall = [0] * self.repeats, [0.0] * self.repeats
+        self.mem, self.nvml = PeakMemory(device), NvmlMonitor(device)
+
+    def units(self) -> list[tuple[int, int]]:
+        """(repeat, first question) of every batch, in order; repeats=N measures the set N times."""
+        return [(rep, start) for rep in range(self.repeats) for start in range(0, len(self.questions), self.cfg.bs)]
+
+    def run_unit(self, unit: tuple[int, int], progress=None) -> None:
+        cfg, device, tokenizer = self.cfg, self.device, self.tokenizer
+        rep, start = unit
+        batch = self.questions[start:start + cfg.bs]
+        n_batches_q = start // cfg.bs  # the batch a request belongs to: the unit error bars resample
+        history = [[] for _ in batch]
+        _set_rng_state(device, self._rng)
+        with self.timer.watching([self.model, *self.proposer.modules()]), self.mem, self.nvml:
+            for turn in range(max(len(q.turns) for q in batch)):
+                rows = [i for i, q in enumerate(batch) if turn < len(q.turns)]
+                if cfg.ctx is not None:
+                    prompts = [batch[i].ctx_ids for i in rows]
+                else:
+                    prompts = [D.render(tokenizer, history[i], batch[i].turns[turn], self.chat) for i in rows]
+                longest = max(len(p) for p in prompts)
+                if longest + cfg.max_new_tokens + cfg.K + 1 > self.npos:
+                    raise ConfigError(f"a prompt of {longest} tokens + max_new_tokens exceeds the model's "
+                                      f"{self.npos} positions")
+                sync(device)
+                t = time.perf_counter()
+                out = self.eng.generate(prompts, int(cfg.max_new_tokens), self.gen)
+                sync(device)
+                dt = time.perf_counter() - t
+                self.wall += dt
+                self.rep_wall[rep] += dt
+                self.n_batches += 1
+                for i, r in zip(rows, out):
+                    q = batch[i]
+                    toks = r.tokens
+                    text = tokenizer.decode(toks, skip_special_tokens=True)
+                    history[i].append((q.turns[turn], text))
+                    n = len(toks)
+                    self.rep_tokens[rep] += n
+                    prompt = prompts[rows.index(i)]
+                    self.requests.append({
+                        "id": q.id, "turn": turn + 1, "batch": n_batches_q,
+                        **({"repeat": rep} if self.repeats > 1 else {}),
+                        "category": q.category, "prompt_tokens": len(prompt),
+                        "new_tokens": n, "steps": r.steps, "wall_s": r.t_done, "ttft_s": r.t_first,
+                        "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
+                        "accepted": sum(r.accept_lens), "accepts": encode_accepts(r.accept_lens),
+                        "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
+                        "prompt_sha": hashlib.sha1(str(prompt).encode()).hexdigest()[:16],
+                        "tokens": toks,
+                        "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_text": text,
+                    })
+                if progress is not None:
+                    progress.update(len(rows))
+        self._rng = _rng_state(device)
+
+    def metrics(self) -> tuple[dict, list[dict]]:
+        """The job's metrics over every unit run so far, and its requests."""
+        requests, wall = self.requests, self.wall
+        times = self.timer.totals()
+        all_lens = [x for rq in requests for x in rq.pop("_lens")]
+        all_nodes = sum(rq.pop("_nodes") for rq in requests)
+        fwd_nodes = sum(rq.pop("_fnodes") for rq in requests)
+        row_steps = len(all_lens)
+        K = 0 if self.name == "ar" else int(self.cfg.K)
+        depth = max([K] + all_lens)
+        hist = Counter(all_lens)
+        new_tokens = sum(rq["new_tokens"] for rq in requests)
+        time_s = {p: times.get(p, 0.0) for p in PHASES}
+        time_s["other"] = max(0.0, wall - sum(time_s.values()))
+        time_s["forward"] = times.get("forward", 0.0)
+        ttfts = [rq["ttft_s"] for rq in requests]
+        tpots = [rq["tpot_s"] for rq in requests if rq["tpot_s"] is not None]
+        metrics = {
+            "new_tokens": new_tokens,
+            "wall_s": wall,
+            "tokens_per_s": new_tokens / wall if wall > 0 else None,
+            "steps": row_steps,
+            "iterations": self.eng.iterations,
+            "batches": self.n_batches,
+            "tau": 1.0 + sum(all_lens) / row_steps if row_steps else 1.0,
+            "draft_nodes": all_nodes / row_steps if row_steps else 0.0,  # candidates verified per row per step
+            "forward_nodes": fwd_nodes / row_steps if row_steps else 0.0,  # + non-candidate nodes (Lookahead's window)
+            "accept_rate_per_pos": [sum(1 for x in all_lens if x >= i) / row_steps for i in range(1, depth + 1)]
+            if row_steps else [],
+            "accept_len_hist": [hist.get(i, 0) for i in range(depth + 1)],
+            "time_s": time_s,
+            "verify_share": time_s["verify"] / wall if wall > 0 else None,
+            "engine_overhead": (wall - time_s["forward"]) / wall if wall > 0 else None,
+            "ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
+            "tpot_s": sum(tpots) / len(tpots) if tpots else None,
+            "peak_mem_bytes": self.mem.peak,
+            "energy_j": self.nvml.energy_j,
+            "nvml": self.nvml.result,
+            "speedup": None,
+            "match_ar": None,
+        }
+        if self.repeats > 1:  # each pass over the prompt set on its own: the spread between repeats
+            metrics["repeat_tokens_per_s"] = [t / w if w > 0 else None for t, w in zip(self.rep_tokens, self.rep_wall)]
+        return metrics, requests
+
+
+def _rng_state(device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def run_methods(cfg: DictConfig, names: list[str], model, tokenizer, device, dtype, questions, progress=None):
+    """Run methods over all questions, taking turns unit by unit (ABBA: the first method runs
+    first in even units, last in odd ones, so a drift of the host's speed hits them alike);
+    returns one (metrics, requests, proposer) per method."""
+    runs = [MethodRun(cfg, n, model, tokenizer, device, dtype, questions) for n in names]
+    for i, unit in enumerate(runs[0].units()):
+        for run in (runs if i % 2 == 0 else runs[::-1]):
+            if progress is not None:
+                progress.set_postfix_str(run.name)
+            run.run_unit(unit, progress)
+    return [(*run.metrics(), run.proposer) for run in runs]
+
+
 def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtype, questions, progress=None):
-    """Run one method over all questions; returns (metrics, requests)."""
-    from specbench.engine import Engine
-
-    mcfg = OmegaConf.merge(cfg, {"method": OmegaConf.load(CONF_DIR / "method" / f"{method_name}.yaml")}) \
-        if method_name != cfg.method.name else cfg
-    proposer = methods.get(method_name)(mcfg, model, tokenizer, device, dtype)
-    sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
-    chat = bool(cfg.model.get("chat", True))
-    eos = eos_ids(model, tokenizer)
-    npos = max_positions(model.config)
-
-    def engine(timer):
-        return Engine(model, proposer, sampling, device, dtype, eos, timer)
-
-    if cfg.warmup:  # the job's own shapes: a full batch of its ragged prompts (padding masks, tree masks)
-        qs = questions[:int(cfg.bs)]  # the first batch, as the timed job will see it
-        ids = [q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], chat) for q in qs]
-        engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
-    timer = PhaseTimer(device)
-    eng = engine(timer)
-    gen = torch.Generator(device).manual_seed(int(cfg.seed))
-    torch.manual_seed(int(cfg.seed))
-    requests, wall, n_batches = [], 0.0, 0
-    repeats = int(cfg.get("repeats") or 1)
-    rep_tokens, rep_wall = [0] * repeats, [0.0] * repeats
-    with timer.watching([model, *proposer.modules()]), PeakMemory(device) as mem, NvmlMonitor(device) as nvml:
-        for rep in range(repeats):  # repeats=N measures the whole prompt set N times
-            for start in range(0, len(questions), cfg.bs):
-                batch = questions[start:start + cfg.bs]
-                n_batches_q = start // cfg.bs  # the batch a request belongs to: the unit error bars resample
-                history = [[] for _ in batch]
-                for turn in range(max(len(q.turns) for q in batch)):
-                    rows = [i for i, q in enumerate(batch) if turn < len(q.turns)]
-                    if cfg.ctx is not None:
-                        prompts = [batch[i].ctx_ids for i in rows]
-                    else:
-                        prompts = [D.render(tokenizer, history[i], batch[i].turns[turn], chat) for i in rows]
-                    longest = max(len(p) for p in prompts)
-                    if longest + cfg.max_new_tokens + cfg.K + 1 > npos:
-                        raise ConfigError(f"a prompt of {longest} tokens + max_new_tokens exceeds the model's {npos} positions")
-                    sync(device)
-                    t = time.perf_counter()
-                    out = eng.generate(prompts, int(cfg.max_new_tokens), gen)
-                    sync(device)
-                    dt = time.perf_counter() - t
-                    wall += dt
-                    rep_wall[rep] += dt
-                    n_batches += 1
-                    for i, r in zip(rows, out):
-                        q = batch[i]
-                        toks = r.tokens
-                        text = tokenizer.decode(toks, skip_special_tokens=True)
-                        history[i].append((q.turns[turn], text))
-                        n = len(toks)
-                        rep_tokens[rep] += n
-                        requests.append({
-                            "id": q.id, "turn": turn + 1, "batch": n_batches_q, **({"repeat": rep} if repeats > 1 else {}),
-                            "category": q.category, "prompt_tokens": len(prompts[rows.index(i)]),
-                            "new_tokens": n, "steps": r.steps, "wall_s": r.t_done, "ttft_s": r.t_first,
-                            "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
-                            "accepted": sum(r.accept_lens), "accepts": encode_accepts(r.accept_lens),
-                            "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
-                            "prompt_sha": hashlib.sha1(str(prompts[rows.index(i)]).encode()).hexdigest()[:16],
-                            "tokens": toks,
-                            "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_text": text,
-                        })
-                    if progress is not None:
-                        progress.update(len(rows))
-    times = timer.totals()
-    all_lens = [x for rq in requests for x in rq.pop("_lens")]
-    all_nodes = sum(rq.pop("_nodes") for rq in requests)
-    fwd_nodes = sum(rq.pop("_fnodes") for rq in requests)
-    row_steps = len(all_lens)
-    K = 0 if method_name == "ar" else int(cfg.K)
-    depth = max([K] + all_lens)
-    hist = Counter(all_lens)
-    new_tokens = sum(rq["new_tokens"] for rq in requests)
-    time_s = {p: times.get(p, 0.0) for p in PHASES}
-    time_s["other"] = max(0.0, wall - sum(time_s.values()))
-    time_s["forward"] = times.get("forward", 0.0)
-    ttfts = [rq["ttft_s"] for rq in requests]
-    tpots = [rq["tpot_s"] for rq in requests if rq["tpot_s"] is not None]
-    metrics = {
-        "new_tokens": new_tokens,
-        "wall_s": wall,
-        "tokens_per_s": new_tokens / wall if wall > 0 else None,
-        "steps": row_steps,
-        "iterations": eng.iterations,
-        "batches": n_batches,
-        "tau": 1.0 + sum(all_lens) / row_steps if row_steps else 1.0,
-        "draft_nodes": all_nodes / row_steps if row_steps else 0.0,  # candidates verified per row per step
-        "forward_nodes": fwd_nodes / row_steps if row_steps else 0.0,  # + non-candidate nodes (Lookahead's window)
-        "accept_rate_per_pos": [sum(1 for x in all_lens if x >= i) / row_steps for i in range(1, depth + 1)]
-        if row_steps else [],
-        "accept_len_hist": [hist.get(i, 0) for i in range(depth + 1)],
-        "time_s": time_s,
-        "verify_share": time_s["verify"] / wall if wall > 0 else None,
-        "engine_overhead": (wall - time_s["forward"]) / wall if wall > 0 else None,
-        "ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
-        "tpot_s": sum(tpots) / len(tpots) if tpots else None,
-        "peak_mem_bytes": mem.peak,
-        "energy_j": nvml.energy_j,
-        "nvml": nvml.result,
-        "speedup": None,
-        "match_ar": None,
-    }
-    if repeats > 1:  # each pass over the prompt set on its own: the spread between repeats
-        metrics["repeat_tokens_per_s"] = [t / w if w > 0 else None for t, w in zip(rep_tokens, rep_wall)]
-    return metrics, requests, proposer
+    """Run one method over all questions; returns (metrics, requests, proposer)."""
+    return run_methods(cfg, [method_name], model, tokenizer, device, dtype, questions, progress)[0]
 
 
 def _draft_label(cfg, method_name):
@@ -267,7 +326,7 @@ def _kernel_of(cfg, device) -> str | None:
 
 def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
     return {
-        "schema": R.SCHEMA, "sweep_id": sweep_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "schema": R.SCHEMA, "sweep_id": sweep_id, "job_id": uuid.uuid4().hex[:16], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "status": "ok", "error": None, "method": method_name,
         "model": cfg.model.path or cfg.model.name,
         "draft": _draft_label(cfg, method_name),
@@ -285,17 +344,21 @@ def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
     }
 
 
-def measure(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id, progress=None) -> dict:
-    rec = _record_base(cfg, method_name, device, dtype, sweep_id)
-    metrics, requests, proposer = run_method(cfg, method_name, model, tokenizer, device, dtype, questions, progress)
-    # task score (GSM8K accuracy, HumanEval pass@1) where the data set has one; outside the timing
-    metrics["quality"] = quality.score(cfg.dataset.name, {q.id: q for q in questions}, requests)
-    for r in requests:
-        r.pop("_text", None)
-    rec["metrics"], rec["requests"] = metrics, requests
-    rec["lossless"] = bool(proposer.lossless)
-    rec["method_cfg"] = proposer.describe()
-    return rec
+def measure(cfg, names: list[str], model, tokenizer, device, dtype, questions, sweep_id, progress=None) -> list[dict]:
+    """One record per method of ``names`` (taking turns unit by unit when there are several)."""
+    out = []
+    for name, (metrics, requests, proposer) in zip(names, run_methods(cfg, names, model, tokenizer, device, dtype,
+                                                                     questions, progress)):
+        rec = _record_base(cfg, name, device, dtype, sweep_id)
+        # task score (GSM8K accuracy, HumanEval pass@1) where the data set has one; outside the timing
+        metrics["quality"] = quality.score(cfg.dataset.name, {q.id: q for q in questions}, requests)
+        for r in requests:
+            r.pop("_text", None)
+        rec["metrics"], rec["requests"] = metrics, requests
+        rec["lossless"] = bool(proposer.lossless)
+        rec["method_cfg"] = proposer.describe()
+        out.append(rec)
+    return out
 
 
 def fill_against_ar(rec: dict, ar: dict) -> None:
@@ -311,6 +374,7 @@ def fill_against_ar(rec: dict, ar: dict) -> None:
     if q and qa:
         q["ar_value"] = qa.get("value")
     rec["ar_sweep_id"] = ar.get("sweep_id")
+    rec["ar_job_id"] = ar.get("job_id")  # the exact AR record (a sweep can hold several with the same settings)
 
 
 # ---------------------------------------------------------------------------- a job
@@ -358,14 +422,18 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
             print(f"[specbench] resume: {method_name} bs={cfg.bs} K={cfg.K} is already recorded (sweep "
                   f"{done.get('sweep_id')}); skipped", file=sys.stderr)
             return []
+    paired = cfg.ar_baseline == "paired" and method_name != "ar"
     probe = _record_base(cfg, "ar", device, dtype, sweep_id)
     scope = None if cfg.ar_baseline == "any" or resume else sweep_id
-    ar = R.find_ar(existing, probe, scope)
+    ar = None if paired else R.find_ar(existing, probe, scope)
     n_turns = sum(len(q.turns) for q in questions)
     n_runs = (1 if method_name == "ar" or ar is not None else 2) * int(cfg.get("repeats") or 1)
     bar = _bar(n_runs * n_turns, f"{method_name} bs={cfg.bs} K={cfg.K}" + (f" ctx={cfg.ctx}" if cfg.ctx else ""),
                cfg.progress)
     try:
+        if paired:  # its own AR baseline, taking turns with it batch by batch
+            _run_paired(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id, bar, written)
+            return written
         if ar is None or method_name == "ar":
             # each AR baseline runs once: a job (of this process or a parallel worker) that finds
             # none takes that baseline's lock, looks again, and runs it if it is still missing
@@ -386,12 +454,32 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
 
 
 def _run_one(cfg, name, ar, model, tokenizer, device, dtype, questions, sweep_id, bar, written) -> dict | None:
-    """Measure one method, pair it with the AR record ``ar``, append and log the record.
-    A failure is recorded (and the sweep goes on) unless it leaves the device unusable."""
-    bar.set_postfix_str(name)
+    """Measure one method, pair it with the AR record ``ar``, append and log the record."""
+    recs = _measured(cfg, name, device, dtype, sweep_id, written,
+                     lambda: measure(cfg, [name], model, tokenizer, device, dtype, questions, sweep_id, bar))
+    return None if recs is None else _keep(cfg, recs[0], ar, written)
+
+
+def _run_paired(cfg, name, model, tokenizer, device, dtype, questions, sweep_id, bar, written) -> dict | None:
+    """Measure AR and a method taking turns on the same batches (``ar_baseline=paired``):
+    both records are written, the method's speedup is against this AR record."""
+    recs = _measured(cfg, name, device, dtype, sweep_id, written,
+                     lambda: measure(cfg, ["ar", name], model, tokenizer, device, dtype, questions, sweep_id, bar))
+    if recs is None:
+        return None
+    ar, rec = recs
+    ar["paired_with"], rec["paired_with"] = rec["job_id"], ar["job_id"]
+    if _keep(cfg, ar, None, written) is None:
+        return None
+    return _keep(cfg, rec, ar, written)
+
+
+def _measured(cfg, name, device, dtype, sweep_id, written, run) -> list[dict] | None:
+    """``run()``'s records, or None after recording its failure under ``name`` (the sweep goes
+    on) unless the failure leaves the device unusable."""
     failure = None
     try:
-        rec = measure(cfg, name, model, tokenizer, device, dtype, questions, sweep_id, bar)
+        return run()
     except KeyboardInterrupt:
         _fail(cfg, name, device, dtype, sweep_id, "error", "interrupted (KeyboardInterrupt)")
         raise
@@ -407,11 +495,15 @@ def _run_one(cfg, name, ar, model, tokenizer, device, dtype, questions, sweep_id
             raise SweepAborted(f"{failure[1]}: the CUDA context is unusable after a device-side error, so "
                                "no later job can run in this process; records so far are kept; fix the "
                                "cause and rerun the sweep") from None
-    if failure is not None:  # out of the except block: the traceback (and the KV cache it holds) is gone
-        _free(device)
-        written.append(_fail(cfg, name, device, dtype, sweep_id, *failure))
-        return None
-    if name == "ar":
+    # out of the except block: the traceback (and the KV cache it holds) is gone
+    _free(device)
+    written.append(_fail(cfg, name, device, dtype, sweep_id, *failure))
+    return None
+
+
+def _keep(cfg, rec, ar, written) -> dict | None:
+    """Pair ``rec`` with the AR record ``ar``, append and log it; None when it could not be written."""
+    if rec["method"] == "ar":
         rec["metrics"]["speedup"] = 1.0
         if rec["temperature"] == 0:
             rec["metrics"]["match_ar"] = 1.0

@@ -159,18 +159,22 @@ def test_nvml_monitor_with_a_fake_driver(monkeypatch):
         nvmlDeviceGetPowerUsage=lambda h: 150_000, nvmlDeviceGetClockInfo=lambda h, c: 1500,
         nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=2 << 30),
     )
-    counter = iter([1_000_000, 1_250_000])
+    counter = iter([1_000_000, 1_250_000, 2_000_000, 2_100_000])
     fake.nvmlDeviceGetTotalEnergyConsumption = lambda h: next(counter)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     from specbench.monitor import NvmlMonitor
+    import time
 
-    with NvmlMonitor(index=0, interval_s=0.01) as mon:
-        import time
-
+    mon = NvmlMonitor(index=0, interval_s=0.01)
+    with mon:
         time.sleep(0.05)
     r = mon.result
     assert r["energy_j"] == pytest.approx(250.0) and r["power_w_mean"] == 150.0
     assert r["mem_used_max_bytes"] == 2 << 30 and r["sm_clock_mhz_mean"] == 1500 and r["samples"] >= 1
+    n = r["samples"]
+    with mon:  # a second block (a paired job's next unit): energy between the blocks is not its own
+        time.sleep(0.05)
+    assert mon.result["energy_j"] == pytest.approx(350.0) and mon.result["samples"] > n
 
 
 def test_nvml_monitor_without_gpu_is_silent():
@@ -280,6 +284,8 @@ def test_profile_roofline_and_spread(capsys):
             assert lo <= c["target"][b][n] <= hi
             assert c["roofline"][b][n] == pytest.approx(forward_bytes(m, int(b), 8 + int(n), torch.float32)
                                                        / (c["bandwidth_gbs"] * 1e9))
+            med, rlo, rhi = c["ratio_in_repeat"][b][n]
+            assert rlo <= med <= rhi and (n != "1" or rlo == rhi == 1.0)
     assert c["bandwidth_gbs"] > 0.1 and c["repeats"] == 3
     print_curves(c, [1, 2], [1, 3])
     out = capsys.readouterr().out

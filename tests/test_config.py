@@ -102,6 +102,7 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
     ({"model.path": "/no/such/model"}, "model path '/no/such/model' does not exist"),
     ({"temperature": -1.0}, "temperature must be >= 0"),
     ({"kernel": "triton"}, "unknown kernel 'triton'; choices: auto, torch, onednn, avx2"),
+    ({"ar_baseline": "nearest"}, "unknown ar_baseline 'nearest'; choices: sweep, any, paired"),
     ({"top_p": 0.0}, "top_p must be in"),
     ({"method": {"name": "eagle9"}}, "unknown method 'eagle9'"),
     ({"method": {"name": "leviathan"}, "draft.layers": 5}, "draft.layers must be an integer in 1..1"),
@@ -209,6 +210,46 @@ def test_kernel_is_recorded_and_pairs_ar_on_the_same_path(tiny_dirs, tmp_path):
     # the torch path is another baseline: a torch job runs its own AR
     recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, kernel="torch", **pld), sweep_id="k")
     assert [(r["method"], r["kernel"]) for r in recs] == [("ar", "torch"), ("pld", "torch")]
+
+
+def test_paired_baseline_takes_turns_and_changes_no_token(tiny_dirs, tmp_path, monkeypatch):
+    """ar_baseline=paired: each method job runs its own AR, the two taking turns batch by batch
+    (ABBA), with the same tokens (greedy and sampled) as when each runs alone; the method's
+    speedup and the analysis pair it with that exact AR record."""
+    from analysis.load import ar_baselines, load
+
+    order = []
+    real = runner.MethodRun.run_unit
+
+    def spy(self, unit, progress=None):
+        order.append((self.name, unit[1]))
+        return real(self, unit, progress)
+
+    monkeypatch.setattr(runner.MethodRun, "run_unit", spy)
+    pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
+    for T in (0.0, 1.0):
+        alone = runner.job(tiny_cfg(tiny_dirs, tmp_path / f"alone{T}", bs=2, temperature=T, **pld), sweep_id="a")
+        order.clear()
+        paired = [runner.job(tiny_cfg(tiny_dirs, tmp_path / f"paired{T}", bs=2, temperature=T, ar_baseline="paired",
+                                      **pld), sweep_id="p") for _ in range(2)]
+        assert order[:4] == [("ar", 0), ("pld", 0), ("pld", 2), ("ar", 2)]  # limit=4, bs=2: two batches
+        for ar, rec in paired:
+            assert [ar["method"], rec["method"]] == ["ar", "pld"]
+            assert rec["ar_job_id"] == ar["job_id"] and rec["paired_with"] == ar["job_id"]
+            assert ar["paired_with"] == rec["job_id"]
+            assert rec["metrics"]["speedup"] == pytest.approx(rec["metrics"]["tokens_per_s"] /
+                                                              ar["metrics"]["tokens_per_s"])
+            assert rec["metrics"]["batches"] == ar["metrics"]["batches"] == 4  # 2 batches x 2 turns
+            for x, y in zip((ar, rec), alone):  # taking turns changes no token, not even sampled ones
+                assert [q["tokens"] for q in x["requests"]] == [q["tokens"] for q in y["requests"]]
+        if T == 0:
+            assert paired[0][1]["metrics"]["match_ar"] == 1.0
+        # two AR records with the same settings: each method job is read against its own
+        df = load(tmp_path / f"paired{T}" / "records.jsonl")
+        of = ar_baselines(df)
+        for _, row in df[df["method"] == "pld"].iterrows():
+            assert of(row)["job_id"] == row["ar_job_id"]
+        assert of(df[df["method"] == "ar"].iloc[0]) is None
 
 
 def test_first_divergence_bookkeeping():
