@@ -117,16 +117,17 @@ bench-floor: setup
 	cat $(BENCH_FLOOR_DIR)/report/identity.md
 
 # The CPU engine at the hardware's limit (issue 10): the cost curves of the three linear-layer
-# paths, interleaved, with the roofline (3 repeats: medians and spread); AR and PLD on MT-Bench
-# (10 questions, both turns, 128 tokens) on torch's path and on avx2 (the default); every method
-# at bs=1 on avx2 (5 questions) for the batch-aware bound; a report. Quiet machine only
-# (~45 min on 2 cores).
+# paths, interleaved, with the roofline (3 repeats: medians and spread); PLD on MT-Bench (10
+# questions, both turns, 128 tokens) on torch's path and on avx2 (the default); every method at
+# bs=1 on avx2 (5 questions) for the batch-aware bound; a report. Every method job runs its own
+# AR baseline batch by batch beside it (ar_baseline=paired): this host's speed drifts by up to
+# 50% over minutes, so jobs minutes apart do not compare. Quiet machine only (~60 min on 2 cores).
 BENCH_CPU_DIR := results/bench-cpu
 bench-cpu: setup
 	$(BIN)/python -m analysis.profile --bs 1,8 --n 1,2,4,8,16 --draft-layers 0 --kernel torch,onednn,avx2 --repeats 3 \
 		--dtype fp32 --results-dir $(BENCH_CPU_DIR)
-	$(BIN)/python -m specbench method=ar,pld kernel=torch,avx2 dataset=mt_bench limit=10 max_new_tokens=128 \
-		dtype=fp32 progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS)
+	$(BIN)/python -m specbench method=pld kernel=torch,avx2 dataset=mt_bench limit=10 max_new_tokens=128 \
+		dtype=fp32 ar_baseline=paired progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS)
 	$(BIN)/python -m specbench method=leviathan,eagle,medusa,lookahead,rest,specdec kernel=avx2 dataset=mt_bench \
-		limit=5 max_new_tokens=128 dtype=fp32 progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS)
+		limit=5 max_new_tokens=128 dtype=fp32 ar_baseline=paired progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS)
 	$(BIN)/python -m analysis.report $(BENCH_CPU_DIR) --out $(BENCH_CPU_DIR)/report

@@ -252,6 +252,40 @@ def test_extension_attention_matches_sdpa(d):
 
 
 @avx2
+@pytest.mark.parametrize("d", [64, 20])
+def test_extension_attention_query_is_independent_of_the_others(d):
+    """Keys in several blocks (the last one partial), 9 query heads on 3 KV heads, 8 queries a
+    row split into tasks: every query's output is bit for bit what it gets on its own (as an AR
+    step computes it), whatever n, the mask's other rows or the thread count."""
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(d)
+    B, H, Hkv, n, L = 2, 9, 3, 8, 150
+    q = torch.randn(B, n, H, d, generator=g).transpose(1, 2)
+    k, v = torch.randn(2, B, Hkv, L, d, generator=g)
+    ok = torch.rand(B, 1, n, L, generator=g) < 0.7
+    ok[1, ..., :9] = False  # a left-padded row
+    ok[..., 9] = True
+    add = torch.where(ok, 0.0, torch.finfo(torch.float32).min)
+    ext = kernels._extension()
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=ok, scale=0.125, enable_gqa=True).transpose(1, 2)
+    out = ext.attention(q, k, v, add, 0.125)
+    causal = ext.attention(q, k, v, torch.empty(0), 0.125)
+    assert torch.allclose(out, ref, atol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ext.attention(q, k, v, add, 0.125), out)
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(n):
+        qi = q[:, :, i:i + 1]
+        assert torch.equal(ext.attention(qi, k, v, add[:, :, i:i + 1], 0.125), out[:, i:i + 1])
+        seen = L - n + i + 1  # causal: query i of n sees the keys up to its own
+        assert torch.equal(ext.attention(qi, k[:, :, :seen], v[:, :, :seen], torch.empty(0), 0.125),
+                           causal[:, i:i + 1])
+
+
+@avx2
 def test_extension_silu_mul_matches_torch():
     g = torch.Generator().manual_seed(0)
     gu = 6 * torch.randn(3, 2, 2 * 37, generator=g)  # 37: a tail after the vectors

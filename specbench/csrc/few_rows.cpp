@@ -8,8 +8,9 @@
 // C loads of the weight and R broadcasts of x feed R*C FMAs into R*C AVX2 accumulators, so the
 // weight is read from memory once per forward and every load of it feeds several rows. One row
 // goes through 4 blocks at a time (4 independent FMA chains; a decode step is bound by the
-// stream); 2 or more rows through 3 blocks in passes of at most 4 rows (12 accumulators, the
-// most that 16 registers hold beside the loads: enough independent FMAs to hide their latency).
+// stream), and so do 2 or 3 rows (8 or 12 accumulators); 4 or more rows through 3 blocks in
+// passes of at most 4 rows (12 accumulators, the most that 16 registers hold beside the loads:
+// enough independent FMAs to hide their latency).
 // Every loop over registers is fully unrolled: a rolled one kept the accumulators in memory (a
 // store per FMA) and ran at half the FMA rate.
 //
@@ -158,6 +159,8 @@ torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& wp
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       if (m == 1)
         blocks_range<4, 1>(xs, m, I, wpp, ys, O, b0, b1);
+      else if (m <= 3)  // one pass, 4 blocks: 8 or 12 accumulators (3 blocks: ~0.6-0.9 ms slower per forward)
+        blocks_range<4, 3>(xs, m, I, wpp, ys, O, b0, b1);
       else
         blocks_range<3, 4>(xs, m, I, wpp, ys, O, b0, b1);
     });
@@ -294,7 +297,20 @@ inline float hsum(__m256 v) {
 // heads grouped over the KV heads (GQA: query head h reads KV head h / (H / Hkv)), without
 // repeating the cache. q [B, H, n, d], k and v [B, Hkv, L, d] (any strides, d contiguous);
 // mask: additive [B or 1, 1, n, L], or empty for causal (query i sees keys up to L - n + i).
-// Returns [B, n, H, d]. One (row, head, query) per task; scores in fp32, softmax with its max.
+// Returns [B, n, H, d]. Scores in fp32, softmax with its max, in two passes over the cache.
+//
+// A task takes a few of the g * n queries that read one KV head (the g query heads of its group,
+// n queries each) and walks the cache in blocks of kBlock keys, every query of the task through a
+// block before the next: a block of K (then of V) is read from memory or L2 once per task and
+// from L1 by each query (one query per task read the whole cache once per query: at 5-8 queries
+// per row, bound by L2). Each query's arithmetic is the same as on its own: scores 8 keys at a
+// time from key 0 (then single keys), the max, e^(s - max) and the sum in that order, and each
+// output lane one sum over the keys in order (its partial sums kept between blocks): a query's
+// output does not depend on n, on the other queries or on how they are split into tasks.
+namespace {
+constexpr int64_t kBlock = 64;  // keys per block: 16 KB of K or V at d = 64
+}
+
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& mask_in, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == torch::kFloat &&
@@ -321,69 +337,115 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const float* mp = masked ? mask.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * H * n, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s(L);
-    std::vector<float> acc(d);
+  // queries per task: about 4 tasks per thread (load balance), at most a KV head's g * n
+  const int64_t Q = g * n;
+  const int64_t per = std::max<int64_t>(1, std::min<int64_t>(
+      Q, (B * H * n + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads())));
+  const int64_t chunks = (Q + per - 1) / per;
+  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s(per * L);
+    std::vector<float> acc(per * std::max<int64_t>(d, 8 * kCols));
+    std::vector<int64_t> seen(per), full(per);
+    std::vector<float> inv(per);
+    std::vector<const float*> qv(per);
+    std::vector<float*> ov(per);
+    std::vector<const float*> mv(per);
     for (int64_t t = t0; t < t1; t++) {
-      const int64_t b = t / (H * n), h = (t / n) % H, i = t % n, j = h / g;
-      const float* qv = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+      const int64_t b = t / (Hkv * chunks), j = (t / chunks) % Hkv, c = t % chunks;
+      const int64_t r0 = c * per, nr = std::min(per, Q - r0);
       const float* kb = kp + b * k.stride(0) + j * k.stride(1);
       const float* vb = vp + b * v.stride(0) + j * v.stride(1);
-      const int64_t seen = masked ? L : L - n + i + 1;
-      float mx = -INFINITY;
-      int64_t l0 = 0;
-      if (d % kCols == 0)
-        for (; l0 + kCols <= seen; l0 += kCols) {
-          __m256 sv = _mm256_mul_ps(dots8(qv, kb + l0 * k.stride(2), k.stride(2), d), _mm256_set1_ps(sc));
-          if (masked) sv = _mm256_add_ps(sv, _mm256_loadu_ps(mp + b * mb + i * L + l0));
-          _mm256_storeu_ps(s.data() + l0, sv);
-          mx = std::max(mx, hmax(sv));
+      const int64_t ks = k.stride(2), vs = v.stride(2);
+      int64_t most = 0;
+      for (int64_t r = 0; r < nr; r++) {  // query r0 + r of the group: head j * g + (r0 + r) / n, query (r0 + r) % n
+        const int64_t h = j * g + (r0 + r) / n, i = (r0 + r) % n;
+        qv[r] = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+        ov[r] = op + ((b * n + i) * H + h) * d;
+        mv[r] = masked ? mp + b * mb + i * L : nullptr;
+        seen[r] = masked ? L : L - n + i + 1;
+        full[r] = d % kCols == 0 ? seen[r] / kCols * kCols : 0;  // keys scored 8 at a time
+        most = std::max(most, seen[r]);
+      }
+      // pass 1: scores, a block of K through every query, then each query's last keys one by one
+      for (int64_t l0 = 0; l0 < most; l0 += kBlock) {
+        for (int64_t r = 0; r < nr; r++) {
+          float* sr = s.data() + r * L;
+          const int64_t l1 = std::min(l0 + kBlock, full[r]);
+          for (int64_t l = l0; l < l1; l += kCols) {
+            __m256 sv = _mm256_mul_ps(dots8(qv[r], kb + l * ks, ks, d), _mm256_set1_ps(sc));
+            if (masked) sv = _mm256_add_ps(sv, _mm256_loadu_ps(mv[r] + l));
+            _mm256_storeu_ps(sr + l, sv);
+          }
         }
-      for (int64_t l = l0; l < seen; l++) {
-        const float* kr = kb + l * k.stride(2);
-        __m256 a = _mm256_setzero_ps();
-        int64_t e = 0;
-        for (; e + kCols <= d; e += kCols) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + e), _mm256_loadu_ps(kr + e), a);
-        float dot = hsum(a);
-        for (; e < d; e++) dot += qv[e] * kr[e];
-        s[l] = dot * sc + (masked ? mp[b * mb + i * L + l] : 0.f);
-        mx = std::max(mx, s[l]);
       }
-      if (mx == -INFINITY) mx = 0.f;  // nothing visible (cannot happen for a real row): zeros out
-      const __m256 mxv = _mm256_set1_ps(mx);
-      __m256 sumv = _mm256_setzero_ps();
-      int64_t l = 0;
-      for (; l + kCols <= seen; l += kCols) {
-        const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s.data() + l), mxv));
-        _mm256_storeu_ps(s.data() + l, p);
-        sumv = _mm256_add_ps(sumv, p);
+      for (int64_t r = 0; r < nr; r++) {
+        float* sr = s.data() + r * L;
+        float mx = -INFINITY;
+        for (int64_t l = 0; l < full[r]; l += kCols) mx = std::max(mx, hmax(_mm256_loadu_ps(sr + l)));
+        for (int64_t l = full[r]; l < seen[r]; l++) {
+          const float* kr = kb + l * ks;
+          __m256 a = _mm256_setzero_ps();
+          int64_t e = 0;
+          for (; e + kCols <= d; e += kCols) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv[r] + e), _mm256_loadu_ps(kr + e), a);
+          float dot = hsum(a);
+          for (; e < d; e++) dot += qv[r][e] * kr[e];
+          sr[l] = dot * sc + (masked ? mv[r][l] : 0.f);
+          mx = std::max(mx, sr[l]);
+        }
+        if (mx == -INFINITY) mx = 0.f;  // nothing visible (cannot happen for a real row): zeros out
+        const __m256 mxv = _mm256_set1_ps(mx);
+        __m256 sumv = _mm256_setzero_ps();
+        int64_t l = 0;
+        for (; l + kCols <= seen[r]; l += kCols) {
+          const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + l), mxv));
+          _mm256_storeu_ps(sr + l, p);
+          sumv = _mm256_add_ps(sumv, p);
+        }
+        float sum = hsum(sumv);
+        for (; l < seen[r]; l++) {
+          sr[l] = std::exp(sr[l] - mx);
+          sum += sr[l];
+        }
+        inv[r] = sum > 0.f ? 1.f / sum : 0.f;
       }
-      float sum = hsum(sumv);
-      for (; l < seen; l++) {
-        s[l] = std::exp(s[l] - mx);
-        sum += s[l];
-      }
-      float* o = op + ((b * n + i) * H + h) * d;
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      // pass 2: p . V, a block of V through every query; 64 dimensions at a time in registers
       int64_t e0 = 0;
-      for (; e0 + 8 * kCols <= d; e0 += 8 * kCols) {  // 64 dimensions at a time in registers
-        __m256 a[8];
+      for (; e0 + 8 * kCols <= d; e0 += 8 * kCols) {
+        for (int64_t l0 = 0; l0 < most; l0 += kBlock) {
+          for (int64_t r = 0; r < nr; r++) {
+            const int64_t l1 = std::min(l0 + kBlock, seen[r]);
+            if (l0 >= l1) continue;
+            const float* sr = s.data() + r * L;
+            float* ar = acc.data() + r * 8 * kCols;
+            __m256 a[8];
 #pragma GCC unroll 8
-        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
-        for (l = 0; l < seen; l++) {
-          const float* vr = vb + l * v.stride(2) + e0;
-          const __m256 p = _mm256_set1_ps(s[l]);
+            for (int u = 0; u < 8; u++) a[u] = l0 ? _mm256_loadu_ps(ar + u * kCols) : _mm256_setzero_ps();
+            for (int64_t l = l0; l < l1; l++) {
+              const float* vr = vb + l * vs + e0;
+              const __m256 p = _mm256_set1_ps(sr[l]);
 #pragma GCC unroll 8
-          for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + u * kCols), a[u]);
+              for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + u * kCols), a[u]);
+            }
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++) _mm256_storeu_ps(ar + u * kCols, a[u]);
+          }
         }
+        for (int64_t r = 0; r < nr; r++) {
+          const float* ar = acc.data() + r * 8 * kCols;
 #pragma GCC unroll 8
-        for (int u = 0; u < 8; u++) _mm256_storeu_ps(o + e0 + u * kCols, _mm256_mul_ps(a[u], _mm256_set1_ps(inv)));
+          for (int u = 0; u < 8; u++)
+            _mm256_storeu_ps(ov[r] + e0 + u * kCols, _mm256_mul_ps(_mm256_loadu_ps(ar + u * kCols), _mm256_set1_ps(inv[r])));
+        }
       }
       if (e0 < d) {  // head sizes that are not a multiple of 64
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (l = 0; l < seen; l++)
-          for (int64_t e = e0; e < d; e++) acc[e] += s[l] * vb[l * v.stride(2) + e];
-        for (int64_t e = e0; e < d; e++) o[e] = acc[e] * inv;
+        for (int64_t r = 0; r < nr; r++) {
+          const float* sr = s.data() + r * L;
+          float* ar = acc.data() + r * std::max<int64_t>(d, 8 * kCols);
+          std::fill(ar, ar + d, 0.f);
+          for (int64_t l = 0; l < seen[r]; l++)
+            for (int64_t e = e0; e < d; e++) ar[e] += sr[l] * vb[l * vs + e];
+          for (int64_t e = e0; e < d; e++) ov[r][e] = ar[e] * inv[r];
+        }
       }
     }
   });
