@@ -236,7 +236,8 @@ class MethodRun:
         self._rng = _rng_state(device)
 
     def metrics(self) -> tuple[dict, list[dict]]:
-        """The job's metrics over every unit run so far, and its requests."""
+        """The job's metrics and its requests, once, after its last unit (it takes the
+        requests' scratch fields)."""
         requests, wall = self.requests, self.wall
         times = self.timer.totals()
         all_lens = [x for rq in requests for x in rq.pop("_lens")]
@@ -302,11 +303,6 @@ def run_methods(cfg: DictConfig, names: list[str], model, tokenizer, device, dty
                 progress.set_postfix_str(run.name)
             run.run_unit(unit, progress)
     return [(*run.metrics(), run.proposer) for run in runs]
-
-
-def run_method(cfg: DictConfig, method_name: str, model, tokenizer, device, dtype, questions, progress=None):
-    """Run one method over all questions; returns (metrics, requests, proposer)."""
-    return run_methods(cfg, [method_name], model, tokenizer, device, dtype, questions, progress)[0]
 
 
 def _draft_label(cfg, method_name):
