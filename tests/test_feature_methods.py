@@ -109,6 +109,36 @@ def test_drafters_take_the_targets_kernel_path(name):
     assert [r.tokens for r in run_engine(target, prop, prompts, N_NEW)] == refs
 
 
+@pytest.mark.skipif(kernels.avx2_unavailable() is not None, reason="no avx2 kernel here")
+def test_eagle_block_attention_is_the_same_on_both_paths():
+    """EAGLE's drafter layer on the avx2 path attends through the extension (GQA, additive
+    mask, no repeated keys): the same layer output as torch's path within fp32 rounding, with
+    a tree-like mask whose rows see different keys; under autograd it keeps torch's path."""
+    import copy
+
+    from specbench.drafters.eagle import Block
+
+    target = tiny_llama(seed=0, scale=4.0)
+    torch.manual_seed(0)
+    ref = Block(target.config)
+    fast = copy.deepcopy(ref)
+    kernels.apply(fast, "avx2")
+    assert fast.q._specbench_kernel == "avx2"  # the layer attention_like reads the path from
+    B, n, S, d = 2, 5, 23, target.config.hidden_size
+    x = torch.randn(B, n, d)
+    q = torch.randn(B, ref.H, n, ref.Dh)
+    k, v = torch.randn(2, B, ref.Hk, S, ref.Dh)
+    mask = torch.rand(B, n, S) < 0.5
+    mask[..., 0] = True
+    with torch.inference_mode():
+        want = ref.attend(x, q, k, v, mask)
+        got = fast.attend(x, q, k, v, mask)
+    assert ref.H > ref.Hk and torch.allclose(got, want, atol=1e-5)
+    xg = x.clone().requires_grad_()
+    fast.attend(xg, q, k, v, mask).sum().backward()
+    assert xg.grad is not None
+
+
 @torch.no_grad()
 def test_eagle_tree_expansion_matches_training_unroll(model):
     """With top_k=1 the dynamic tree is a chain; each drafted token must be what the

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specbench import kernels
 from specbench.drafters import Drafter, TargetParts
 from specbench.models import text_config
 
@@ -83,13 +84,9 @@ class Block(nn.Module):
     def attend(self, x, q, k, v, mask):
         """Attention of q over (k, v) [B, Hk, S, Dh] with mask [B, n, S] (True = visible),
         then the rest of the layer. Returns the layer output [B, n, d]."""
-        rep = self.H // self.Hk
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-        B, _, n, _ = a.shape
-        x = x + self.o(a.transpose(1, 2).reshape(B, n, self.H * self.Dh))
+        a = kernels.attention_like(q, k, v, mask, self.q)  # [B, n, H, Dh], on the layer's kernel path
+        B, n = a.shape[:2]
+        x = x + self.o(a.reshape(B, n, self.H * self.Dh))
         h = self.ln2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
