@@ -194,31 +194,39 @@ def curves_for(curves, model, device, dtype, kernel=None) -> list[dict]:
 
 
 def batch_aware(df, curves) -> pd.Series:
-    """S(b) from the cost curve that matches each job's model/device/dtype (nearest ctx)."""
+    """The batch-aware bound of each job over the whole job (theory.batch_aware_job): the
+    decode steps at the cost curve's T for its model/device/dtype/kernel (nearest batch size,
+    interpolated in width), the prefill as each side measured it (the method's and the AR
+    record it is read against); NaN without a curve or an AR record."""
+    ar_of = ar_baselines(df)
     vals = []
     for _, r in df.iterrows():
         s = math.nan
         cand = curves_for(curves, r["model"], r["device"], r["dtype"], r.get("kernel"))
-        if r["method"] != "ar" and cand and r.get("iterations"):
+        base = ar_of(r)
+        if r["method"] != "ar" and cand and r.get("iterations") and base is not None:
             c = cand[-1]
             T = c["target"]
             t_ar = interp(T, int(r["bs"]), 1)
             nodes = r.get("forward_nodes")  # a tree verifies its nodes (and Lookahead's window), a chain K
             if nodes is None or nodes != nodes or nodes <= 0:
                 nodes = r.get("draft_nodes")  # records written before forward_nodes
-            width = int(round(nodes)) + 1 if nodes is not None and nodes == nodes and nodes > 0 else int(r["K"]) + 1
+            width = nodes + 1 if nodes is not None and nodes == nodes and nodes > 0 else int(r["K"]) + 1
             t_ver = interp(T, int(r["bs"]), width)
             t_draft = r["t_draft"] / r["iterations"]
-            s = theory.batch_aware_speedup(r["tau"], t_ar, t_draft, t_ver)
+            first, first_ar = len(r["requests"]), len(base["requests"])  # the prefill gives each turn its first token
+            s = theory.batch_aware_job(r["tau"], t_ar, t_draft, t_ver, int(r["bs"]),
+                                       r["new_tokens"], r["new_tokens"] - first, r.get("t_prefill") or 0.0,
+                                       base["new_tokens"], base["new_tokens"] - first_ar,
+                                       base.get("t_prefill") or 0.0)
         vals.append(s)
     return pd.Series(vals, index=df.index)
 
 
-def fig_bounds(df, out, written, curves):
+def fig_bounds(df, out, written):
     sd = _sd(df).dropna(subset=["speedup"]).copy()
     if sd.empty:
         return
-    sd["bound_batch"] = batch_aware(sd, curves)
     one = sd["label"].nunique() == 1  # a single method: name it once, in the title
 
     def short(r):
@@ -481,13 +489,13 @@ def build(records, out: Path, **filters) -> list[Path]:
     fig_speedup_vs(df, out, written, "ctx", "context length (tokens)", "speedup_vs_ctx", log2=True)
     fig_acceptance(df, out, written)
     fig_time_split(df, out, written)
-    fig_bounds(df, out, written, curves)
+    df["bound_batch"] = batch_aware(df, curves)  # from the profiled cost curve (NaN without one)
+    df["of_bound"] = df["speedup"] / df["bound_batch"]
+    fig_bounds(df, out, written)
     fig_hist(df, out, written)
     fig_quality(df, out, written)
     sim = simulated(df, curves)
     fig_simulator(sim, df, out, written)
-    df["bound_batch"] = batch_aware(df, curves)  # from the profiled cost curve (NaN without one)
-    df["of_bound"] = df["speedup"] / df["bound_batch"]
     tables = {"sweep": (sweep_table(df), "Sweep: tokens/s, speedup over AR, mean accepted length, bound"),
               "per_category": (per_category(df), "Speedup and mean accepted length per category")}
     ident = identity_table(df)

@@ -6,7 +6,8 @@
       S = (1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1))
 - per-position form: E[tokens per step] = 1 + sum_i alpha_i
 - batch-aware form: S(b) = tau T_ar(b) / (T_draft(b) + T_verify(b, n_nodes)), the T's from
-  the target's measured cost curve.
+  the target's measured cost curve; over a whole job, the measured prefill of each side is
+  added to its decode time at those step costs (``batch_aware_job``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,21 @@ def batch_aware_speedup(tau: float, t_ar: float, t_draft: float, t_verify: float
     if denom <= 0:
         return math.nan
     return tau * t_ar / denom
+
+
+def batch_aware_job(tau: float, t_ar: float, t_draft: float, t_verify: float, bs: int,
+                    tokens: float, decoded: float, prefill_s: float,
+                    tokens_ar: float, decoded_ar: float, prefill_ar_s: float) -> float:
+    """The batch-aware bound over a whole job, as its speedup is measured (tokens/s with the
+    prefill inside the wall time): each side's measured prefill plus its decoded tokens (the
+    ones after the prefill's first) at the bound's step costs, ``decoded / (tau bs)`` steps of
+    ``T_draft + T_verify`` against ``decoded_ar / bs`` steps of ``T_ar``. Without prefill it
+    is ``batch_aware_speedup``; a prefill share p of AR's time caps it at 1/p (Amdahl)."""
+    method = prefill_s + decoded / (tau * bs) * (t_draft + t_verify)
+    ar = prefill_ar_s + decoded_ar / bs * t_ar
+    if method <= 0 or ar <= 0 or tokens_ar <= 0:
+        return math.nan
+    return (tokens / method) / (tokens_ar / ar)
 
 
 def tree_expected_tokens(parents: Sequence[int], accept: Sequence[float]) -> float:

@@ -128,9 +128,11 @@ class Engine:
                     r.t_done = now
                     done.append(r.hit_eos or len(r.tokens) >= max_new_tokens)
                 hidden = Hidden(tap.take(), v.counts).gather(v.keep, v.counts) if tap.names else None
+            with self.timer.phase("draft"):  # the method's own work after a step (a drafter's cache) is drafting
                 state.logits = out.logits
                 self.proposer.update(state, v.accepted, hidden)
                 state.logits = None
+            with self.timer.phase("accept"):
                 pending = self._drop_finished(done, live, state, cache, v.extra)
         sync(self.device)
         return res

@@ -40,6 +40,17 @@ def test_per_position_and_alpha_estimates():
 def test_batch_aware_and_tree_forms():
     # tau 2.5, T_ar 10 ms, draft 4 ms, verify 12 ms -> 2.5 * 10 / 16 = 1.5625
     assert theory.batch_aware_speedup(2.5, 0.010, 0.004, 0.012) == pytest.approx(1.5625)
+    # over a whole job: no prefill -> the step form; AR 100 decoded tokens in 1 s + 0.5 s of
+    # prefill, the method 100 in 100 / 2.5 steps of 16 ms = 0.64 s + 0.5 s -> 1.5 / 1.14
+    job = dict(bs=1, tokens=101, decoded=100, tokens_ar=101, decoded_ar=100)
+    assert theory.batch_aware_job(2.5, 0.010, 0.004, 0.012, prefill_s=0, prefill_ar_s=0, **job) \
+        == pytest.approx(1.5625)
+    assert theory.batch_aware_job(2.5, 0.010, 0.004, 0.012, prefill_s=0.5, prefill_ar_s=0.5, **job) \
+        == pytest.approx(1.5 / 1.14)
+    # bs=4: 100 decoded tokens are 25 batch steps for AR, 10 for the method
+    job4 = dict(job, bs=4)
+    assert theory.batch_aware_job(2.5, 0.010, 0.004, 0.012, prefill_s=0.1, prefill_ar_s=0.1, **job4) \
+        == pytest.approx((0.1 + 0.25) / (0.1 + 0.16))
     # root -> a (0.8), root -> b (0.5), a -> c (0.6): 1 + 0.8 + 0.5 + 0.48 = 2.78
     assert theory.tree_expected_tokens([0, 0, 1], [0.8, 0.5, 0.6]) == pytest.approx(2.78)
 
