@@ -133,12 +133,11 @@ class Leviathan(Proposer):
             self.fed[b].extend(x)
         tok, q = self._pick(last, state)
         drafts, qs = [tok], [q]
-        ones = torch.ones(B, dtype=torch.long, device=self.device)
         zero = torch.zeros(B, 1, dtype=torch.long, device=self.device)
         # 3. K-1 more single-token steps
         for _ in range(self.K - 1):
             out = self.dcache.forward(tok[:, None], zero, None)
-            self.dcache.commit(zero, ones)
+            self.dcache.commit_all()
             for b, t in enumerate(tok.tolist()):
                 self.fed[b].append(t)
             tok, q = self._pick(out.logits[:, -1], state)

@@ -186,37 +186,51 @@ class RaggedCache:
 
         keep: [B, m] long (entries past counts[b] are ignored); counts: [B] long.
         """
-        n_new = self.cache_len() - self.C
         m = keep.shape[1]
-        if m > 0 and bool((counts > 0).any()):
+        if m > 0:
             j = torch.arange(m, device=self.device)
             sel = j[None, :] < counts[:, None]
-            rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(keep)[sel]
-            src = (self.C + keep)[sel]
-            dst = (self.start + self.length)[:, None].add(j[None, :])[sel]
-            if not bool((src == dst).all()):
+            src = self.C + keep
+            dst = (self.start + self.length)[:, None] + j[None, :]
+            if not bool((src == dst).logical_or_(~sel).all()):  # else every kept slot is in place already
+                rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(keep)[sel]
+                src, dst = src[sel], dst[sel]
                 for layer in self.cache.layers:
                     layer.keys[rows, :, dst] = layer.keys[rows, :, src]
                     layer.values[rows, :, dst] = layer.values[rows, :, src]
         self.length = self.length + counts
-        new_C = int((self.start + self.length).max()) if self.batch_size else 0
-        self._crop(new_C, n_new)
+        self._crop(int((self.start + self.length).max()) if self.batch_size else 0)
+
+    def commit_all(self) -> None:
+        """Keep every new slot of the last forward, in order, for every row (a chain each row
+        takes whole: a draft model's own decode step). When every row ends at the cache's end
+        the new slots already sit right behind each prefix: no copy, no index tensors."""
+        n_new = self.cache_len() - self.C
+        if n_new == 0:
+            return
+        if bool(((self.start + self.length) == self.C).all()):
+            self.length = self.length + n_new
+            self.C += n_new
+            return
+        B = self.batch_size
+        keep = torch.arange(n_new, device=self.device)[None].expand(B, n_new)
+        self.commit(keep, torch.full((B,), n_new, dtype=torch.long, device=self.device))
 
     def rollback(self, new_length: torch.Tensor) -> None:
         """Shorten rows to ``new_length`` (never longer than now); the freed slots become
         unreachable and the cache is cropped to the longest row."""
         self.length = torch.minimum(self.length, new_length)
-        self._crop(int((self.start + self.length).max()) if self.batch_size else 0, 0)
+        self._crop(int((self.start + self.length).max()) if self.batch_size else 0)
 
-    def _crop(self, new_C: int, n_new: int) -> None:
+    def _crop(self, new_C: int, unpad: bool = False) -> None:
         total = self.cache_len()
         if new_C < total:
             for layer in self.cache.layers:
                 layer.keys = layer.keys[:, :, :new_C]
                 layer.values = layer.values[:, :, :new_C]
         self.C = new_C
-        # drop left padding every row has outgrown
-        shift = int(self.start.min()) if self.batch_size else 0
+        # drop left padding every row has outgrown (only rows leaving the batch change that)
+        shift = int(self.start.min()) if unpad and self.batch_size else 0
         if shift > 0:
             for layer in self.cache.layers:
                 layer.keys = layer.keys[:, :, shift:]
@@ -239,4 +253,4 @@ class RaggedCache:
         self.start = self.start[keep]
         self.length = self.length[keep]
         if self.batch_size:
-            self._crop(int((self.start + self.length).max()), 0)
+            self._crop(int((self.start + self.length).max()), unpad=True)

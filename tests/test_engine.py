@@ -208,3 +208,38 @@ def test_slab_layer_keeps_what_a_concatenating_cache_keeps():
             layer.keys, layer.values = layer.keys[sel], layer.values[sel]
             keys, vals, b = keys[sel], vals[sel], 2
     assert layer._k.shape[2] < 4 * keys.shape[2] + 64  # grew by doubling, not per step
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_commit_all_keeps_what_commit_keeps(model, aligned):
+    """``commit_all`` (a draft model's own step: every row keeps all its new slots) leaves the
+    cache as ``commit`` with every node kept does: rows ending at the cache's end (no copy) and
+    ragged rows (slots moved behind each prefix)."""
+    from specbench.kv import RaggedCache
+
+    caches = [RaggedCache(model, CPU, torch.float32) for _ in range(2)]
+    with torch.inference_mode():
+        for c in caches:
+            c.prefill([[5, 6, 7, 8, 9], [10, 11, 12]])
+            if not aligned:  # row 0 keeps 2 of 3 new nodes, row 1 all 3: they end apart
+                toks = torch.tensor([[20, 21, 22], [30, 31, 32]])
+                c.forward(toks, torch.arange(3)[None].expand(2, 3), None)
+                c.commit(torch.arange(3)[None].expand(2, 3), torch.tensor([2, 3]))
+        assert bool(((caches[0].start + caches[0].length) == caches[0].C).all()) == aligned
+        step = torch.tensor([[40, 41], [50, 51]])
+        for i, c in enumerate(caches):
+            c.forward(step, torch.arange(2)[None].expand(2, 2), None)
+            if i == 0:
+                c.commit_all()
+            else:
+                c.commit(torch.arange(2)[None].expand(2, 2), torch.tensor([2, 2]))
+        a, b = caches
+        assert torch.equal(a.length, b.length) and torch.equal(a.start, b.start) and a.C == b.C
+        for la, lb in zip(a.cache.layers, b.cache.layers):
+            for rb in range(2):  # each row's committed slots
+                s, e = int(a.start[rb]), int(a.start[rb] + a.length[rb])
+                assert torch.equal(la.keys[rb, :, s:e], lb.keys[rb, :, s:e])
+                assert torch.equal(la.values[rb, :, s:e], lb.values[rb, :, s:e])
+        nxt = torch.tensor([[60], [70]])
+        outs = [c.forward(nxt, torch.zeros(2, 1, dtype=torch.long), None).logits for c in caches]
+        assert torch.allclose(outs[0], outs[1], atol=1e-6)
