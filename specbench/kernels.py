@@ -373,10 +373,7 @@ def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=
     qkv_w, gate_up_w, nq, nkv, d, width = _fused_weights(self)
     B, n, _ = x.shape
     norm = self._modules["input_layernorm"]
-    qkv = few_rows_linear(ext.rms_norm(x, norm.weight, norm.variance_epsilon), qkv_w, (nq + 2 * nkv) * d)
-    qkv = qkv.view(B, n, nq + 2 * nkv, d)
-    ext.rope_(qkv, *position_embeddings, nq + nkv)  # q and k, in place
-    q, k, v = (t.transpose(1, 2) for t in qkv.split((nq, nkv, nkv), dim=2))
+    q, k, v = fused_qkv(x, norm.weight, norm.variance_epsilon, qkv_w, nq, nkv, d, *position_embeddings)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, attn.layer_idx)
     impl = attn.config._attn_implementation
@@ -392,5 +389,31 @@ def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=
                       **kwargs)
     x = x + attn.o_proj(o.reshape(B, n, nq * d))
     norm = self._modules["post_attention_layernorm"]
-    h = ext.rms_norm(x, norm.weight, norm.variance_epsilon)
-    return x + mlp.down_proj(ext.silu_mul(few_rows_linear(h, gate_up_w, 2 * width)))
+    return fused_mlp(x, norm.weight, norm.variance_epsilon, gate_up_w, width, mlp.down_proj)
+
+
+def fused_qkv(x, norm_w, eps: float, qkv_w, nq: int, nkv: int, d: int, cos, sin) -> tuple:
+    """A fused layer's first half before attention: RMSNorm, q|k|v in one kernel call, RoPE on q
+    and k in place. Returns q [B, nq, n, d], k and v [B, nkv, n, d] (views of one buffer)."""
+    ext = _extension()
+    B, n, _ = x.shape
+    qkv = few_rows_linear(ext.rms_norm(x, norm_w, eps), qkv_w, (nq + 2 * nkv) * d).view(B, n, nq + 2 * nkv, d)
+    ext.rope_(qkv, cos, sin, nq + nkv)  # q and k, in place
+    return tuple(t.transpose(1, 2) for t in qkv.split((nq, nkv, nkv), dim=2))
+
+
+def fused_mlp(x, norm_w, eps: float, gate_up_w, width: int, down: torch.nn.Module) -> torch.Tensor:
+    """x + the gated SiLU MLP of RMSNorm(x): gate|up in one kernel call, silu(gate) * up in one."""
+    ext = _extension()
+    h = ext.rms_norm(x, norm_w, eps)
+    return x + down(ext.silu_mul(few_rows_linear(h, gate_up_w, 2 * width)))
+
+
+def fused_block_weights(owner, x: torch.Tensor, q, k, v, gate, up):
+    """(packed q|k|v, packed gate|up) of a drafter's decoder layer when it runs on the avx2 path
+    (its linears put there by ``apply``, fp32, no autograd, no biases), else None."""
+    if getattr(q, "_specbench_kernel", None) != "avx2" or _as_loaded(q.weight, x) \
+            or any(m.bias is not None for m in (q, k, v, gate, up)):
+        return None
+    ws = [m._parameters["weight"] for m in (q, k, v, gate, up)]
+    return _cached_packing("fused", owner, ws, lambda: (pack(torch.cat(ws[:3])), pack(torch.cat(ws[3:]))))

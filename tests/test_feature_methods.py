@@ -110,10 +110,12 @@ def test_drafters_take_the_targets_kernel_path(name):
 
 
 @pytest.mark.skipif(kernels.avx2_unavailable() is not None, reason="no avx2 kernel here")
-def test_eagle_block_attention_is_the_same_on_both_paths():
-    """EAGLE's drafter layer on the avx2 path attends through the extension (GQA, additive
-    mask, no repeated keys): the same layer output as torch's path within fp32 rounding, with
-    a tree-like mask whose rows see different keys; under autograd it keeps torch's path."""
+def test_eagle_block_is_the_same_on_both_paths():
+    """EAGLE's drafter layer on the avx2 path runs the target's fused steps (RMSNorm, q|k|v and
+    gate|up in one kernel call each, RoPE in place) and attends through the extension (GQA,
+    additive mask, no repeated keys): the same q, k, v and layer output as torch's path within
+    fp32 rounding, with a tree-like mask whose rows see different keys; under autograd it
+    keeps torch's path."""
     import copy
 
     from specbench.drafters.eagle import Block
@@ -123,20 +125,25 @@ def test_eagle_block_attention_is_the_same_on_both_paths():
     ref = Block(target.config)
     fast = copy.deepcopy(ref)
     kernels.apply(fast, "avx2")
-    assert fast.q._specbench_kernel == "avx2"  # the layer attention_like reads the path from
     B, n, S, d = 2, 5, 23, target.config.hidden_size
     x = torch.randn(B, n, d)
-    q = torch.randn(B, ref.H, n, ref.Dh)
+    cos, sin = target.model.rotary_emb(x, torch.arange(7, 7 + n)[None].expand(B, n))
     k, v = torch.randn(2, B, ref.Hk, S, ref.Dh)
-    mask = torch.rand(B, n, S) < 0.5
+    mask = torch.rand(B, n, S + n) < 0.5
     mask[..., 0] = True
     with torch.inference_mode():
-        want = ref.attend(x, q, k, v, mask)
-        got = fast.attend(x, q, k, v, mask)
-    assert ref.H > ref.Hk and torch.allclose(got, want, atol=1e-5)
+        assert fast._fused(x) is not None and ref._fused(x) is None
+        outs = []
+        for blk in (ref, fast):
+            q, kn, vn = blk.qkv(x, cos, sin)
+            outs.append((q, kn, vn, blk.attend(x, q, torch.cat([k, kn], 2), torch.cat([v, vn], 2), mask)))
+    assert ref.H > ref.Hk
+    for want, got in zip(*outs):
+        assert torch.allclose(got, want, atol=1e-5)
     xg = x.clone().requires_grad_()
-    fast.attend(xg, q, k, v, mask).sum().backward()
-    assert xg.grad is not None
+    q, kn, vn = fast.qkv(xg, cos, sin)
+    fast.attend(xg, q, torch.cat([k, kn], 2), torch.cat([v, vn], 2), mask).sum().backward()
+    assert xg.grad is not None and fast.up.weight.grad is not None
 
 
 @torch.no_grad()
