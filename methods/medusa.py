@@ -26,10 +26,12 @@ from specbench.drafters.medusa import sparse_tree
 from specbench.models import ConfigError, resolve_path
 
 
-# tree_size=auto on a CPU. Measured on SmolLM2-135M, 2-core CPU, fp32, 5 MT-Bench questions x 64 tokens:
-# 4 / 8 / 16 / 32 nodes -> tau 1.41 / 1.55 / 1.67 / 1.75 at 0.75 / 0.62 / 0.70 / 0.53x AR (chain: 1.28, 0.65x);
-# 32 is clearly too wide there, 4-16 are within this host's noise; 16 keeps most of the tau.
-AUTO_CPU_TREE = 16
+# tree_size=auto on a CPU. Measured on SmolLM2-135M, 2-core CPU, fp32, avx2 path, 5 MT-Bench
+# questions x 128 tokens, each job paired with its own AR: 4 / 8 / 16 nodes -> tau 1.42 / 1.56 /
+# 1.65 at 0.85 / 0.88 / 0.75x AR (chain of 4: tau 1.25, 0.90x); 16 is too wide there (a 17-node
+# verify costs ~2.3 decode steps), 4, 8 and the chain are within this host's noise; 8 keeps
+# more of the tau.
+AUTO_CPU_TREE = 8
 
 
 class Medusa(Proposer):
