@@ -114,18 +114,17 @@ def prefix_tree(paths, first: int = 0) -> tuple[list[int], list[int]]:
 
 def tree_geometry(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """From draft parents [B, n] build, over the n+1 forward nodes (root first), the depth
-    [B, n+1] and ancestor-or-self matrix [B, n+1, n+1]."""
+    [B, n+1] and ancestor-or-self matrix [B, n+1, n+1].
+
+    The closure of "is the parent of, or is" by repeated squaring (path lengths up to 2^s after
+    s products: a handful of small matrix products instead of a step per node); a node's depth
+    is its number of ancestors."""
     B, n = parents.shape
     dev = parents.device
     N = n + 1
     par = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), parents], dim=1)
-    anc = torch.zeros(B, N, N, dtype=torch.bool, device=dev)
-    anc[:, 0, 0] = True
-    depth = torch.zeros(B, N, dtype=torch.long, device=dev)
-    rows = torch.arange(B, device=dev)
-    for i in range(1, N):
-        p = par[:, i]
-        anc[:, i] = anc[rows, p]
-        anc[:, i, i] = True
-        depth[:, i] = depth[rows, p] + 1
-    return depth, anc
+    a = torch.eye(N, device=dev).expand(B, N, N).clone().scatter_(2, par[..., None], 1.0)
+    for _ in range(max(1, (N - 1).bit_length())):  # 0/1 entries, sums below N: exact in fp32
+        a = (torch.bmm(a, a) > 0).float()
+    anc = a > 0
+    return anc.sum(-1) - 1, anc

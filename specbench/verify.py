@@ -132,10 +132,8 @@ def _walk(ok: torch.Tensor, par: torch.Tensor):
     dev = ok.device
     rows = torch.arange(B, device=dev)
     depth, anc = tree_geometry(par)
-    acc = torch.zeros(B, N, dtype=torch.bool, device=dev)
-    acc[:, 0] = True
-    for i in range(1, N):
-        acc[:, i] = ok[:, i - 1] & acc[rows, par[:, i - 1]]
+    passed = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev), ok], dim=1)
+    acc = ~(anc & ~passed[:, None, :]).any(-1)  # every node on the path from the root passes
     idx = torch.arange(N, device=dev)
     score = torch.where(acc, depth * (N + 1) - idx[None], torch.full_like(depth, -1))
     best = score.argmax(1)

@@ -31,6 +31,25 @@ def test_tree_geometry():
     assert anc[0, 4].nonzero().flatten().tolist() == [0, 2, 4]
 
 
+def test_tree_geometry_matches_a_walk_down_the_parents():
+    """Random trees (a deep chain among them, where the closure needs every squaring): each
+    node's ancestors are what following its parent pointers reaches, its depth their count."""
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 31, 64):
+        par = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long),
+                                      torch.randint(0, 10**6, (n - 1,), generator=g) % torch.arange(2, n + 1)])
+                           for _ in range(3)] + [torch.arange(n)])  # the last row: one chain of n
+        depth, anc = tree_geometry(par)
+        for b in range(par.shape[0]):
+            for i in range(n + 1):
+                path, j = {i}, i
+                while j:
+                    j = int(par[b, j - 1])
+                    path.add(j)
+                assert set(anc[b, i].nonzero().flatten().tolist()) == path, (n, b, i)
+                assert int(depth[b, i]) == len(path) - 1
+
+
 def test_greedy_tree_walk():
     # root -> {1:4, 2:5}; 2 -> {3:7, 4:8}; 3 -> {5:1}
     d = Draft(tokens=torch.tensor([[4, 5, 7, 8, 1]]), parents=torch.tensor([[0, 0, 2, 2, 3]]))
