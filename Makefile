@@ -130,4 +130,7 @@ bench-cpu: setup
 		dtype=fp32 ar_baseline=paired progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS)
 	$(BIN)/python -m specbench method=leviathan,eagle,medusa,lookahead,rest,specdec kernel=avx2 dataset=mt_bench \
 		limit=5 max_new_tokens=128 dtype=fp32 ar_baseline=paired progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS)
+# the avx2 curve again after the jobs: each job's bound reads the curve nearer its host state
+	$(BIN)/python -m analysis.profile --bs 1,8 --n 1,2,4,8,12,16,24,32 --draft-layers 0 --kernel avx2 --repeats 3 \
+		--dtype fp32 --results-dir $(BENCH_CPU_DIR)
 	$(BIN)/python -m analysis.report $(BENCH_CPU_DIR) --out $(BENCH_CPU_DIR)/report

@@ -193,11 +193,27 @@ def curves_for(curves, model, device, dtype, kernel=None) -> list[dict]:
             and c.get("dtype") == dtype and (c.get("kernel") or "torch") == (kernel or "torch")]
 
 
+def nearest_state(cand: list[dict], bs: int, base) -> dict:
+    """Of several profiled curves, the one taken in the host state nearest the job's: its
+    T(bs, 1) closest, as a ratio, to the AR record's own decode step (its verify time per
+    iteration). A shared host's memory bandwidth drifts by 2x within an hour, and a starved
+    host inflates T(1) (a weight stream) more than T(32) (FMA-bound): a curve from another
+    state misprices the wide verifies. Without an in-run step, the newest curve."""
+    try:
+        step = float(base["t_verify"]) / float(base["iterations"])
+    except (TypeError, KeyError, ValueError, ZeroDivisionError):
+        step = math.nan
+    if not step > 0 or len(cand) == 1:
+        return cand[-1]
+    return min(reversed(cand), key=lambda c: abs(math.log(interp(c["target"], bs, 1) / step)))
+
+
 def batch_aware(df, curves) -> pd.Series:
     """The batch-aware bound of each job over the whole job (theory.batch_aware_job): the
     decode steps at the cost curve's T for its model/device/dtype/kernel (nearest batch size,
-    interpolated in width), the prefill as each side measured it (the method's and the AR
-    record it is read against); NaN without a curve or an AR record."""
+    interpolated in width; of several curves, the one nearest the job's host state,
+    `nearest_state`), the prefill as each side measured it (the method's and the AR record
+    it is read against); NaN without a curve or an AR record."""
     ar_of = ar_baselines(df)
     vals = []
     for _, r in df.iterrows():
@@ -205,7 +221,7 @@ def batch_aware(df, curves) -> pd.Series:
         cand = curves_for(curves, r["model"], r["device"], r["dtype"], r.get("kernel"))
         base = ar_of(r)
         if r["method"] != "ar" and cand and r.get("iterations") and base is not None:
-            c = cand[-1]
+            c = nearest_state(cand, int(r["bs"]), base)
             T = c["target"]
             t_ar = interp(T, int(r["bs"]), 1)
             nodes = r.get("forward_nodes")  # a tree verifies its nodes (and Lookahead's window), a chain K

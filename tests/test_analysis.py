@@ -63,6 +63,28 @@ def test_interp_cost_curve():
     assert interp(curve, 6, 4) == 0.040  # nearest profiled batch size
 
 
+def test_bound_reads_the_curve_of_the_jobs_host_state():
+    """Of several curves, the bound reads the one whose T(bs, 1) is nearest the AR record's
+    own decode step; without an in-run step, the newest."""
+    quiet = {"time": "a", "target": {"1": {"1": 0.020, "8": 0.030}}}
+    starved = {"time": "b", "target": {"1": {"1": 0.032, "8": 0.040}}}
+    newest = {"time": "c", "target": {"1": {"1": 0.021, "8": 0.026}}}
+    assert report.nearest_state([quiet, starved], 1, {"t_verify": 2.9, "iterations": 100}) is starved
+    assert report.nearest_state([quiet, starved], 1, {"t_verify": 2.2, "iterations": 100}) is quiet
+    assert report.nearest_state([quiet, starved], 1, {"t_verify": 2.2, "iterations": 0}) is starved  # newest
+    assert report.nearest_state([quiet, newest], 1, {"t_verify": 2.06, "iterations": 100}) is newest
+    # through the report: the fixture's curves and a copy slowed 3x (its AR records' own steps
+    # sit within 15% of the fixture's T(1)): the bound reads the fixture's, whatever the order
+    df = load(FIX / "records.jsonl")
+    curves = [json.loads(x) for x in (FIX / "cost_curves.jsonl").read_text().splitlines() if x.strip()]
+    slow = [dict(c, target={b: {n: 3.0 * t for n, t in row.items()} for b, row in c["target"].items()})
+            for c in curves]
+    one = report.batch_aware(df, curves)
+    assert one.notna().sum() == 12
+    assert report.batch_aware(df, curves + slow).equals(one) and report.batch_aware(df, slow + curves).equals(one)
+    assert ((report.batch_aware(df, slow) - one).abs()[one.notna()] > 1e-2).all()  # the slow curve alone reads differently
+
+
 def test_simulator_by_hand():
     T = {1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5}.get  # seconds per forward of n tokens
     steps = [3, 0, 1]  # K=3, draft 0.1 s/token

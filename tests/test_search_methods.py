@@ -19,6 +19,8 @@ from helpers import (
 from omegaconf import OmegaConf
 
 from methods.base import BatchState
+from methods import lookahead as LA
+from methods import rest as R
 from methods.lookahead import Lookahead, Pool
 from methods.rest import Rest, build_datastore
 from methods.specdec import SpecDec
@@ -165,7 +167,42 @@ def test_pool_keeps_the_latest_grams():
     assert prefix_tree([(4, 5), (4, 6), (7,)]) == ([4, 5, 6, 7], [0, 1, 1, 0])
 
 
+def test_lookahead_auto_takes_the_devices_settings(model):
+    """`auto` keys resolve per device; a key given explicitly stays; bad values are refused
+    with the key's name, and the node cap holds for every device's `auto`."""
+    from transformers import LlamaConfig
+
+    from specbench.models import ConfigError
+
+    for dev in ("cpu", "cuda"):
+        la = Lookahead(la_cfg(W="auto", N="auto", G="auto"), model, None, torch.device(dev), torch.float32)
+        assert (la.W, la.N, la.G) == tuple(LA.AUTO[dev][k] for k in "WNG")
+    assert LA.AUTO["cpu"] != LA.AUTO["cuda"]
+    la = Lookahead(la_cfg(W=5, N="auto", G=2), model, None, CPU, torch.float32)
+    assert (la.W, la.N, la.G) == (5, LA.AUTO["cpu"]["N"], 2) and la.describe()["W"] == 5
+    Lookahead.check(la_cfg(W="auto", N="auto", G="auto"), LlamaConfig())
+    with pytest.raises(ConfigError, match="lookahead.G must be 'auto' or an integer >= 0, got 'many'"):
+        Lookahead.check(la_cfg(W="auto", N="auto", G="many"), LlamaConfig())
+    with pytest.raises(ConfigError, match="nodes per step is more than 512"):
+        Lookahead.check(la_cfg(W=200, N="auto", G="auto"), LlamaConfig())
+
+
 # ----------------------------------------------------------------------- REST
+def test_rest_num_draft_auto_takes_the_devices_count(model):
+    from transformers import LlamaConfig
+
+    from specbench.models import ConfigError
+
+    for dev in ("cpu", "cuda"):
+        r = Rest(rest_cfg("python_code", num_draft="auto"), model, None, torch.device(dev), torch.float32,
+                 reader=object())
+        assert r.num_draft == R.AUTO_NUM_DRAFT[dev] and r.describe()["num_draft"] == r.num_draft
+    assert R.AUTO_NUM_DRAFT["cpu"] < R.AUTO_NUM_DRAFT["cuda"]
+    Rest.check(rest_cfg("python_code", num_draft="auto"), LlamaConfig(vocab_size=96))
+    with pytest.raises(ConfigError, match="rest.num_draft must be 'auto' or an integer >= 2, got 'lots'"):
+        Rest.check(rest_cfg("python_code", num_draft="lots"), LlamaConfig(vocab_size=96))
+
+
 def test_rest_datastore_is_cached_and_retrieves_the_longest_suffix(model, datastore, tmp_path):
     path, tok = datastore
     idx = build_datastore(str(path), tok, 96, progress=False)
