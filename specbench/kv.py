@@ -71,6 +71,18 @@ class SlabLayer(DynamicLayer):
         return self.keys, self.values
 
 
+def _narrow(layer, lo: int, hi: int | None) -> None:
+    """``layer``'s keys and values cut to slots ``[lo, hi)``. A ``SlabLayer`` whose views were
+    its own keeps knowing where they start in its buffer, so the next update appends without
+    re-deriving the offset from the storage (~10 us a layer after every rejected draft)."""
+    k, v, off = getattr(layer, "_mine", (None, None, 0))
+    own = k is not None and k is layer.keys and v is layer.values
+    layer.keys = layer.keys[:, :, lo:hi]
+    layer.values = layer.values[:, :, lo:hi]
+    if own:
+        layer._mine = (layer.keys, layer.values, off + lo)
+
+
 def _slab_cache() -> DynamicCache:
     cache = DynamicCache()
     cache.layer_class_to_replicate = SlabLayer
@@ -226,15 +238,13 @@ class RaggedCache:
         total = self.cache_len()
         if new_C < total:
             for layer in self.cache.layers:
-                layer.keys = layer.keys[:, :, :new_C]
-                layer.values = layer.values[:, :, :new_C]
+                _narrow(layer, 0, new_C)
         self.C = new_C
         # drop left padding every row has outgrown (only rows leaving the batch change that)
         shift = int(self.start.min()) if unpad and self.batch_size else 0
         if shift > 0:
             for layer in self.cache.layers:
-                layer.keys = layer.keys[:, :, shift:]
-                layer.values = layer.values[:, :, shift:]
+                _narrow(layer, shift, None)
             self.start = self.start - shift
             self.C -= shift
 

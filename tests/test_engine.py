@@ -177,7 +177,7 @@ def test_slab_layer_keeps_what_a_concatenating_cache_keeps():
     """The engine's cache layer appends in place; under the RaggedCache's own edits (crop to a
     slice, drop left padding, select rows, move slots in place) it must hold exactly what
     torch.cat would."""
-    from specbench.kv import SlabLayer
+    from specbench.kv import SlabLayer, _narrow
 
     g = torch.Generator().manual_seed(0)
     layer, keys, vals = SlabLayer(), None, None
@@ -185,7 +185,7 @@ def test_slab_layer_keeps_what_a_concatenating_cache_keeps():
     def new(n, b):
         return torch.randn(b, 2, n, 4, generator=g), torch.randn(b, 2, n, 4, generator=g)
 
-    b = 3
+    b, checked = 3, 0
     for step in range(40):
         k, v = new(1 + step % 5, b)
         got_k, got_v = layer.update(k, v)
@@ -193,13 +193,21 @@ def test_slab_layer_keeps_what_a_concatenating_cache_keeps():
         vals = v if vals is None else torch.cat([vals, v], 2)
         assert torch.equal(got_k, keys) and torch.equal(got_v, vals), step
         op = step % 4
-        if op == 0:  # crop
+        if op == 0:  # crop (as RaggedCache does it, or by hand: the layer finds its offset again)
             keep = max(1, keys.shape[2] - 2)
-            layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+            if step % 8:
+                _narrow(layer, 0, keep)
+            else:
+                layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
             keys, vals = keys[:, :, :keep], vals[:, :, :keep]
         elif op == 1 and keys.shape[2] > 3:  # drop left padding
-            layer.keys, layer.values = layer.keys[:, :, 1:], layer.values[:, :, 1:]
+            _narrow(layer, 1, None)
             keys, vals = keys[:, :, 1:], vals[:, :, 1:]
+        if op < 2 and layer._mine[0] is layer.keys:  # the offset _narrow kept is the buffer's own
+            kept = layer._offset()
+            layer._mine = (None, None, 0)
+            assert kept == layer._offset() is not None, step
+            checked += 1
         elif op == 2:  # move a slot in place
             layer.keys[0, :, 0] = layer.keys[0, :, -1]
             keys[0, :, 0] = keys[0, :, -1]
@@ -208,6 +216,7 @@ def test_slab_layer_keeps_what_a_concatenating_cache_keeps():
             layer.keys, layer.values = layer.keys[sel], layer.values[sel]
             keys, vals, b = keys[sel], vals[sel], 2
     assert layer._k.shape[2] < 4 * keys.shape[2] + 64  # grew by doubling, not per step
+    assert checked >= 10
 
 
 @pytest.mark.parametrize("aligned", [True, False])
