@@ -328,20 +328,24 @@ def _fusable(mod: torch.nn.Module) -> bool:
     a, m = mod.self_attn, mod.mlp
     return type(mod.input_layernorm) is LlamaRMSNorm and type(mod.post_attention_layernorm) is LlamaRMSNorm \
         and isinstance(m.act_fn, (torch.nn.SiLU, SiLUActivation)) and a.q_proj.weight.dtype == torch.float32 \
-        and all(p.bias is None for p in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj))
+        and all(p.bias is None for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
+                                          m.down_proj))
 
 
 def _fused_weights(layer) -> tuple:
-    """(packed q|k|v, packed gate|up, query heads, KV heads, head size, MLP width) of ``layer``
-    (weights read through the modules' own dicts: this runs once per layer per forward)."""
+    """(packed q|k|v, packed gate|up, query heads, KV heads, head size, MLP width, packed o_proj,
+    packed down_proj) of ``layer`` (weights read through the modules' own dicts: this runs once
+    per layer per forward; o_proj's and down_proj's packings are their modules' own, so the
+    fused forward calls the kernel without two module calls and their cache lookups)."""
     a, m = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
     ws = [a[k]._parameters["weight"] for k in ("q_proj", "k_proj", "v_proj")] \
-        + [m[k]._parameters["weight"] for k in ("gate_proj", "up_proj")]
+        + [m[k]._parameters["weight"] for k in ("gate_proj", "up_proj")] \
+        + [a["o_proj"]._parameters["weight"], m["down_proj"]._parameters["weight"]]
 
     def build():
         d = layer.self_attn.head_dim
-        return (pack(torch.cat(ws[:3])), pack(torch.cat(ws[3:])), ws[0].shape[0] // d, ws[1].shape[0] // d, d,
-                ws[3].shape[0])
+        return (pack(torch.cat(ws[:3])), pack(torch.cat(ws[3:5])), ws[0].shape[0] // d, ws[1].shape[0] // d, d,
+                ws[3].shape[0], _packed_weight(a["o_proj"], "avx2"), _packed_weight(m["down_proj"], "avx2"))
 
     return _cached_packing("fused", layer, ws, build)
 
@@ -370,7 +374,7 @@ def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=
                                   past_key_values=past_key_values, use_cache=use_cache,
                                   position_embeddings=position_embeddings, **kwargs)
     ext = _extension()
-    qkv_w, gate_up_w, nq, nkv, d, width = _fused_weights(self)
+    qkv_w, gate_up_w, nq, nkv, d, width, o_w, down_w = _fused_weights(self)
     B, n, _ = x.shape
     norm = self._modules["input_layernorm"]
     q, k, v = fused_qkv(x, norm.weight, norm.variance_epsilon, qkv_w, nq, nkv, d, *position_embeddings)
@@ -387,9 +391,9 @@ def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
         o, _ = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, position_ids=position_ids,
                       **kwargs)
-    x = x + attn.o_proj(o.reshape(B, n, nq * d))
+    x = x + few_rows_linear(o.reshape(B, n, nq * d), o_w, x.shape[-1])
     norm = self._modules["post_attention_layernorm"]
-    return fused_mlp(x, norm.weight, norm.variance_epsilon, gate_up_w, width, mlp.down_proj)
+    return fused_mlp(x, norm.weight, norm.variance_epsilon, gate_up_w, width, down_w)
 
 
 def fused_qkv(x, norm_w, eps: float, qkv_w, nq: int, nkv: int, d: int, cos, sin) -> tuple:
@@ -402,11 +406,13 @@ def fused_qkv(x, norm_w, eps: float, qkv_w, nq: int, nkv: int, d: int, cos, sin)
     return tuple(t.transpose(1, 2) for t in qkv.split((nq, nkv, nkv), dim=2))
 
 
-def fused_mlp(x, norm_w, eps: float, gate_up_w, width: int, down: torch.nn.Module) -> torch.Tensor:
-    """x + the gated SiLU MLP of RMSNorm(x): gate|up in one kernel call, silu(gate) * up in one."""
+def fused_mlp(x, norm_w, eps: float, gate_up_w, width: int, down) -> torch.Tensor:
+    """x + the gated SiLU MLP of RMSNorm(x): gate|up in one kernel call, silu(gate) * up in one;
+    ``down``: the down projection's module, or its avx2 packing (no bias, out = x's width)."""
     ext = _extension()
     h = ext.rms_norm(x, norm_w, eps)
-    return x + down(ext.silu_mul(few_rows_linear(h, gate_up_w, 2 * width)))
+    a = ext.silu_mul(few_rows_linear(h, gate_up_w, 2 * width))
+    return x + (few_rows_linear(a, down, x.shape[-1]) if isinstance(down, torch.Tensor) else down(a))
 
 
 def fused_block_weights(owner, x: torch.Tensor, q, k, v, gate, up):
