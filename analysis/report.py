@@ -305,14 +305,19 @@ def fig_hist(df, out, written):
 
 
 def simulated(df, curves) -> pd.DataFrame:
+    """Fixed-K and oracle-K replays of each job's acceptance trace on the cost curve (one curve
+    per group, so the combined oracle compares its jobs alike: the one nearest the host state
+    of the group's first AR record, `nearest_state`)."""
     rows = []
     sd = _sd(df)
+    ar_of = ar_baselines(df)
     for (model, bs, dev, dt, kern, ds, temp), g in sd.groupby(["model", "bs", "device", "dtype", "kernel", "dataset",
                                                               "temperature"]):
         cand = curves_for(curves, model, dev, dt, kern)
         if not cand:
             continue
-        curve = cand[-1]["target"]
+        base = next((b for b in (ar_of(r) for _, r in g.iterrows()) if b is not None), None)
+        curve = (cand[-1] if base is None else nearest_state(cand, int(bs), base))["target"]
 
         def T(n, _b=int(bs)):
             return interp(curve, _b, n)
