@@ -124,13 +124,13 @@ bench-floor: setup
 # 50% over minutes, so jobs minutes apart do not compare. Quiet machine only (~60 min on 2 cores).
 BENCH_CPU_DIR := results/bench-cpu
 bench-cpu: setup
-	$(BIN)/python -m analysis.profile --bs 1,8 --n 1,2,4,8,12,16,24,32 --draft-layers 0 --kernel torch,onednn,avx2 --repeats 3 \
+	$(BIN)/python -m analysis.profile --bs 1,8 --n 1,2,3,4,5,6,7,8,9,12,13,16,24,32 --draft-layers 0 --kernel torch,onednn,avx2 --repeats 3 \
 		--dtype fp32 --results-dir $(BENCH_CPU_DIR)
 	$(BIN)/python -m specbench method=pld kernel=torch,avx2 dataset=mt_bench limit=10 max_new_tokens=128 \
 		dtype=fp32 ar_baseline=paired progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS)
 	$(BIN)/python -m specbench method=leviathan,eagle,medusa,lookahead,rest,specdec kernel=avx2 dataset=mt_bench \
 		limit=5 max_new_tokens=128 dtype=fp32 ar_baseline=paired progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS)
 # the avx2 curve again after the jobs: each job's bound reads the curve nearer its host state
-	$(BIN)/python -m analysis.profile --bs 1,8 --n 1,2,4,8,12,16,24,32 --draft-layers 0 --kernel avx2 --repeats 3 \
+	$(BIN)/python -m analysis.profile --bs 1,8 --n 1,2,3,4,5,6,7,8,9,12,13,16,24,32 --draft-layers 0 --kernel avx2 --repeats 3 \
 		--dtype fp32 --results-dir $(BENCH_CPU_DIR)
 	$(BIN)/python -m analysis.report $(BENCH_CPU_DIR) --out $(BENCH_CPU_DIR)/report

@@ -28,10 +28,11 @@ from specbench.models import ConfigError, resolve_path
 
 # tree_size=auto on a CPU. Measured on SmolLM2-135M, 2-core CPU, fp32, avx2 path, 5 MT-Bench
 # questions x 128 tokens, each job paired with its own AR: 4 / 8 / 16 nodes -> tau 1.42 / 1.56 /
-# 1.65 at 0.85 / 0.88 / 0.75x AR (chain of 4: tau 1.25, 0.90x); 16 is too wide there (a 17-node
-# verify costs ~2.3 decode steps), 4, 8 and the chain are within this host's noise; 8 keeps
-# more of the tau.
-AUTO_CPU_TREE = 8
+# 1.65 at 0.85 / 0.88 / 0.75x AR (chain of 4: tau 1.25, 0.90x). The avx2 kernel takes a verify's
+# rows in passes of at most 4, so 9 rows (root + 8 nodes) cost a third pass: T(9) ~1.17x T(8) on
+# this host (analysis.profile, n = 1..16). On 10 questions: 7 nodes 1.04x (tau 1.50) against 8
+# nodes 0.83x (tau 1.52); so 7, which keeps the verify at 8 rows.
+AUTO_CPU_TREE = 7
 
 
 class Medusa(Proposer):
