@@ -51,6 +51,19 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
     return add_theory(df)
 
 
+def spec_len(row) -> int | None:
+    """A job's K as an int, None where it has none (AR; a method without a fixed draft length:
+    a DataFrame holds those as NaN)."""
+    k = row.get("K")
+    return None if k is None or k != k else int(k)
+
+
+def k_label(row, sep: str = " ") -> str:
+    """``" K=4"`` for a job with a K, else ``""``."""
+    k = spec_len(row)
+    return "" if k is None else f"{sep}K={k}"
+
+
 def label(row) -> str:
     if row["method"] == "ar":
         return "ar"
@@ -90,13 +103,14 @@ def add_theory(df: pd.DataFrame) -> pd.DataFrame:
     for _, r in df.iterrows():
         c = a = s_lev = s_pos = float("nan")
         base = ar_of(r)
-        if r["K"] and base is not None and r.get("iterations"):
+        K = spec_len(r)
+        if K and base is not None and r.get("iterations"):
             t_target = base["t_verify"] / base["iterations"] if base.get("iterations") else float("nan")
-            t_draft_tok = r["t_draft"] / r["iterations"] / r["K"]
+            t_draft_tok = r["t_draft"] / r["iterations"] / K
             c = t_draft_tok / t_target if t_target and t_target > 0 else float("nan")
-            a = theory.alpha_from_positions(r["alphas"][: int(r["K"])])
-            s_lev = theory.leviathan_speedup(a, int(r["K"]), c)
-            s_pos = theory.per_position_tokens(r["alphas"]) / (int(r["K"]) * c + 1.0)
+            a = theory.alpha_from_positions(r["alphas"][:K])
+            s_lev = theory.leviathan_speedup(a, K, c)
+            s_pos = theory.per_position_tokens(r["alphas"]) / (K * c + 1.0)
         cs.append(c)
         alphas.append(a)
         lev.append(s_lev)

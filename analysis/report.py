@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis import simulate, theory  # noqa: E402
-from analysis.load import ar_baselines, load, load_cost_curves  # noqa: E402
+from analysis.load import ar_baselines, k_label, load, load_cost_curves, spec_len  # noqa: E402
 from analysis.profile import interp  # noqa: E402
 from specbench import records as R  # noqa: E402
 
@@ -147,7 +147,7 @@ def fig_acceptance(df, out, written):
     for lab, g in sd.groupby("series"):
         r = g.sort_values("K").iloc[-1]
         a = r["alphas"]
-        ax.plot(range(1, len(a) + 1), a, marker="o", ms=3.5, lw=1.3, color=cmap[lab], label=f"{lab}, K={int(r['K'])}")
+        ax.plot(range(1, len(a) + 1), a, marker="o", ms=3.5, lw=1.3, color=cmap[lab], label=f"{lab}{k_label(r, ', ')}")
         seen.add(lab)
     ax.set_xlabel("draft position i")
     ax.set_ylabel(r"acceptance rate $\alpha_i$ (share of steps)")
@@ -162,7 +162,7 @@ def fig_time_split(df, out, written):
     rows = df.dropna(subset=["wall_s"]).copy()
     if rows.empty:
         return
-    rows["name"] = rows.apply(lambda r: r["label"] + ("" if r["method"] == "ar" else f" K={int(r['K'])}")
+    rows["name"] = rows.apply(lambda r: r["label"] + k_label(r)
                               + f" bs={int(r['bs'])}", axis=1)
     rows = rows.drop_duplicates("name", keep="last").sort_values(["bs", "method", "K"], na_position="first")
     if len(rows) > 14:
@@ -227,7 +227,7 @@ def batch_aware(df, curves) -> pd.Series:
             nodes = r.get("forward_nodes")  # a tree verifies its nodes (and Lookahead's window), a chain K
             if nodes is None or nodes != nodes or nodes <= 0:
                 nodes = r.get("draft_nodes")  # records written before forward_nodes
-            width = nodes + 1 if nodes is not None and nodes == nodes and nodes > 0 else int(r["K"]) + 1
+            width = nodes + 1 if nodes is not None and nodes == nodes and nodes > 0 else (spec_len(r) or 0) + 1
             t_ver = interp(T, int(r["bs"]), width)
             t_draft = r["t_draft"] / r["iterations"]
             first, first_ar = len(r["requests"]), len(base["requests"])  # the prefill gives each turn its first token
@@ -248,7 +248,7 @@ def fig_bounds(df, out, written):
     def short(r):
         lab = r["series"][len(r["label"]):].lstrip(", ") if one else r["series"]
         lab = lab.replace(" (", "\n(").replace(", ", "\n")
-        return (lab + "\n" if lab else "") + f"K={int(r['K'])} bs={int(r['bs'])}"
+        return (lab + "\n" if lab else "") + f"{k_label(r, '')} bs={int(r['bs'])}".lstrip()
 
     sd["name"] = sd.apply(short, axis=1)
     sd = sd.drop_duplicates("name", keep="last")
@@ -295,7 +295,7 @@ def fig_hist(df, out, written):
         h = np.array(r["hist"], dtype=float)
         h = h / h.sum()
         xs = np.arange(len(h)) + 1 + (i - (n - 1) / 2) * w
-        ax.bar(xs, h, width=w, color=cmap[r["series"]], label=f"{r['series']}, K={int(r['K'])} (tau {r['tau']:.2f})")
+        ax.bar(xs, h, width=w, color=cmap[r["series"]], label=f"{r['series']}{k_label(r, ', ')} (tau {r['tau']:.2f})")
     ax.set_xlabel("tokens emitted per step (accepted drafts + 1)")
     ax.set_ylabel("share of steps")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -324,11 +324,12 @@ def simulated(df, curves) -> pd.DataFrame:
 
         jobs = {}
         for _, r in g.iterrows():
-            if not r.get("iterations") or not r["K"]:
+            K = spec_len(r)
+            if not r.get("iterations") or not K:
                 continue
-            d = r["t_draft"] / r["iterations"] / r["K"]
-            sim = simulate.simulate_job(r["requests"], int(r["K"]), d, T)
-            name = f"{r['label']} K={int(r['K'])}" + (f" T={r['temperature']:g}" if r["temperature"] else "")
+            d = r["t_draft"] / r["iterations"] / K
+            sim = simulate.simulate_job(r["requests"], K, d, T)
+            name = f"{r['label']} K={K}" + (f" T={r['temperature']:g}" if r["temperature"] else "")
             rows.append({"name": name, "bs": bs, "dataset": ds, "measured": r["speedup"], **sim})
             if r["temperature"] == 0:
                 jobs[name] = (r["requests"], d)
@@ -377,13 +378,17 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
             tps_ar = b["new_tokens"].sum() / b["wall_s"].sum()
             steps = g["steps"].sum()
             tau = 1 + g["accepted"].sum() / steps if steps else float("nan")
-            rows.append({"method": r["label"], "T": float(r["temperature"]), "K": int(r["K"]), "bs": int(r["bs"]),
+            rows.append({"method": r["label"], "T": float(r["temperature"]), "K": spec_len(r), "bs": int(r["bs"]),
                          "category": cat,
                          "speedup": tps / tps_ar, "tau": tau})
     if not rows:
         return pd.DataFrame()
     t = pd.DataFrame(rows).drop_duplicates(["method", "T", "K", "bs", "category"], keep="last")
-    wide = t.pivot_table(index=["method", "T", "K", "bs"], columns="category", values=["speedup", "tau"])
+    t["K"] = t["K"].astype("Int64")
+    # dropna=False keeps the jobs without a K (REST); it also pairs every index value with every
+    # other, so the empty combinations go after
+    wide = t.pivot_table(index=["method", "T", "K", "bs"], columns="category", values=["speedup", "tau"],
+                         dropna=False).dropna(how="all")
     cats = [c for c in sorted(t["category"].unique()) if c != "overall"] + ["overall"]
     wide = wide.reindex(columns=pd.MultiIndex.from_product([["speedup", "tau"], cats]))
     return wide

@@ -6,3 +6,7 @@ from methods.base import Proposer
 
 class AR(Proposer):
     name = "ar"
+
+    @classmethod
+    def spec_len(cls, cfg, device) -> None:
+        return None  # drafts nothing

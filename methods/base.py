@@ -47,6 +47,13 @@ class Proposer:
         weights load. ``target_config``: the target's HF config."""
 
     @classmethod
+    def spec_len(cls, cfg, device: torch.device) -> int | None:
+        """The speculation length recorded as the job's ``K``: the most draft tokens on one path
+        of a step. ``cfg.K`` by default; a method whose drafts take their shape from its own
+        settings returns that depth, or None when it has no fixed one."""
+        return int(cfg.K)
+
+    @classmethod
     def draft_label(cls, cfg) -> str | None:
         """The draft model this job runs, for the record (None: the method has none)."""
         return None

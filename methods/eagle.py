@@ -50,12 +50,20 @@ class Eagle(Proposer):
                 raise ConfigError(f"eagle.{key} must be 'auto' or an integer >= 1, got {v!r}")
         drafters.check_fits(resolve_path(m.checkpoint), cfg, target_config, "eagle", "eagle.checkpoint")
 
+    @classmethod
+    def tree_shape(cls, m, device) -> tuple[int, int, int]:
+        """(top_k, depth, total_tokens) of a method config on ``device`` (``auto`` resolved)."""
+        auto = AUTO.get(device.type, AUTO["cpu"])
+        return tuple(auto[k] if m[k] == "auto" else int(m[k]) for k in ("top_k", "depth", "total_tokens"))
+
+    @classmethod
+    def spec_len(cls, cfg, device) -> int:
+        return cls.tree_shape(cfg.method, device)[1]  # cfg.K plays no part: the tree is `depth` deep
+
     def __init__(self, cfg, target, tokenizer, device, dtype, drafter=None):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method
-        auto = AUTO.get(device.type, AUTO["cpu"])
-        self.top_k, self.depth, self.total = (auto[k] if m[k] == "auto" else int(m[k])
-                                              for k in ("top_k", "depth", "total_tokens"))
+        self.top_k, self.depth, self.total = self.tree_shape(m, device)
         if drafter is None:
             drafter = drafters.load(resolve_path(m.checkpoint), target, device, dtype, kind="eagle")
         self.d = drafter

@@ -95,6 +95,10 @@ class Lookahead(Proposer):
                 raise ConfigError(f"lookahead: W*(N-1) + G*(N-1) = {W * (N - 1) + G * (N - 1)} nodes per step "
                                   "is more than 512; lower W, N or G")
 
+    @classmethod
+    def spec_len(cls, cfg, device) -> int:
+        return settings(cfg.method, device.type)[1] - 1  # candidates of N-1 tokens; cfg.K plays no part
+
     def __init__(self, cfg, target, tokenizer, device, dtype):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method

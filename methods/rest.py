@@ -170,6 +170,10 @@ class Rest(Proposer):
     def draft_label(cls, cfg) -> str:
         return f"datastore:{cfg.method.datastore}"
 
+    @classmethod
+    def spec_len(cls, cfg, device) -> None:
+        return None  # the datastore's continuations set each path's length; cfg.K plays no part
+
     def __init__(self, cfg, target, tokenizer, device, dtype, reader=None):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method

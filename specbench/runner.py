@@ -244,7 +244,7 @@ class MethodRun:
         all_nodes = sum(rq.pop("_nodes") for rq in requests)
         fwd_nodes = sum(rq.pop("_fnodes") for rq in requests)
         row_steps = len(all_lens)
-        K = 0 if self.name == "ar" else int(self.cfg.K)
+        K = _spec_len(self.cfg, self.name, self.device) or 0
         depth = max([K] + all_lens)
         hist = Counter(all_lens)
         new_tokens = sum(rq["new_tokens"] for rq in requests)
@@ -305,6 +305,19 @@ def run_methods(cfg: DictConfig, names: list[str], model, tokenizer, device, dty
     return [(*run.metrics(), run.proposer) for run in runs]
 
 
+def _spec_len(cfg, method_name, device) -> int | None:
+    """The job's recorded K: the method's speculation length (None: it has no fixed one)."""
+    try:
+        return methods.get(method_name).spec_len(cfg, device)
+    except Exception:  # noqa: BLE001 - as _draft_label
+        return None
+
+
+def _job_name(cfg, method_name, device) -> str:
+    k = _spec_len(cfg, method_name, device)
+    return f"{method_name} bs={cfg.bs}" + (f" K={k}" if k is not None else "") + (f" ctx={cfg.ctx}" if cfg.ctx else "")
+
+
 def _draft_label(cfg, method_name):
     try:
         return methods.get(method_name).draft_label(cfg)
@@ -326,7 +339,7 @@ def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
         "status": "ok", "error": None, "method": method_name,
         "model": cfg.model.path or cfg.model.name,
         "draft": _draft_label(cfg, method_name),
-        "K": None if method_name == "ar" else int(cfg.K), "bs": int(cfg.bs), "ctx": cfg.ctx,
+        "K": _spec_len(cfg, method_name, device), "bs": int(cfg.bs), "ctx": cfg.ctx,
         "dataset": cfg.dataset.name if cfg.dataset.name != "jsonl" else f"jsonl:{cfg.dataset.path}",
         "limit": cfg.limit, "temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
         "max_new_tokens": int(cfg.max_new_tokens), "dtype": str(dtype).replace("torch.", ""), "device": device.type,
@@ -415,7 +428,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
     if resume:  # this job's ok record from an earlier run (same settings, machine and code)
         done = R.find_done(existing, _record_base(cfg, method_name, device, dtype, sweep_id))
         if done is not None:
-            print(f"[specbench] resume: {method_name} bs={cfg.bs} K={cfg.K} is already recorded (sweep "
+            print(f"[specbench] resume: {_job_name(cfg, method_name, device)} is already recorded (sweep "
                   f"{done.get('sweep_id')}); skipped", file=sys.stderr)
             return []
     paired = cfg.ar_baseline == "paired" and method_name != "ar"
@@ -424,8 +437,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
     ar = None if paired else R.find_ar(existing, probe, scope)
     n_turns = sum(len(q.turns) for q in questions)
     n_runs = (1 if method_name == "ar" or ar is not None else 2) * int(cfg.get("repeats") or 1)
-    bar = _bar(n_runs * n_turns, f"{method_name} bs={cfg.bs} K={cfg.K}" + (f" ctx={cfg.ctx}" if cfg.ctx else ""),
-               cfg.progress)
+    bar = _bar(n_runs * n_turns, _job_name(cfg, method_name, device), cfg.progress)
     try:
         if paired:  # its own AR baseline, taking turns with it batch by batch
             _run_paired(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id, bar, written)

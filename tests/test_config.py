@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -375,6 +376,49 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(tiny_dirs, tmp_path, mo
     assert runner.job(cfg, sweep_id="f")[0]["error"].startswith("loading: ModuleNotFoundError")
     lines = R.read(tmp_path / "records.jsonl")
     assert [r["status"] for r in lines] == ["ok", "error", "oom", "error", "error"]  # ar ok, then the failures
+
+
+def test_the_recorded_K_is_the_methods_own(tiny_dirs, tmp_path, monkeypatch):
+    """A job records the speculation length its method runs, not a K the method ignores: EAGLE's
+    tree depth, Lookahead's N - 1, none for REST and AR; the analysis tables keep jobs without one."""
+    from analysis import load, report
+    from methods.ar import AR
+    from methods.eagle import AUTO, Eagle
+    from methods.lookahead import Lookahead
+    from methods.pld import PromptLookup
+    from methods.rest import Rest
+
+    cpu = torch.device("cpu")
+
+    def c(**m):
+        return OmegaConf.create({"K": 5, "method": m})
+
+    assert Eagle.spec_len(c(top_k="auto", depth="auto", total_tokens="auto"), cpu) == AUTO["cpu"]["depth"] != 5
+    assert Eagle.spec_len(c(top_k=2, depth=3, total_tokens=9), cpu) == 3
+    assert Lookahead.spec_len(c(W=2, N=4, G=2), cpu) == 3
+    assert Rest.spec_len(c(datastore="x"), cpu) is None and AR.spec_len(c(), cpu) is None
+    assert PromptLookup.spec_len(c(), cpu) == 5
+
+    class Unshaped(PromptLookup):  # drafts like PLD, reports no fixed length (as REST does)
+        name = "unshaped"
+
+        @classmethod
+        def spec_len(cls, cfg, device):
+            return None
+
+    register_fakes(monkeypatch, unshaped=Unshaped)
+    for name in ("pld", "unshaped"):
+        cfg = tiny_cfg(tiny_dirs, tmp_path, K=3, **{"method": {"name": name, "max_ngram": 3, "min_ngram": 1}})
+        recs = runner.job(cfg, sweep_id="k")
+    recs = {r["method"]: r for r in R.read(tmp_path / "records.jsonl")}
+    assert (recs["ar"]["K"], recs["pld"]["K"], recs["unshaped"]["K"]) == (None, 3, None)
+    assert len(recs["pld"]["metrics"]["accept_rate_per_pos"]) == 3  # positions up to K, as before
+    df = load.load(tmp_path / "records.jsonl")
+    table = report.sweep_table(df).set_index("method")
+    assert table.loc["pld", "K"] == 3 and table.loc["unshaped", "K"] is pd.NA
+    cats = report.per_category(df).reset_index()
+    assert set(cats["method"]) == {"pld", "unshaped"}
+    assert cats.loc[cats["method"] == "unshaped", "K"].isna().all()
 
 
 def test_ctx_prompts_have_exact_length(tiny_dirs, tmp_path, monkeypatch):
