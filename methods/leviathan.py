@@ -15,7 +15,7 @@ from specbench.draft import Draft
 from specbench.kv import RaggedCache
 from specbench.models import (ConfigError, cached_model, load_tokenizer, model_cfg, resolve_path, self_layers_draft,
                               text_config)
-from specbench.verify import sample, warp
+from specbench.verify import greedy_pick, sample, warp
 
 
 def trained_draft(cfg) -> str | None:
@@ -99,7 +99,7 @@ class Leviathan(Proposer):
         if logits.shape[-1] < self.V:
             logits = torch.nn.functional.pad(logits, (0, self.V - logits.shape[-1]), value=float("-inf"))
         if state.sampling.greedy:
-            return logits.argmax(-1), None
+            return greedy_pick(logits), None
         q = warp(logits, state.sampling)
         return sample(q, state.gen), q
 

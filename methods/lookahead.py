@@ -30,6 +30,7 @@ from collections import OrderedDict
 from methods.base import BatchState, Proposer
 from specbench.draft import Draft, prefix_tree
 from specbench.models import ConfigError
+from specbench.verify import greedy_pick
 
 
 # W, N and G by device (`auto`). On a GPU a verify of W*(N-1) + G*(N-1) = 42 nodes costs about
@@ -144,7 +145,7 @@ class Lookahead(Proposer):
         out = None
         if state.logits is not None and max(self.n_window, default=0) > 0:
             nw = max(self.n_window)
-            out = state.logits[:, 1:1 + nw].argmax(-1).tolist()  # target's guess at each window node
+            out = greedy_pick(state.logits[:, 1:1 + nw]).tolist()  # target's guess at each window node
         for b, s in enumerate(state.seqs):
             pool = self.pools[b]
             k = len(accepted[b]) + 1  # tokens committed this step: their N-grams join the pool

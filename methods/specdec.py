@@ -18,7 +18,7 @@ from specbench import drafters
 from specbench.draft import Draft
 from specbench.kv import RaggedCache
 from specbench.models import ConfigError, resolve_path
-from specbench.verify import sample, warp
+from specbench.verify import greedy_pick, sample, warp
 
 
 class SpecDec(Proposer):
@@ -86,7 +86,7 @@ class SpecDec(Proposer):
         self.fed = [f + len(x) for f, x in zip(self.fed, news)]
         logits = out.logits[:, m:]
         if state.sampling.greedy:
-            return Draft.chain(logits.argmax(-1), relaxed=self.relaxed)
+            return Draft.chain(greedy_pick(logits), relaxed=self.relaxed)
         q = warp(logits, state.sampling)  # each query's own distribution: the exact q its token is drawn from
         return Draft.chain(sample(q.flatten(0, 1), state.gen).view(B, K), q=q)
 

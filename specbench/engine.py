@@ -13,7 +13,7 @@ from specbench.draft import Draft, tree_geometry
 from specbench.hidden import Hidden, Tap
 from specbench.kv import RaggedCache
 from specbench.timing import PhaseTimer, sync
-from specbench.verify import Sampling, sample, verify, warp
+from specbench.verify import Sampling, greedy_pick, sample, verify, warp
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Engine:
         with self.timer.phase("prefill"):
             out = cache.prefill(prompts)
             last = out.logits[:, -1]
-            first = last.argmax(-1) if s.greedy else sample(warp(last, s), gen)
+            first = greedy_pick(last) if s.greedy else sample(warp(last, s), gen)
             first = first.tolist()
             hidden = None
             if tap.names:  # left-padded prompts: each row's own positions, left-aligned

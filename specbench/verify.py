@@ -22,6 +22,18 @@ import torch
 from specbench.draft import Draft, tree_geometry
 
 
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (the first index on ties, as torch's), through numpy for fp32 CPU
+    logits: torch's CPU argmax reads a 49K vocabulary at ~1.3 floats a nanosecond here, numpy's
+    at ~6 (64 vs 9 us a row, 188 vs 26 us for the 5 rows of a K=4 verify), and a decode step
+    takes one argmax per row per forward."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
+        return logits.argmax(-1)
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), axis=-1)))
+
+
 @dataclass
 class Sampling:
     temperature: float = 0.0
@@ -67,7 +79,7 @@ def verify(logits: torch.Tensor, draft: Draft | None, s: Sampling, gen: torch.Ge
     dev = logits.device
     if draft is None or draft.n == 0:
         last = logits[:, 0]
-        extra = last.argmax(-1) if s.greedy else sample(warp(last, s), gen)
+        extra = greedy_pick(last) if s.greedy else sample(warp(last, s), gen)
         return Verdict(
             keep=torch.zeros(B, 1, dtype=torch.long, device=dev),
             counts=torch.ones(B, dtype=torch.long, device=dev),
@@ -85,7 +97,7 @@ def verify(logits: torch.Tensor, draft: Draft | None, s: Sampling, gen: torch.Ge
 def _greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
     B, N, _ = logits.shape
     dev = logits.device
-    amax = logits.argmax(-1)  # [B, N]
+    amax = greedy_pick(logits)  # [B, N]
     rows = torch.arange(B, device=dev)
     if draft.is_chain:
         match = (draft.tokens == amax[:, :-1]) & draft.accept_mask()

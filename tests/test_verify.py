@@ -278,3 +278,26 @@ def test_sliding_window_read_from_a_multimodal_text_config():
     assert RaggedCache(SimpleNamespace(config=text), CPU, torch.float32).window == 7
     plain = SimpleNamespace(get_text_config=lambda: SimpleNamespace(sliding_window=7))
     assert RaggedCache(SimpleNamespace(config=plain), CPU, torch.float32).window is None
+
+
+def test_greedy_pick_is_torch_argmax():
+    """The numpy path picks what torch.argmax picks: the first index on ties, any leading shape,
+    strided views; other dtypes, devices and autograd keep torch's own argmax."""
+    from specbench.verify import greedy_pick
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((7,), (3, 50), (2, 5, 49152), (4, 9, 33)):
+        x = torch.randint(0, 4, shape, generator=g).float()  # many ties
+        assert torch.equal(greedy_pick(x), x.argmax(-1)), shape
+        y = torch.randn(shape, generator=g)
+        assert torch.equal(greedy_pick(y), y.argmax(-1)), shape
+    z = torch.randn(3, 8, 40, generator=g)[:, 1:6:2]  # a strided view, as a verify's window slice
+    assert torch.equal(greedy_pick(z), z.argmax(-1))
+    with torch.inference_mode():
+        w = torch.randn(2, 5, 30)
+        assert torch.equal(greedy_pick(w), w.argmax(-1))
+    b = torch.randint(0, 3, (4, 30), generator=g).to(torch.bfloat16)
+    assert torch.equal(greedy_pick(b), b.argmax(-1))
+    r = torch.randn(2, 30, requires_grad=True)
+    assert torch.equal(greedy_pick(r), r.argmax(-1))
+    assert greedy_pick(y).dtype == torch.long
