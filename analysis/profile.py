@@ -75,6 +75,44 @@ def memory_bandwidth(device, mb: int = 256, reps: int = 9) -> float:
     return x.numel() * 4 / statistics.median(ts)
 
 
+def compute_rate(device, dtype, reps: int = 9) -> float:
+    """The arithmetic rate in FLOP/s that a forward can reach at best here: the faster of a
+    1024^3 matrix product through torch (MKL, cuBLAS) and, for fp32 on a CPU with the avx2 kernel,
+    that kernel over 16 rows of an in-cache weight (its decode tile; faster than MKL here)."""
+    def rate(f, flops):
+        ts = []
+        for i in range(reps + 1):
+            sync(device)
+            t = time.perf_counter()
+            f()
+            sync(device)
+            if i:
+                ts.append(time.perf_counter() - t)
+        return flops / statistics.median(ts)
+
+    a = torch.randn(1024, 1024, device=device, dtype=dtype)
+    best = rate(lambda: a @ a, 2 * 1024 ** 3)
+    if device.type == "cpu" and dtype == torch.float32:
+        if not kernels.avx2_unavailable():
+            w, x = kernels.pack(torch.randn(3072, 576)), torch.randn(16, 576)  # 7 MB: in L2/L3
+            best = max(best, rate(lambda: kernels.few_rows_linear(x, w, 3072), 2 * 16 * 3072 * 576))
+    return best
+
+
+def forward_flops(model, bs: int, n: int, ctx: int) -> int:
+    """Arithmetic of one forward over ``n`` new tokens per row on a ``ctx``-token prefix: every
+    linear layer (the output layer included) once per row, and attention's two products of
+    each new token with the whole prefix (an upper bound: the new tokens see only part of each
+    other)."""
+    from specbench.models import text_config
+
+    lin = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    c = text_config(model.config)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attn = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * head_dim * (ctx + n)
+    return int(bs * n * (2 * lin + attn))
+
+
 def forward_bytes(model, bs: int, ctx: int, dtype) -> int:
     """Bytes one forward must read at least: every weight once (tied weights once) and the
     KV cache of every row (``ctx`` positions)."""
@@ -103,32 +141,35 @@ def profile_many(models: dict, draft, bs_list, n_list, ctx, device, dtype, reps,
     vocab = int(first.config.vocab_size)
     points = [(b, n) for b in bs_list for n in n_list]
     runs: dict[tuple, list[float]] = {(k, p): [] for k in models for p in points}
-    bw_runs = []
+    bw_runs, fl_runs = [], []
     with tqdm(total=repeats * len(points) * len(models), desc="cost curve", file=sys.stderr) as bar:
         for _ in range(repeats):
             bw_runs.append(memory_bandwidth(device))
+            fl_runs.append(compute_rate(device, dtype))
             for k, model in models.items():
                 for b, n in points:
                     runs[(k, (b, n))].append(forward_time(model, b, n, ctx, device, dtype, reps, vocab))
                     bar.update(1)
-    bw = statistics.median(bw_runs)
+    bw, fl = statistics.median(bw_runs), statistics.median(fl_runs)
     draft_t = {}
     if draft is not None:
         for b in bs_list:
             draft_t[str(b)] = forward_time(draft, b, 1, ctx, device, dtype, reps, vocab)
     out = {}
     for k, model in models.items():
-        target, spread, roof, ratio = {}, {}, {}, {}
+        target, spread, roof, floor, ratio = {}, {}, {}, {}, {}
         for b, n in points:
             ts = runs[(k, (b, n))]
             target.setdefault(str(b), {})[str(n)] = statistics.median(ts)
             spread.setdefault(str(b), {})[str(n)] = [min(ts), max(ts)]
             roof.setdefault(str(b), {})[str(n)] = forward_bytes(model, b, ctx + n, dtype) / bw
+            floor.setdefault(str(b), {})[str(n)] = forward_flops(model, b, n, ctx) / fl
             # T(n)/T(n0) within each repeat (seconds apart), so a drift between repeats cancels
             rs = [t / t0 for t, t0 in zip(ts, runs[(k, (b, n_list[0]))])]
             ratio.setdefault(str(b), {})[str(n)] = [statistics.median(rs), min(rs), max(rs)]
-        out[k] = {"target": target, "target_spread": spread, "roofline": roof, "ratio_in_repeat": ratio,
-                  "draft_step": draft_t,
+        out[k] = {"target": target, "target_spread": spread, "roofline": roof, "compute_floor": floor,
+                  "ratio_in_repeat": ratio, "draft_step": draft_t,
+                  "compute_gflops": fl / 1e9, "compute_spread_gflops": [min(fl_runs) / 1e9, max(fl_runs) / 1e9],
                   "bandwidth_gbs": bw / 1e9, "bandwidth_spread_gbs": [min(bw_runs) / 1e9, max(bw_runs) / 1e9],
                   "repeats": repeats}
     return out
@@ -138,17 +179,24 @@ def print_curves(curves: dict, bs_list, n_list) -> None:
     """Per batch size: T(n) median [spread], T(n)/T(1), the roofline and the ratio to it."""
     print(f"read bandwidth {curves['bandwidth_gbs']:.1f} GB/s (spread {curves['bandwidth_spread_gbs'][0]:.1f}-"
           f"{curves['bandwidth_spread_gbs'][1]:.1f}); {curves['repeats']} repeat(s), medians [min-max]")
+    fl = curves.get("compute_gflops")
+    if fl:
+        print(f"compute {fl:.0f} GFLOP/s (spread {curves['compute_spread_gflops'][0]:.0f}-"
+              f"{curves['compute_spread_gflops'][1]:.0f}): the compute floor is a forward's FLOPs at that rate; "
+              "x floors = T / max(roofline, compute floor)")
     n0 = n_list[0]
     print(f"T(n)/T({n0}): the ratio within each repeat (its two points seconds apart), median [min-max]")
     for b in bs_list:
         T, sp, rf = curves["target"][str(b)], curves["target_spread"][str(b)], curves["roofline"][str(b)]
         ratio = curves["ratio_in_repeat"][str(b)]
+        cf = (curves.get("compute_floor") or {}).get(str(b))
         print(f"bs={b:<4} {'n':>4} {'ms':>8} {'spread ms':>15} {f'T(n)/T({n0})':>18} {'roofline ms':>12} "
-              f"{'x roofline':>10}")
+              f"{'x roofline':>10}" + (f" {'compute ms':>10} {'x floors':>8}" if cf else ""))
         for n in n_list:
             t, (lo, hi), r, (rm, rlo, rhi) = T[str(n)], sp[str(n)], rf[str(n)], ratio[str(n)]
             print(f"{'':9} {n:>4} {1000 * t:>8.1f} {f'{1000 * lo:.1f}-{1000 * hi:.1f}':>15} "
-                  f"{f'{rm:.2f} [{rlo:.2f}-{rhi:.2f}]':>18} {1000 * r:>12.1f} {t / r:>10.2f}")
+                  f"{f'{rm:.2f} [{rlo:.2f}-{rhi:.2f}]':>18} {1000 * r:>12.1f} {t / r:>10.2f}"
+                  + (f" {1000 * cf[str(n)]:>10.1f} {t / max(r, cf[str(n)]):>8.2f}" if cf else ""))
 
 
 def main(argv=None) -> int:

@@ -303,13 +303,17 @@ def test_identity_table_reads_first_divergence_from_tokens(tmp_path):
 
 
 def test_profile_roofline_and_spread(capsys):
-    from analysis.profile import forward_bytes, print_curves, profile
+    from analysis.profile import forward_bytes, forward_flops, print_curves, profile
     from helpers import CPU, tiny_llama
 
     m = tiny_llama()
     w = sum(p.numel() for p in m.parameters()) * 4
     # 2 layers x (K and V) x 2 KV heads x head_dim 16 x 10 positions x 3 rows x 4 bytes
     assert forward_bytes(m, 3, 10, torch.float32) == w + 2 * 2 * 2 * 16 * 10 * 3 * 4
+    # linears per layer: q, o 64x64; k, v 64x32; gate, up, down 64x128; output layer 96x64. Per new
+    # token: 2 FLOPs a weight, and 2 products x 2 FLOPs x 2 layers x 4 heads x 16 x (8 + 2) keys
+    lin = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) + 96 * 64
+    assert forward_flops(m, 3, 2, 8) == 3 * 2 * (2 * lin + 2 * 2 * 2 * 4 * 16 * 10)
     c = profile(m, None, [1, 2], [1, 3], 8, CPU, torch.float32, reps=1, repeats=3)
     for b in ("1", "2"):
         for n in ("1", "3"):
@@ -317,9 +321,13 @@ def test_profile_roofline_and_spread(capsys):
             assert lo <= c["target"][b][n] <= hi
             assert c["roofline"][b][n] == pytest.approx(forward_bytes(m, int(b), 8 + int(n), torch.float32)
                                                        / (c["bandwidth_gbs"] * 1e9))
+            assert c["compute_floor"][b][n] == pytest.approx(forward_flops(m, int(b), int(n), 8)
+                                                             / (c["compute_gflops"] * 1e9))
             med, rlo, rhi = c["ratio_in_repeat"][b][n]
             assert rlo <= med <= rhi and (n != "1" or rlo == rhi == 1.0)
     assert c["bandwidth_gbs"] > 0.1 and c["repeats"] == 3
     print_curves(c, [1, 2], [1, 3])
     out = capsys.readouterr().out
-    assert "x roofline" in out and "read bandwidth" in out
+    assert "x roofline" in out and "read bandwidth" in out and "x floors" in out
+    lo, hi = c["compute_spread_gflops"]
+    assert 0 < lo <= c["compute_gflops"] <= hi
