@@ -52,6 +52,15 @@ class Medusa(Proposer):
             raise ConfigError(f"medusa.eps must be in (0, 1) and medusa.delta > 0, got {m.eps}, {m.delta}")
         drafters.check_fits(resolve_path(m.checkpoint), cfg, target_config, "medusa", "medusa.checkpoint")
 
+    @classmethod
+    def spec_len(cls, cfg, device) -> int:
+        """K, or the checkpoint's head count where K asks for more (the drafts use min(K, heads))."""
+        try:
+            heads = int(drafters.read_meta(resolve_path(cfg.method.checkpoint))["drafter"]["heads"])
+        except (OSError, KeyError, TypeError, ValueError):  # no readable checkpoint: check() says so
+            return int(cfg.K)
+        return min(int(cfg.K), heads)
+
     def __init__(self, cfg, target, tokenizer, device, dtype, heads=None, acc=None):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method

@@ -398,6 +398,11 @@ def test_the_recorded_K_is_the_methods_own(tiny_dirs, tmp_path, monkeypatch):
     assert Lookahead.spec_len(c(W=2, N=4, G=2), cpu) == 3
     assert Rest.spec_len(c(datastore="x"), cpu) is None and AR.spec_len(c(), cpu) is None
     assert PromptLookup.spec_len(c(), cpu) == 5
+    from methods.medusa import Medusa
+
+    shipped = str(REPO / "checkpoints" / "smollm2-135m" / "medusa")  # 4 heads
+    assert Medusa.spec_len(OmegaConf.create({"K": 6, "method": {"checkpoint": shipped}}), cpu) == 4
+    assert Medusa.spec_len(OmegaConf.create({"K": 3, "method": {"checkpoint": shipped}}), cpu) == 3
 
     class Unshaped(PromptLookup):  # drafts like PLD, reports no fixed length (as REST does)
         name = "unshaped"
