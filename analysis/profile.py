@@ -60,42 +60,36 @@ def forward_time(model, bs: int, n: int, ctx: int, device, dtype, reps: int, voc
     return statistics.median(times)
 
 
-def memory_bandwidth(device, mb: int = 256, reps: int = 9) -> float:
-    """Read bandwidth in bytes/s, median over ``reps`` passes of ``sum`` over an ``mb`` MiB
-    fp32 tensor, larger than any cache (the spread is taken over the profile's repeats)."""
-    x = torch.ones(mb * 2**20 // 4, device=device)
+def _median_seconds(f, device, reps: int) -> float:
+    """Median time of ``reps`` calls of ``f`` after one untimed call."""
     ts = []
     for i in range(reps + 1):
         sync(device)
         t = time.perf_counter()
-        x.sum()
+        f()
         sync(device)
         if i:
             ts.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(ts)
+    return statistics.median(ts)
+
+
+def memory_bandwidth(device, mb: int = 256, reps: int = 9) -> float:
+    """Read bandwidth in bytes/s, median over ``reps`` passes of ``sum`` over an ``mb`` MiB
+    fp32 tensor, larger than any cache (the spread is taken over the profile's repeats)."""
+    x = torch.ones(mb * 2**20 // 4, device=device)
+    return x.numel() * 4 / _median_seconds(x.sum, device, reps)
 
 
 def compute_rate(device, dtype, reps: int = 9) -> float:
     """The arithmetic rate in FLOP/s that a forward can reach at best here: the faster of a
     1024^3 matrix product through torch (MKL, cuBLAS) and, for fp32 on a CPU with the avx2 kernel,
     that kernel over 16 rows of an in-cache weight (its decode tile; faster than MKL here)."""
-    def rate(f, flops):
-        ts = []
-        for i in range(reps + 1):
-            sync(device)
-            t = time.perf_counter()
-            f()
-            sync(device)
-            if i:
-                ts.append(time.perf_counter() - t)
-        return flops / statistics.median(ts)
-
     a = torch.randn(1024, 1024, device=device, dtype=dtype)
-    best = rate(lambda: a @ a, 2 * 1024 ** 3)
-    if device.type == "cpu" and dtype == torch.float32:
-        if not kernels.avx2_unavailable():
-            w, x = kernels.pack(torch.randn(3072, 576)), torch.randn(16, 576)  # 7 MB: in L2/L3
-            best = max(best, rate(lambda: kernels.few_rows_linear(x, w, 3072), 2 * 16 * 3072 * 576))
+    best = 2 * 1024 ** 3 / _median_seconds(lambda: a @ a, device, reps)
+    if device.type == "cpu" and dtype == torch.float32 and not kernels.avx2_unavailable():
+        w, x = kernels.pack(torch.randn(3072, 576)), torch.randn(16, 576)  # 7 MB: in L2/L3
+        best = max(best, 2 * 16 * 3072 * 576 / _median_seconds(lambda: kernels.few_rows_linear(x, w, 3072), device,
+                                                                 reps))
     return best
 
 

@@ -158,6 +158,7 @@ class MethodRun:
         mcfg = OmegaConf.merge(cfg, {"method": OmegaConf.load(CONF_DIR / "method" / f"{method_name}.yaml")}) \
             if method_name != cfg.method.name else cfg
         self.proposer = methods.get(method_name)(mcfg, model, tokenizer, device, dtype)
+        self.K = _spec_len(mcfg, method_name, device) or 0  # positions of the per-position acceptance
         sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
         self.chat = bool(cfg.model.get("chat", True))
         eos = eos_ids(model, tokenizer)
@@ -244,8 +245,7 @@ class MethodRun:
         all_nodes = sum(rq.pop("_nodes") for rq in requests)
         fwd_nodes = sum(rq.pop("_fnodes") for rq in requests)
         row_steps = len(all_lens)
-        K = _spec_len(self.cfg, self.name, self.device) or 0
-        depth = max([K] + all_lens)
+        depth = max([self.K] + all_lens)
         hist = Counter(all_lens)
         new_tokens = sum(rq["new_tokens"] for rq in requests)
         time_s = {p: times.get(p, 0.0) for p in PHASES}

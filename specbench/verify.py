@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specbench.draft import Draft, tree_geometry
@@ -29,8 +30,6 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     takes one argmax per row per forward."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
         return logits.argmax(-1)
-    import numpy as np
-
     return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), axis=-1)))
 
 
