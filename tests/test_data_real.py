@@ -108,7 +108,8 @@ def test_lookahead_rest_specdec_sweep_with_task_scores(tmp_path):
 @pytest.mark.slow
 def test_peers_benchmark_runs_and_agrees(tmp_path):
     """`make bench-peers` in miniature: both sides run the same packed (oneDNN) model, AR is
-    token-identical to `generate`, and the JSON line carries every ratio."""
+    token-identical to `generate`, each side's PLD and Leviathan equal its own AR (fp32), and the
+    JSON line carries every ratio."""
     out = subprocess.run(
         [sys.executable, "-m", "specbench.peers", "--limit", "1", "--max-new", "8", "--bs", "1,2", "--dtype", "fp32",
          "--kernel", "onednn", "--out", str(tmp_path / "peers.jsonl")],
@@ -119,3 +120,4 @@ def test_peers_benchmark_runs_and_agrees(tmp_path):
     for k in ("ar_bs1", "ar_bs2", "pld", "leviathan"):
         assert line[f"{k}_ratio"] > 0, k
     assert line["ar_bs1_identical"] == 1.0 and line["ar_bs2_identical"] == 1.0
+    assert line["as_own_ar"] == {"pld": [1.0, 1.0], "leviathan": [1.0, 1.0]}
