@@ -33,13 +33,14 @@ namespace {
 
 constexpr int kCols = 8;
 constexpr int kGroup = 16;  // rows whose partial sums are kept while the blocks stream by
-constexpr int kChunk = 64;  // k per step when the rows take several passes
+constexpr int kChunk = 48;  // k per step when the rows take several passes (64: ~3% slower at 5-8 rows)
 constexpr int64_t kSlab = 256;  // rows per sweep over the weight
-constexpr int kAhead = 32;  // k ahead that the first of several passes prefetches (1 KB per block)
+constexpr int kAhead = 16;  // k ahead that a single or first pass prefetches (512 bytes per block)
 
 // R rows of x (row stride I) through C consecutive blocks of w over k in [k0, k1): the tile's
-// partial sums come from acc (unless k0 == 0) and go back to it, R*C vectors of 8.
-template <int R, int C, bool Prefetch>
+// partial sums come from acc (unless k0 == 0) and go back to it, R*C vectors of 8. Ahead > 0:
+// each block's line Ahead k further on is prefetched, non-temporal (the weights are read once).
+template <int R, int C, int Ahead>
 inline void tile(const float* x, int64_t I, const float* w, int64_t k0, int64_t k1, float* acc) {
   __m256 a[R][C];
 #pragma GCC unroll 8
@@ -51,11 +52,11 @@ inline void tile(const float* x, int64_t I, const float* w, int64_t k0, int64_t 
     __m256 wk[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; c++) wk[c] = _mm256_loadu_ps(w + c * ws + kCols * k);
-    if constexpr (Prefetch)
+    if constexpr (Ahead > 0)
       if (!(k & 1))  // one 64-byte line per block every two k, kept inside the block
 #pragma GCC unroll 4
         for (int c = 0; c < C; c++)
-          _mm_prefetch(reinterpret_cast<const char*>(w + c * ws + kCols * std::min(k + kAhead, I - 1)), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w + c * ws + kCols * std::min<int64_t>(k + Ahead, I - 1)), _MM_HINT_NTA);
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
       const __m256 xk = _mm256_broadcast_ss(x + r * I + k);
@@ -69,26 +70,32 @@ inline void tile(const float* x, int64_t I, const float* w, int64_t k0, int64_t 
     for (int c = 0; c < C; c++) _mm256_store_ps(acc + (r * C + c) * kCols, a[r][c]);
 }
 
-template <int C, int Rmax, bool Prefetch>
+template <int C, int Rmax, int Ahead>
 inline void tile_rows(int64_t R, const float* x, int64_t I, const float* w, int64_t k0, int64_t k1, float* acc) {
   switch (R) {
-    case 8: if constexpr (Rmax >= 8) tile<8, C, Prefetch>(x, I, w, k0, k1, acc); break;
-    case 7: if constexpr (Rmax >= 7) tile<7, C, Prefetch>(x, I, w, k0, k1, acc); break;
-    case 6: if constexpr (Rmax >= 6) tile<6, C, Prefetch>(x, I, w, k0, k1, acc); break;
-    case 5: if constexpr (Rmax >= 5) tile<5, C, Prefetch>(x, I, w, k0, k1, acc); break;
-    case 4: if constexpr (Rmax >= 4) tile<4, C, Prefetch>(x, I, w, k0, k1, acc); break;
-    case 3: if constexpr (Rmax >= 3) tile<3, C, Prefetch>(x, I, w, k0, k1, acc); break;
-    case 2: if constexpr (Rmax >= 2) tile<2, C, Prefetch>(x, I, w, k0, k1, acc); break;
-    default: tile<1, C, Prefetch>(x, I, w, k0, k1, acc); break;
+    case 8: if constexpr (Rmax >= 8) tile<8, C, Ahead>(x, I, w, k0, k1, acc); break;
+    case 7: if constexpr (Rmax >= 7) tile<7, C, Ahead>(x, I, w, k0, k1, acc); break;
+    case 6: if constexpr (Rmax >= 6) tile<6, C, Ahead>(x, I, w, k0, k1, acc); break;
+    case 5: if constexpr (Rmax >= 5) tile<5, C, Ahead>(x, I, w, k0, k1, acc); break;
+    case 4: if constexpr (Rmax >= 4) tile<4, C, Ahead>(x, I, w, k0, k1, acc); break;
+    case 3: if constexpr (Rmax >= 3) tile<3, C, Ahead>(x, I, w, k0, k1, acc); break;
+    case 2: if constexpr (Rmax >= 2) tile<2, C, Ahead>(x, I, w, k0, k1, acc); break;
+    default: tile<1, C, Ahead>(x, I, w, k0, k1, acc); break;
   }
 }
 
 // All n rows through C blocks (the last one cols_last columns wide), kGroup rows at a time, each
 // group split evenly into passes of at most Rmax rows (6 rows with Rmax 4: 3 + 3, not 4 + 2).
-// With one pass the blocks stream by once. With several, the passes take turns over chunks of
-// kChunk k: every pass after the first finds the chunk in L1, and the first prefetches kAhead k
-// ahead, so the memory stream goes on under all of them (passes over whole blocks left the
-// memory idle while the later ones reran the blocks from cache, and compute and stream added up).
+// With one pass the blocks stream by once, prefetched kAhead k ahead for 2 or more rows. One row
+// is left to the hardware prefetcher (software prefetch there ran from 4% faster to 2% slower by
+// host state). With several passes, the passes take turns over chunks of kChunk k: every pass
+// after the first finds the chunk in L1. The first prefetches kAhead k ahead and the later ones
+// the next chunk (kChunk ahead), so the memory stream goes on under all of them (passes over
+// whole blocks left the memory idle while the later ones reran the blocks from cache, and compute
+// and stream added up). Prefetches are non-temporal. Against T0 prefetches from the first of
+// several passes only (the previous scheme), interleaved: the model's 121 linears back to back
+// 0.94-0.97x the time at 2 rows, 0.79-0.86x at 4, 0.89-0.95x at 5-8; whole forwards (bs 1, ctx
+// 256) 0.92x at 4 rows, 0.95-0.97x at 5-8 (the back-to-back gain shrinks between other ops).
 template <int C, int Rmax>
 inline void rows_through(const float* x, int64_t n, int64_t I, const float* w, float* y, int64_t O,
                          int64_t cols_last) {
@@ -106,10 +113,12 @@ inline void rows_through(const float* x, int64_t n, int64_t I, const float* w, f
       for (int64_t p = 0, r = 0; p < passes; r += sizes[p++]) {
         const float* xr = x + (g + r) * I;
         const int64_t k1 = std::min(I, k0 + chunk);
-        if (p == 0 && passes > 1)
-          tile_rows<C, Rmax, true>(sizes[p], xr, I, w, k0, k1, acc + r * C * kCols);
+        if (gn == 1)
+          tile_rows<C, Rmax, 0>(sizes[p], xr, I, w, k0, k1, acc + r * C * kCols);
+        else if (p == 0)
+          tile_rows<C, Rmax, kAhead>(sizes[p], xr, I, w, k0, k1, acc + r * C * kCols);
         else
-          tile_rows<C, Rmax, false>(sizes[p], xr, I, w, k0, k1, acc + r * C * kCols);
+          tile_rows<C, Rmax, kChunk>(sizes[p], xr, I, w, k0, k1, acc + r * C * kCols);
       }
     for (int64_t r = 0; r < gn; r++)
       for (int c = 0; c < C; c++)
