@@ -199,13 +199,41 @@ def nearest_state(cand: list[dict], bs: int, base) -> dict:
     iteration). A shared host's memory bandwidth drifts by 2x within an hour, and a starved
     host inflates T(1) (a weight stream) more than T(32) (FMA-bound): a curve from another
     state misprices the wide verifies. Without an in-run step, the newest curve."""
-    try:
-        step = float(base["t_verify"]) / float(base["iterations"])
-    except (TypeError, KeyError, ValueError, ZeroDivisionError):
-        step = math.nan
+    step = _ar_step(base)
     if not step > 0 or len(cand) == 1:
         return cand[-1]
     return min(reversed(cand), key=lambda c: abs(math.log(interp(c["target"], bs, 1) / step)))
+
+
+def _ar_step(base) -> float:
+    """The AR record's own decode step (its verify time per iteration), NaN without one."""
+    try:
+        return float(base["t_verify"]) / float(base["iterations"])
+    except (TypeError, KeyError, ValueError, ZeroDivisionError):
+        return math.nan
+
+
+# a bound read from a curve whose T(bs, 1) is further than this from the job's own AR step
+# (as a ratio either way) was priced in another host state: the report says so
+STATE_GAP = 1.15
+
+
+def curve_state_gap(df, curves) -> pd.Series:
+    """Per job with a batch-aware bound: the chosen curve's T(bs, 1) over the paired AR record's
+    own decode step (1.0: the curve was taken in the job's host state); NaN where the job has
+    no bound or its AR record no step."""
+    ar_of = ar_baselines(df)
+    vals = []
+    for _, r in df.iterrows():
+        g = math.nan
+        cand = curves_for(curves, r["model"], r["device"], r["dtype"], r.get("kernel"))
+        base = ar_of(r)
+        if r["method"] != "ar" and cand and r.get("iterations") and base is not None:
+            step = _ar_step(base)
+            if step > 0:
+                g = interp(nearest_state(cand, int(r["bs"]), base)["target"], int(r["bs"]), 1) / step
+        vals.append(g)
+    return pd.Series(vals, index=df.index)
 
 
 def batch_aware(df, curves) -> pd.Series:
@@ -397,13 +425,13 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
 def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
     df = df.assign(speedup_ci=[f"{lo:.2f}-{hi:.2f}" if lo == lo and hi == hi else None
                                for lo, hi in zip(df["speedup_lo"], df["speedup_hi"])])
-    for col in ("bound_batch", "of_bound"):
+    for col in ("bound_batch", "of_bound", "curve_gap"):
         if col not in df:
             df[col] = float("nan")
     cols = ["label", "model", "dataset", "dtype", "kernel", "temperature", "bs", "K", "ctx", "tokens_per_s", "speedup",
             "speedup_ci", "tau",
             "alpha", "c",
-            "bound_leviathan", "bound_batch", "of_bound", "verify_share", "match_ar", "peak_mem_bytes"]
+            "bound_leviathan", "bound_batch", "of_bound", "curve_gap", "verify_share", "match_ar", "peak_mem_bytes"]
     scored = df["quality"].notna().any() if "quality" in df else False
     if scored:  # task score of the job and of its AR baseline (GSM8K accuracy, HumanEval pass@1)
         cols = cols[:-1] + ["quality", "quality_ar", "peak_mem_bytes"]
@@ -421,6 +449,7 @@ def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
     t["of_bound"] = 100 * t["of_bound"]
     t = t.rename(columns={"label": "method", "temperature": "T", "tokens_per_s": "tok/s", "bound_leviathan": "bound",
                           "bound_batch": "batch bound", "of_bound": "% of batch bound",
+                          "curve_gap": "curve / AR step",
                           "speedup_ci": "95% CI",
                           "verify_share": "verify %", "match_ar": "match AR %", "peak_mem_bytes": "peak MiB"})
     return t.sort_values(["model", "dataset", "dtype", "T", "bs", "method", "K"],
@@ -517,6 +546,12 @@ def build(records, out: Path, **filters) -> list[Path]:
     fig_time_split(df, out, written)
     df["bound_batch"] = batch_aware(df, curves)  # from the profiled cost curve (NaN without one)
     df["of_bound"] = df["speedup"] / df["bound_batch"]
+    df["curve_gap"] = curve_state_gap(df, curves)
+    off = df[(df["curve_gap"] > STATE_GAP) | (df["curve_gap"] < 1 / STATE_GAP)]
+    for _, r in off.iterrows():
+        print(f"[report] {r['label']} (bs={r['bs']}): its batch bound reads a cost curve {r['curve_gap']:.2f}x its "
+              f"paired AR's own step (another host state); profile the curve again beside the job "
+              f"(make bench-cpu does, after its jobs)", file=sys.stderr)
     fig_bounds(df, out, written)
     fig_hist(df, out, written)
     fig_quality(df, out, written)

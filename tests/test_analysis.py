@@ -85,6 +85,29 @@ def test_bound_reads_the_curve_of_the_jobs_host_state():
     assert ((report.batch_aware(df, slow) - one).abs()[one.notna()] > 1e-2).all()  # the slow curve alone reads differently
 
 
+def test_report_says_when_a_bound_reads_another_host_state(tmp_path, capsys):
+    """Each bound's curve against the paired AR's own step ("curve / AR step"): near 1 for the
+    fixture's curves; a curve from a 3x slower state, the only one there, reads 3x and the
+    report says so, one line per job."""
+    df = load(FIX / "records.jsonl")
+    curves = [json.loads(x) for x in (FIX / "cost_curves.jsonl").read_text().splitlines() if x.strip()]
+    gap = report.curve_state_gap(df, curves)
+    assert gap.notna().sum() == 12 and gap.between(1 / report.STATE_GAP, report.STATE_GAP).sum() == 12
+    slow = [dict(c, target={b: {n: 3.0 * t for n, t in row.items()} for b, row in c["target"].items()})
+            for c in curves]
+    assert (report.curve_state_gap(df, slow) / gap).dropna().round(9).eq(3.0).all()
+    (tmp_path / "recs").mkdir()
+    (tmp_path / "recs" / "records.jsonl").write_text((FIX / "records.jsonl").read_text())
+    (tmp_path / "recs" / "cost_curves.jsonl").write_text("".join(json.dumps(c) + "\n" for c in slow))
+    capsys.readouterr()
+    report.build(tmp_path / "recs", tmp_path / "rep")
+    warned = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[report]")]
+    assert len(warned) == 12 and all("another host state" in x for x in warned)
+    assert "curve / AR step" in (tmp_path / "rep" / "sweep.md").read_text()
+    report.build(FIX, tmp_path / "rep2")  # the fixture's own curves: nothing to say
+    assert "[report]" not in capsys.readouterr().err
+
+
 def test_simulator_by_hand():
     T = {1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5}.get  # seconds per forward of n tokens
     steps = [3, 0, 1]  # K=3, draft 0.1 s/token
