@@ -218,21 +218,26 @@ def _ar_step(base) -> float:
 STATE_GAP = 1.15
 
 
+def _priced(df, curves):
+    """Per job: (its row, the curve its batch-aware bound reads, the AR record it is read
+    against), the curve and record None where no bound applies (AR itself, no curve for its
+    model/device/dtype/kernel, no AR record)."""
+    ar_of = ar_baselines(df)
+    for _, r in df.iterrows():
+        cand = curves_for(curves, r["model"], r["device"], r["dtype"], r.get("kernel"))
+        base = ar_of(r)
+        if r["method"] != "ar" and cand and r.get("iterations") and base is not None:
+            yield r, nearest_state(cand, int(r["bs"]), base), base
+        else:
+            yield r, None, None
+
+
 def curve_state_gap(df, curves) -> pd.Series:
     """Per job with a batch-aware bound: the chosen curve's T(bs, 1) over the paired AR record's
     own decode step (1.0: the curve was taken in the job's host state); NaN where the job has
     no bound or its AR record no step."""
-    ar_of = ar_baselines(df)
-    vals = []
-    for _, r in df.iterrows():
-        g = math.nan
-        cand = curves_for(curves, r["model"], r["device"], r["dtype"], r.get("kernel"))
-        base = ar_of(r)
-        if r["method"] != "ar" and cand and r.get("iterations") and base is not None:
-            step = _ar_step(base)
-            if step > 0:
-                g = interp(nearest_state(cand, int(r["bs"]), base)["target"], int(r["bs"]), 1) / step
-        vals.append(g)
+    vals = [interp(c["target"], int(r["bs"]), 1) / _ar_step(base) if c is not None and _ar_step(base) > 0
+            else math.nan for r, c, base in _priced(df, curves)]
     return pd.Series(vals, index=df.index)
 
 
@@ -242,14 +247,10 @@ def batch_aware(df, curves) -> pd.Series:
     interpolated in width; of several curves, the one nearest the job's host state,
     `nearest_state`), the prefill as each side measured it (the method's and the AR record
     it is read against); NaN without a curve or an AR record."""
-    ar_of = ar_baselines(df)
     vals = []
-    for _, r in df.iterrows():
+    for r, c, base in _priced(df, curves):
         s = math.nan
-        cand = curves_for(curves, r["model"], r["device"], r["dtype"], r.get("kernel"))
-        base = ar_of(r)
-        if r["method"] != "ar" and cand and r.get("iterations") and base is not None:
-            c = nearest_state(cand, int(r["bs"]), base)
+        if c is not None:
             T = c["target"]
             t_ar = interp(T, int(r["bs"]), 1)
             nodes = r.get("forward_nodes")  # a tree verifies its nodes (and Lookahead's window), a chain K
