@@ -368,18 +368,21 @@ def _additive(mask: torch.Tensor | None) -> torch.Tensor:
 def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                          use_cache=False, position_embeddings=None, **kwargs):
     x = hidden_states
+    cache = past_key_values if past_key_values is not None else kwargs.pop("cache", None)  # its name from 5.24
     attn, mlp = self._modules["self_attn"], self._modules["mlp"]
     if _as_loaded(attn.q_proj.weight, x) or position_embeddings is None:
+        from specbench.models import cache_kwarg
+
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                  past_key_values=past_key_values, use_cache=use_cache,
-                                  position_embeddings=position_embeddings, **kwargs)
+                                  use_cache=use_cache, position_embeddings=position_embeddings,
+                                  **{cache_kwarg(type(self)): cache}, **kwargs)
     ext = _extension()
     qkv_w, gate_up_w, nq, nkv, d, width, o_w, down_w = _fused_weights(self)
     B, n, _ = x.shape
     norm = self._modules["input_layernorm"]
     q, k, v = fused_qkv(x, norm.weight, norm.variance_epsilon, qkv_w, nq, nkv, d, *position_embeddings)
-    if past_key_values is not None:
-        k, v = past_key_values.update(k, v, attn.layer_idx)
+    if cache is not None:
+        k, v = cache.update(k, v, attn.layer_idx)
     impl = attn.config._attn_implementation
     if n <= _ATTENTION_ROWS and impl in ("sdpa", _GQA) \
             and (attention_mask is None or isinstance(attention_mask, torch.Tensor)):

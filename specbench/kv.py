@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specbench.models import text_config
+from specbench.models import cache_kwarg, text_config
 
 
 class SlabLayer(DynamicLayer):
@@ -158,7 +158,7 @@ class RaggedCache:
             ok = ok | (~valid[:, :, None] & torch.eye(P, dtype=torch.bool, device=self.device)[None])
             mask = self._to_model_mask(ok, pos, pos)
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+            input_ids=ids, attention_mask=mask, position_ids=pos, **{cache_kwarg(self.model): self.cache},
             use_cache=True, logits_to_keep=1, **model_kwargs,
         )
         self.C = P
@@ -186,7 +186,7 @@ class RaggedCache:
             k_pos = torch.cat([(slot[None, :] - self.start[:, None]).expand(B, self.C), pos], dim=1)
             mask = self._to_model_mask(ok, pos, k_pos)
         out = self.model(
-            input_ids=tokens, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+            input_ids=tokens, attention_mask=mask, position_ids=pos, **{cache_kwarg(self.model): self.cache},
             use_cache=True, logits_to_keep=logits_to_keep, **model_kwargs,
         )
         return out

@@ -8,7 +8,9 @@ about a second. Any HF hub id or local folder loads through ``model.path``.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
+import inspect
 import os
 import sys
 import time
@@ -202,6 +204,20 @@ def load_model(mcfg, device: torch.device, dtype: torch.dtype):
     model.to(device).eval()
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
     return model
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(forward) -> str:
+    params = inspect.signature(forward).parameters
+    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+
+def cache_kwarg(obj) -> str:
+    """The keyword ``obj``'s forward (a model, a drafter, a decoder layer's class) takes its KV
+    cache under: transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name
+    still maps onto the new one on its models until 5.40, with a warning; a replaced forward
+    gets only the new one)."""
+    return _cache_kwarg(obj.forward if isinstance(obj, type) else type(obj).forward)
 
 
 def text_config(config):

@@ -26,7 +26,7 @@ from torch import nn
 
 from specbench import kernels
 from specbench.drafters import Drafter
-from specbench.models import text_config
+from specbench.models import cache_kwarg, text_config
 
 
 @dataclass
@@ -87,7 +87,7 @@ class DraftLM(Drafter):
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True,
                 logits_to_keep: int = 0, output_hidden_states: bool = False, **_):
         out = self.body(inputs_embeds=self.embed(input_ids), attention_mask=attention_mask, position_ids=position_ids,
-                        past_key_values=past_key_values, use_cache=use_cache)
+                        use_cache=use_cache, **{cache_kwarg(self.body): past_key_values})
         h = out.last_hidden_state
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
