@@ -218,6 +218,39 @@ def test_llama_layers_take_the_fused_forward_and_keep_the_layer_semantics():
     assert x.grad is not None and m.model.layers[0].mlp.up_proj.weight.grad is not None
 
 
+
+@avx2
+def test_fused_layer_takes_the_cache_under_either_name():
+    """transformers 5.24 passes a layer its KV cache as ``cache``, earlier versions as
+    ``past_key_values``: the fused forward appends to it under either name (attending over the
+    cached keys too), and ``cache_kwarg`` reads the name a forward takes from its signature."""
+    from transformers import DynamicCache
+
+    from specbench.models import cache_kwarg
+
+    class Old:
+        def forward(self, x, past_key_values=None): ...
+
+    class New:
+        def forward(self, x, cache=None, **kw): ...
+
+    assert (cache_kwarg(Old), cache_kwarg(New()), cache_kwarg(Old())) == ("past_key_values", "cache", "past_key_values")
+    m = tiny_llama(seed=3)
+    kernels.apply(m, "avx2")
+    layer = m.model.layers[0]
+    outs = []
+    with torch.inference_mode():
+        for name in ("past_key_values", "cache"):
+            kv = DynamicCache()
+            for lo, hi in ((0, 5), (5, 7)):
+                x = torch.randn(1, hi - lo, 64, generator=torch.Generator().manual_seed(lo))
+                pe = m.model.rotary_emb(x, torch.arange(lo, hi)[None])
+                y = layer(x, position_embeddings=pe, use_cache=True, **{name: kv})
+            assert kv.get_seq_length(0) == 7, name
+            outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+
+
 @avx2
 @pytest.mark.parametrize("d", [64, 16])
 def test_extension_attention_matches_sdpa(d):
