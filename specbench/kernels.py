@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from specbench.models import cache_kwarg
+
 KERNELS = ("auto", "torch", "onednn", "avx2")
 _SRC = Path(__file__).parent / "csrc" / "few_rows.cpp"
 
@@ -371,8 +373,6 @@ def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=
     cache = past_key_values if past_key_values is not None else kwargs.pop("cache", None)  # its name from 5.24
     attn, mlp = self._modules["self_attn"], self._modules["mlp"]
     if _as_loaded(attn.q_proj.weight, x) or position_embeddings is None:
-        from specbench.models import cache_kwarg
-
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   use_cache=use_cache, position_embeddings=position_embeddings,
                                   **{cache_kwarg(type(self)): cache}, **kwargs)
