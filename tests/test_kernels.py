@@ -2,6 +2,11 @@
 fp32 rounding, greedy identity of the engine on them, training untouched; the avx2 kernel's
 rows independent of each other bit for bit."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -114,6 +119,53 @@ def test_avx2_rows_do_not_depend_on_each_other():
     alone = torch.cat([kernels.few_rows_linear(x[i:i + 1], wp, 100) for i in range(len(x))])
     for n in range(1, len(x) + 1):
         assert torch.equal(kernels.few_rows_linear(x[:n], wp, 100), alone[:n]), n
+
+
+_GUARDED = r"""
+import ctypes, mmap, sys, torch
+from specbench import kernels
+
+PAGE = mmap.PAGESIZE
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+keep = []
+
+
+def before_a_guard_page(t):
+    # a copy of t that ends where an unreadable page begins: any load past its end faults
+    size = t.numel() * 4
+    pages = -(-size // PAGE)
+    buf = mmap.mmap(-1, (pages + 1) * PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert libc.mprotect(base + pages * PAGE, PAGE, 0) == 0, ctypes.get_errno()  # PROT_NONE
+    out = torch.frombuffer(buf, dtype=torch.float32, count=t.numel(), offset=pages * PAGE - size).view(t.shape)
+    out.copy_(t)
+    keep.append(buf)
+    return out
+
+
+g = torch.Generator().manual_seed(0)
+for out_features, in_features in ((37, 129), (48, 576)):
+    w = torch.randn(out_features, in_features, generator=g)
+    wp = before_a_guard_page(kernels.pack(w))
+    for n in (1, 2, 3, 4, 5, 8, 9, 17):
+        x = before_a_guard_page(torch.randn(n, in_features, generator=g))
+        y = kernels.few_rows_linear(x, wp, out_features)
+        assert torch.allclose(y, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-5), (out_features, n)
+print("ok")
+"""
+
+
+@avx2
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect through libc")
+def test_avx2_kernel_reads_nothing_past_the_packing_or_the_rows():
+    """The tiles prefetch past a block's end without a clamp (a prefetch never faults); their loads
+    must stay inside. With the packing and the rows each ending where an unreadable page begins,
+    a load past either end kills the process (run apart, so that it fails only this test)."""
+    built = Path(kernels._extension().__file__).parents[2]  # this process's cache: no second build
+    run = subprocess.run([sys.executable, "-c", _GUARDED], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "SPECBENCH_CACHE": str(built)})
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode, run.stderr[-2000:])
 
 
 @avx2
