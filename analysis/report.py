@@ -236,8 +236,10 @@ def curve_state_gap(df, curves) -> pd.Series:
     """Per job with a batch-aware bound: the chosen curve's T(bs, 1) over the paired AR record's
     own decode step (1.0: the curve was taken in the job's host state); NaN where the job has
     no bound or its AR record no step."""
-    vals = [interp(c["target"], int(r["bs"]), 1) / _ar_step(base) if c is not None and _ar_step(base) > 0
-            else math.nan for r, c, base in _priced(df, curves)]
+    vals = []
+    for r, c, base in _priced(df, curves):
+        step = _ar_step(base) if c is not None else math.nan
+        vals.append(interp(c["target"], int(r["bs"]), 1) / step if step > 0 else math.nan)
     return pd.Series(vals, index=df.index)
 
 

@@ -122,7 +122,7 @@ def test_avx2_rows_do_not_depend_on_each_other():
 
 
 _GUARDED = r"""
-import ctypes, mmap, sys, torch
+import ctypes, mmap, torch
 from specbench import kernels
 
 PAGE = mmap.PAGESIZE
@@ -133,12 +133,12 @@ keep = []
 
 def before_a_guard_page(t):
     # a copy of t that ends where an unreadable page begins: any load past its end faults
-    size = t.numel() * 4
+    size = t.numel() * t.element_size()
     pages = -(-size // PAGE)
     buf = mmap.mmap(-1, (pages + 1) * PAGE)
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     assert libc.mprotect(base + pages * PAGE, PAGE, 0) == 0, ctypes.get_errno()  # PROT_NONE
-    out = torch.frombuffer(buf, dtype=torch.float32, count=t.numel(), offset=pages * PAGE - size).view(t.shape)
+    out = torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=pages * PAGE - size).view(t.shape)
     out.copy_(t)
     keep.append(buf)
     return out
@@ -268,7 +268,6 @@ def test_llama_layers_take_the_fused_forward_and_keep_the_layer_semantics():
     pe = m.model.rotary_emb(x, torch.arange(3)[None])
     m.model.layers[0](x, position_embeddings=pe).sum().backward()
     assert x.grad is not None and m.model.layers[0].mlp.up_proj.weight.grad is not None
-
 
 
 @avx2
