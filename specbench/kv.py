@@ -48,27 +48,43 @@ class SlabLayer(DynamicLayer):
         off_v = (self.values.storage_offset() - self._v.storage_offset()) // self._v.stride(2)
         return off if rem == 0 and off == off_v and off >= 0 else None
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
+    def _grow(self, n: int, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+        """(offset of the views in the buffer, their length L) once the buffer has room for ``n``
+        more slots after them (a new buffer shaped like k and v, the views copied, if not); the
+        views then take in the n slots, still to be written."""
         L = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         off = self._offset()
         if off is None or off + L + n > self._k.shape[2]:
             cap = max(64, 2 * (L + n))
-            k, v = key_states, value_states
             self._k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
             self._v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
             if L:
                 self._k[:, :, :L] = self.keys
                 self._v[:, :, :L] = self.values
             off = 0
-        self._k[:, :, off + L:off + L + n] = key_states
-        self._v[:, :, off + L:off + L + n] = value_states
-        self.keys = self._k[:, :, off:off + L + n]
-        self.values = self._v[:, :, off:off + L + n]
+        self.keys = self._k.narrow(2, off, L + n)
+        self.values = self._v.narrow(2, off, L + n)
         self._mine = (self.keys, self.values, off)
+        return off, L
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        off, L = self._grow(n, key_states, value_states)
+        self._k.narrow(2, off + L, n).copy_(key_states)
+        self._v.narrow(2, off + L, n).copy_(value_states)
         return self.keys, self.values
+
+    def append(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """Room for ``n`` new slots that the caller writes itself (the avx2 fused layer writes
+        them from its kernel, then attends; nobody reads them in between): (key buffer, value
+        buffer, offset of the views in them, slots before the new ones). None before the first
+        ``update`` (a prefill) made the buffers."""
+        if not self.is_initialized or self.keys.dim() != 4 or self._k is None:
+            return None
+        off, L = self._grow(n, self.keys, self.values)
+        return self._k, self._v, off, L
 
 
 def _narrow(layer, lo: int, hi: int | None) -> None:

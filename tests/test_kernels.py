@@ -271,6 +271,46 @@ def test_llama_layers_take_the_fused_forward_and_keep_the_layer_semantics():
 
 
 @avx2
+def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
+    """On the decode and verify path a fused layer is two extension calls that also write the
+    KV cache (``attn_block``, ``mlp_block``): the same logits, bit for bit, as the per-op
+    composition it replaces (taken when the cache's layer gives no room), on a ragged batch,
+    through tree and chain forwards, rejected nodes and buffer growth past its first 64 slots."""
+    from specbench.draft import tree_geometry
+    from specbench.kv import RaggedCache, SlabLayer
+
+    m = tiny_llama(seed=4)
+    kernels.apply(m, "avx2")
+    depth, anc = tree_geometry(torch.tensor([[0, 1, 1], [0, 0, 2]]))
+    append, taken = SlabLayer.append, []
+
+    def counted(self, n):
+        room = append(self, n)
+        taken.append(room is not None)
+        return room
+
+    def run(blocks: bool):
+        monkeypatch.setattr(SlabLayer, "append", counted if blocks else lambda self, n: None)
+        cache, g, out = RaggedCache(m, CPU, torch.float32), torch.Generator().manual_seed(0), []
+        with torch.inference_mode():
+            out.append(cache.prefill([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]).logits)
+            for step in range(30):
+                toks = torch.randint(3, 96, (2, 4), generator=g)
+                if step % 3 == 0:  # a tree: keep a root-to-leaf path of it
+                    out.append(cache.forward(toks, depth, anc).logits)
+                    cache.commit(torch.tensor([[0, 1, 3], [0, 2, 3]]), torch.tensor([3, 2]))
+                else:  # a chain, kept in part
+                    out.append(cache.forward(toks, torch.arange(4)[None].expand(2, 4), None).logits)
+                    cache.commit(torch.tensor([[0, 1, 2, 3]] * 2), torch.tensor([4, 1 + step % 4]))
+            assert cache.cache.layers[0]._k.shape[2] > 64  # the buffer grew on the way
+        return out
+
+    per_op, blocks = run(False), run(True)
+    assert taken and all(taken[2:]), "the block path was not taken"
+    assert len(per_op) == len(blocks) and all(torch.equal(a, b) for a, b in zip(per_op, blocks))
+
+
+@avx2
 def test_fused_layer_takes_the_cache_under_either_name():
     """transformers 5.24 passes a layer its KV cache as ``cache``, earlier versions as
     ``past_key_values``: the fused forward appends to it under either name (attending over the

@@ -501,7 +501,66 @@ torch::Tensor silu_mul(const torch::Tensor& gu_in) {
   return y;
 }
 
+// A fused Llama layer's two halves, one call each (kernels._fused_llama_forward): the same kernel
+// calls in the same order as the Python composition of the calls above (fused_qkv, the cache
+// update, attention, o_proj and its residual; fused_mlp), so the same bits, without the ~20 torch
+// ops and Python calls a layer made between them (~2-3 us apiece here: about as much as the
+// layer's attention at one new token).
+//
+// y += x elementwise (y contiguous, x any layout of y's shape): x + y, the same sums as torch's add
+// (a TensorIterator's add_ costs ~3 us of set-up at these sizes).
+torch::Tensor add_residual(torch::Tensor y, const torch::Tensor& x_in) {
+  const auto x = x_in.contiguous();
+  TORCH_CHECK(x.sizes() == y.sizes() && x.scalar_type() == torch::kFloat, "add_residual: x must match y");
+  float* yp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0, N = y.numel(); i < N; i++) yp[i] = xp[i] + yp[i];
+  return y;
+}
+
+// attn_block: x [B, n, D] -> x + o_proj(attention(RoPE(q), RoPE(k), v)), q|k|v = RMSNorm(x) W_qkv^T.
+// The new keys and values are written into the cache's buffers kbuf, vbuf [B, Hkv, cap, d]
+// (d contiguous) at slots [off + L, off + L + n), and the attention reads slots [off, off + L + n).
+torch::Tensor attn_block(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, const torch::Tensor& qkv_w,
+                         int64_t nq, int64_t nkv, int64_t d, const torch::Tensor& cos, const torch::Tensor& sin,
+                         torch::Tensor kbuf, torch::Tensor vbuf, int64_t off, int64_t L, const torch::Tensor& mask,
+                         double scale, const torch::Tensor& o_w) {
+  TORCH_CHECK(x.dim() == 3 && kbuf.dim() == 4 && vbuf.sizes() == kbuf.sizes() && kbuf.size(0) == x.size(0) &&
+                  kbuf.size(1) == nkv && kbuf.size(3) == d && kbuf.stride(3) == 1 && vbuf.stride(3) == 1 &&
+                  kbuf.scalar_type() == torch::kFloat && vbuf.scalar_type() == torch::kFloat && off >= 0 &&
+                  L >= 0 && off + L + x.size(1) <= kbuf.size(2),
+              "attn_block: x [B, n, D]; kbuf, vbuf fp32 [B, Hkv, cap, d] with room for n slots after off + L");
+  const int64_t B = x.size(0), n = x.size(1), H = nq + 2 * nkv;
+  auto qkv = few_rows_linear(rms_norm(x, norm_w, eps), qkv_w, H * d).view({B, n, H, d});
+  rope_(qkv, cos, sin, nq + nkv);
+  const float* src = qkv.data_ptr<float>();
+  float* kp = kbuf.data_ptr<float>();
+  float* vp = vbuf.data_ptr<float>();
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t j = 0; j < nkv; j++)
+      for (int64_t t = 0; t < n; t++) {
+        const float* row = src + ((b * n + t) * H + nq + j) * d;
+        const int64_t slot = off + L + t;
+        std::memcpy(kp + b * kbuf.stride(0) + j * kbuf.stride(1) + slot * kbuf.stride(2), row, d * sizeof(float));
+        std::memcpy(vp + b * vbuf.stride(0) + j * vbuf.stride(1) + slot * vbuf.stride(2), row + nkv * d,
+                    d * sizeof(float));
+      }
+  const auto o = attention(qkv.narrow(2, 0, nq).transpose(1, 2), kbuf.narrow(2, off, L + n),
+                           vbuf.narrow(2, off, L + n), mask, scale);
+  return add_residual(few_rows_linear(o.view({B, n, nq * d}), o_w, x.size(2)), x);
+}
+
+// mlp_block: x [B, n, D] -> x + down(silu(gate) * up), gate|up = RMSNorm(x) W_gate_up^T.
+torch::Tensor mlp_block(const torch::Tensor& x, const torch::Tensor& norm_w, double eps,
+                        const torch::Tensor& gate_up_w, int64_t width, const torch::Tensor& down_w) {
+  return add_residual(
+      few_rows_linear(silu_mul(few_rows_linear(rms_norm(x, norm_w, eps), gate_up_w, 2 * width)), down_w, x.size(-1)),
+      x);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attn_block", &attn_block, "a fused Llama layer's attention half, the KV cache written in place");
+  m.def("mlp_block", &mlp_block, "a fused Llama layer's MLP half");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from one [..., gate | up] tensor");
   m.def("attention", &attention, "decode/verify attention over a KV cache, GQA without repeating it");
   m.def("few_rows_linear", &few_rows_linear, "y = x @ W^T for a few rows, W packed in 8-column blocks");
