@@ -101,7 +101,7 @@ def _extension():
     """Build (once per machine and source version) and load the few-row kernel."""
     from torch.utils import cpp_extension
 
-    from specbench.models import cache_dir
+    from specbench.models import cache_dir, file_lock
 
     flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]  # FMAs only where the code asks for them
     key = hashlib.sha256(_SRC.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
@@ -113,10 +113,16 @@ def _extension():
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    if not any(build.glob("*.so")):
-        print(f"[specbench] building the avx2 linear kernel into {build} (once; ~40 s) ...", file=sys.stderr)
-    return cpp_extension.load(name=f"specbench_few_rows_{key}", sources=[str(_SRC)], build_directory=str(build),
-                              extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    # torch's own lock (the file ``lock`` in the build directory) outlives a process killed while it
+    # held it, and every later load then waits on it forever without a word. Our lock is released
+    # by the system when its holder dies: whoever holds it is the only loader, so a ``lock`` found
+    # then was left by a killed build and goes.
+    with file_lock(build / "specbench.lock"):
+        (build / "lock").unlink(missing_ok=True)
+        if not any(build.glob("*.so")):
+            print(f"[specbench] building the avx2 linear kernel into {build} (once; ~40 s) ...", file=sys.stderr)
+        return cpp_extension.load(name=f"specbench_few_rows_{key}", sources=[str(_SRC)], build_directory=str(build),
+                                  extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def pack(w: torch.Tensor, cols: int = 8) -> torch.Tensor:

@@ -169,6 +169,23 @@ def test_avx2_kernel_reads_nothing_past_the_packing_or_the_rows():
 
 
 @avx2
+def test_a_kernel_build_killed_midway_does_not_hang_the_next_load(tmp_path):
+    """A process killed while torch's extension loader held its lock leaves the file ``lock`` in
+    the build directory, and torch's loader waits on it forever; ours removes it under a lock the
+    system releases when its holder dies. On a copy of this process's build, with such a file."""
+    import shutil
+
+    built = Path(kernels._extension().__file__).parent
+    copy = tmp_path / "kernels" / built.name
+    shutil.copytree(built, copy)  # timestamps kept: up to date, nothing rebuilt
+    (copy / "lock").touch()
+    run = subprocess.run([sys.executable, "-c", "from specbench import kernels; kernels._extension(); print('ok')"],
+                         capture_output=True, text=True, timeout=240, env={**os.environ, "SPECBENCH_CACHE": str(tmp_path)})
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode, run.stderr[-2000:])
+    assert not (copy / "lock").exists()
+
+
+@avx2
 def test_avx2_layer_takes_any_row_count_and_adds_its_bias():
     lin = torch.nn.Linear(40, 24, bias=True)
     kernels.apply(lin, "avx2")
