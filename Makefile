@@ -121,16 +121,21 @@ bench-floor: setup
 # questions, both turns, 128 tokens) on torch's path and on avx2 (the default); every method at
 # bs=1 on avx2 (5 questions) for the batch-aware bound; a report. Every method job runs its own
 # AR baseline batch by batch beside it (ar_baseline=paired): this host's speed drifts by up to
-# 50% over minutes, so jobs minutes apart do not compare. Quiet machine only (~60 min on 2 cores).
+# 50% over minutes, so jobs minutes apart do not compare. Quiet machine only (~65 min on 2 cores).
 BENCH_CPU_DIR := results/bench-cpu
 bench-cpu: setup
 	$(BIN)/python -m analysis.profile --bs 1,8 --n 1,2,3,4,5,6,7,8,9,12,13,16,24,32 --draft-layers 0 --kernel torch,onednn,avx2 --repeats 3 \
 		--dtype fp32 --results-dir $(BENCH_CPU_DIR)
 	$(BIN)/python -m specbench method=pld kernel=torch,avx2 dataset=mt_bench limit=10 max_new_tokens=128 \
 		dtype=fp32 ar_baseline=paired progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS)
-	$(BIN)/python -m specbench method=leviathan,eagle,medusa,lookahead,rest,specdec kernel=avx2 dataset=mt_bench \
-		limit=5 max_new_tokens=128 dtype=fp32 ar_baseline=paired progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS)
-# the avx2 curve again after the jobs: each job's bound reads the curve nearer its host state
+# each method after a bs=1 avx2 curve of its own: its bound reads the curve nearest its host state
+	for m in leviathan eagle medusa lookahead rest specdec; do \
+		$(BIN)/python -m analysis.profile --bs 1 --n 1,2,3,4,5,6,7,8,9,12,13,16 --draft-layers 0 --kernel avx2 \
+			--repeats 3 --dtype fp32 --results-dir $(BENCH_CPU_DIR) && \
+		$(BIN)/python -m specbench method=$$m kernel=avx2 dataset=mt_bench limit=5 max_new_tokens=128 dtype=fp32 \
+			ar_baseline=paired progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS) || exit 1; \
+	done
+# the avx2 curve again after the jobs
 	$(BIN)/python -m analysis.profile --bs 1,8 --n 1,2,3,4,5,6,7,8,9,12,13,16,24,32 --draft-layers 0 --kernel avx2 --repeats 3 \
 		--dtype fp32 --results-dir $(BENCH_CPU_DIR)
 	$(BIN)/python -m analysis.report $(BENCH_CPU_DIR) --out $(BENCH_CPU_DIR)/report
