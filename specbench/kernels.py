@@ -154,6 +154,12 @@ def apply(model: torch.nn.Module, kernel: str) -> int:
                 _fused_weights(mod)
                 a, m = mod.self_attn, mod.mlp
                 fused |= {id(a.q_proj), id(a.k_proj), id(a.v_proj), id(m.gate_proj), id(m.up_proj)}
+        from transformers.models.llama.modeling_llama import LlamaModel
+
+        for mod in model.modules():  # a Llama whose layers all run fused: their loop too
+            if type(mod) is LlamaModel and len(mod.layers) == mod.config.num_hidden_layers \
+                    and all(getattr(layer.forward, "__func__", None) is _fused_llama_forward for layer in mod.layers):
+                mod.forward = types.MethodType(_fused_model_forward, mod)
     n = 0
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear) and mod.weight.dtype == torch.float32 \
@@ -400,10 +406,8 @@ def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=
     slab = layers[attn.layer_idx] if ours and layers is not None and attn.layer_idx < len(layers) else None
     room = slab.append(n) if isinstance(slab, SlabLayer) else None
     if room is not None:  # the decode and verify hot path: two extension calls, no torch ops between
-        x = ext.attn_block(x, norm.weight, norm.variance_epsilon, qkv_w, nq, nkv, d, *position_embeddings, *room,
-                           _additive(attention_mask), attn.scaling, o_w)
-        norm = self._modules["post_attention_layernorm"]
-        return ext.mlp_block(x, norm.weight, norm.variance_epsilon, gate_up_w, width, down_w)
+        return _blocks(self, (qkv_w, gate_up_w, nq, nkv, d, width, o_w, down_w), x, *position_embeddings, room,
+                       _additive(attention_mask))
     q, k, v = fused_qkv(x, norm.weight, norm.variance_epsilon, qkv_w, nq, nkv, d, *position_embeddings)
     if cache is not None:
         k, v = cache.update(k, v, attn.layer_idx)
@@ -419,6 +423,71 @@ def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=
     x = x + few_rows_linear(o.reshape(B, n, nq * d), o_w, x.shape[-1])
     norm = self._modules["post_attention_layernorm"]
     return fused_mlp(x, norm.weight, norm.variance_epsilon, gate_up_w, width, down_w)
+
+
+def _blocks(layer, w: tuple, x, cos, sin, room: tuple, add: torch.Tensor) -> torch.Tensor:
+    """A fused layer as its two extension calls: ``w`` its ``_fused_weights``, ``room`` its slab
+    layer's ``append``, ``add`` the additive mask (``_additive``)."""
+    ext = _extension()
+    ln1, ln2 = layer._modules["input_layernorm"], layer._modules["post_attention_layernorm"]
+    x = ext.attn_block(x, ln1.weight, ln1.variance_epsilon, w[0], w[2], w[3], w[4], cos, sin, *room, add,
+                       layer._modules["self_attn"].scaling, w[6])
+    return ext.mlp_block(x, ln2.weight, ln2.variance_epsilon, w[1], w[5], w[7])
+
+
+def _fused_model_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                         use_cache=None, **kwargs):
+    """``LlamaModel.forward`` when every decoder layer runs fused (``apply``). A decode or verify
+    forward over the engine's slab cache takes Hugging Face's own steps around the layers (the
+    embedding, ``create_causal_mask``, the rotary tables, the final norm, called as its forward
+    calls them) and runs each layer as its two extension calls from this one loop: Hugging
+    Face's module call per layer and the fused layer's own checks cost ~100 us a layer once the
+    weight stream has left the caches cold (~3 ms a forward). Anything else (a prefill, another
+    cache, hooks on a layer, hidden states or attentions asked for, autograd) takes its forward."""
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    slabs = _lean_slabs(self, input_ids, inputs_embeds, position_ids, attention_mask, cache, kwargs)
+    if slabs is None:
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+    from transformers.models.llama import modeling_llama
+
+    x = self.embed_tokens(input_ids)
+    mask = modeling_llama.create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
+                                             past_key_values=cache, position_ids=position_ids)
+    if mask is not None and not isinstance(mask, torch.Tensor):  # a mask per layer type: the layers sort it out
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    cos, sin = self.rotary_emb(x, position_ids=position_ids)
+    add, n = _additive(mask), x.shape[1]
+    for layer, slab in zip(self.layers, slabs):
+        x = _blocks(layer, _fused_weights(layer), x, cos, sin, slab.append(n), add)
+    return BaseModelOutputWithPast(last_hidden_state=self.norm(x), past_key_values=cache)
+
+
+def _lean_slabs(model, input_ids, inputs_embeds, position_ids, attention_mask, cache, kwargs) -> list | None:
+    """The cache's slab layers, one per decoder layer, when ``_fused_model_forward`` may run its
+    loop over them; else None."""
+    from torch.nn.modules import module as nn_module
+
+    cfg = model.config
+    if input_ids is None or inputs_embeds is not None or position_ids is None or torch.is_grad_enabled() \
+            or input_ids.shape[-1] > _ATTENTION_ROWS or model.embed_tokens.weight.dtype != torch.float32 \
+            or kwargs.get("output_hidden_states") or kwargs.get("output_attentions") \
+            or cfg.output_hidden_states or cfg.output_attentions or cfg._attn_implementation not in ("sdpa", _GQA) \
+            or not (attention_mask is None or isinstance(attention_mask, torch.Tensor)) \
+            or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return None
+    slabs = getattr(cache, "layers", None)
+    if slabs is None or len(slabs) != len(model.layers):
+        return None
+    for layer, slab in zip(model.layers, slabs):
+        if type(slab) is not SlabLayer or not slab.is_initialized or slab._k is None or slab.keys.dim() != 4 \
+                or layer._forward_hooks or layer._forward_pre_hooks \
+                or getattr(layer.forward, "__func__", None) is not _fused_llama_forward \
+                or layer._modules["self_attn"]._modules["q_proj"]._parameters["weight"].dtype != torch.float32:
+            return None
+    return slabs
 
 
 def fused_qkv(x, norm_w, eps: float, qkv_w, nq: int, nkv: int, d: int, cos, sin) -> tuple:

@@ -290,24 +290,36 @@ def test_llama_layers_take_the_fused_forward_and_keep_the_layer_semantics():
 @avx2
 def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
     """On the decode and verify path a fused layer is two extension calls that also write the
-    KV cache (``attn_block``, ``mlp_block``): the same logits, bit for bit, as the per-op
-    composition it replaces (taken when the cache's layer gives no room), on a ragged batch,
+    KV cache (``attn_block``, ``mlp_block``), and the model runs them from one loop of its own
+    (``_fused_model_forward``): the same logits, bit for bit, as the per-op composition under
+    Hugging Face's loop (taken when the cache's layer gives no room), and as the blocks under
+    Hugging Face's loop (taken when a layer has a hook: a tap on its output), on a ragged batch,
     through tree and chain forwards, rejected nodes and buffer growth past its first 64 slots."""
     from specbench.draft import tree_geometry
+    from specbench.hidden import Tap
     from specbench.kv import RaggedCache, SlabLayer
 
     m = tiny_llama(seed=4)
     kernels.apply(m, "avx2")
+    assert m.model.forward.__func__ is kernels._fused_model_forward
     depth, anc = tree_geometry(torch.tensor([[0, 1, 1], [0, 0, 2]]))
-    append, taken = SlabLayer.append, []
+    append, lean_slabs, taken, lean = SlabLayer.append, kernels._lean_slabs, [], []
 
     def counted(self, n):
         room = append(self, n)
         taken.append(room is not None)
         return room
 
-    def run(blocks: bool):
-        monkeypatch.setattr(SlabLayer, "append", counted if blocks else lambda self, n: None)
+    def counted_lean(*a):
+        slabs = lean_slabs(*a)
+        lean.append(slabs is not None)
+        return slabs
+
+    monkeypatch.setattr(kernels, "_lean_slabs", counted_lean)
+
+    def run(path: str):
+        monkeypatch.setattr(SlabLayer, "append", (lambda self, n: None) if path == "per-op" else counted)
+        tap = Tap(m, [0]) if path != "lean" else None  # a hook on layer 0: Hugging Face's loop
         cache, g, out = RaggedCache(m, CPU, torch.float32), torch.Generator().manual_seed(0), []
         with torch.inference_mode():
             out.append(cache.prefill([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]).logits)
@@ -320,11 +332,20 @@ def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
                     out.append(cache.forward(toks, torch.arange(4)[None].expand(2, 4), None).logits)
                     cache.commit(torch.tensor([[0, 1, 2, 3]] * 2), torch.tensor([4, 1 + step % 4]))
             assert cache.cache.layers[0]._k.shape[2] > 64  # the buffer grew on the way
+        if tap is not None:
+            tap.close()
         return out
 
-    per_op, blocks = run(False), run(True)
-    assert taken and all(taken[2:]), "the block path was not taken"
-    assert len(per_op) == len(blocks) and all(torch.equal(a, b) for a, b in zip(per_op, blocks))
+    per_op = run("per-op")
+    assert not any(lean)
+    blocks = run("blocks")
+    assert taken and all(taken[2:]) and not any(lean), "the block path was not taken"
+    taken.clear()
+    lean.clear()
+    fused = run("lean")
+    assert lean[1:] and all(lean[1:]) and not lean[0], "the model's own loop was not taken (or taken at the prefill)"
+    for other in (blocks, fused):
+        assert len(per_op) == len(other) and all(torch.equal(a, b) for a, b in zip(per_op, other))
 
 
 @avx2
