@@ -339,6 +339,8 @@ def _fold_gqa(model: torch.nn.Module) -> None:
 # the same order, so the same bits, without the ~20 torch ops and Python calls between them
 # (~2-3 us apiece on the 2-core CI host). Whole forwards at bs=1, ctx 256, interleaved with the
 # per-op composition: 0.91-0.93x the time at 1-8 new tokens (about 1.9 ms less per forward).
+# And when every layer of a Llama runs fused, its model runs them from one loop of its own
+# (``_fused_model_forward``), Hugging Face's steps around them unchanged: 0.88-0.90x.
 
 def _fusable(mod: torch.nn.Module) -> bool:
     from transformers.activations import SiLUActivation
