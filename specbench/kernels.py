@@ -456,7 +456,8 @@ def _fused_model_forward(self, input_ids=None, attention_mask=None, position_ids
 
     x = self.embed_tokens(input_ids)
     mask = modeling_llama.create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
-                                             past_key_values=cache, position_ids=position_ids)
+                                             position_ids=position_ids,
+                                             **{cache_kwarg(modeling_llama.create_causal_mask): cache})
     if mask is not None and not isinstance(mask, torch.Tensor):  # a mask per layer type: the layers sort it out
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
@@ -464,7 +465,18 @@ def _fused_model_forward(self, input_ids=None, attention_mask=None, position_ids
     add, n = _additive(mask), x.shape[1]
     for layer, slab in zip(self.layers, slabs):
         x = _blocks(layer, _fused_weights(layer), x, cos, sin, slab.append(n), add)
-    return BaseModelOutputWithPast(last_hidden_state=self.norm(x), past_key_values=cache)
+    return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{_output_cache_field(): cache})
+
+
+@functools.cache
+def _output_cache_field() -> str:
+    """The name a model output gives its cache (``cache`` from transformers 5.24; the old name
+    still maps onto it there, through a warning and a setattr shim on every forward)."""
+    import dataclasses
+
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    return "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
 
 
 def _lean_slabs(model, input_ids, inputs_embeds, position_ids, attention_mask, cache, kwargs) -> list | None:

@@ -213,10 +213,12 @@ def _cache_kwarg(forward) -> str:
 
 
 def cache_kwarg(obj) -> str:
-    """The keyword ``obj``'s forward (a model, a drafter, a decoder layer's class) takes its KV
-    cache under: transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name
-    still maps onto the new one on its models until 5.40, with a warning; a replaced forward
-    gets only the new one)."""
+    """The keyword ``obj``'s forward (a model, a drafter, a decoder layer's class; or a function,
+    such as ``create_causal_mask``) takes its KV cache under: transformers 5.24 renamed
+    ``past_key_values`` to ``cache`` (the old name still maps onto the new one until 5.40, with
+    a warning; a replaced forward gets only the new one)."""
+    if inspect.isfunction(obj):
+        return _cache_kwarg(obj)
     return _cache_kwarg(obj.forward if isinstance(obj, type) else type(obj).forward)
 
 
