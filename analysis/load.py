@@ -25,6 +25,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
                                      "temperature", "top_k", "top_p", "max_new_tokens", "dtype", "device", "seed",
                                      "status", "error", "lossless")}
         row["kernel"] = r.get("kernel") or "torch"  # records before kernels ran torch's path
+        row["kernel_isa"] = r.get("kernel_isa")  # avx2's tiles: AVX2 or AVX-512 (None: records before it was kept)
         row.update({k: m.get(k) for k in ("new_tokens", "wall_s", "tokens_per_s", "steps", "iterations", "tau",
                                           "draft_nodes", "forward_nodes",
                                           "speedup", "match_ar", "verify_share", "engine_overhead", "ttft_s",

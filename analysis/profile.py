@@ -228,11 +228,11 @@ def main(argv=None) -> int:
     out = Path(a.results_dir) / "cost_curves.jsonl"
     for k, curves in all_curves.items():
         rec = {"kind": "cost_curve", "model": a.model_path or a.model, "device": device.type,
-               "dtype": str(dtype).replace("torch.", ""), "kernel": k, "ctx": a.ctx,
+               "dtype": str(dtype).replace("torch.", ""), "kernel": k, "kernel_isa": kernels.kernel_isa(k), "ctx": a.ctx,
                "draft": f"self_layers:{a.draft_layers}" if a.draft_layers else None, **curves,
                "env": R.env_info(device), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         R.append(out, rec)
-        print(f"kernel={k}")
+        print(f"kernel={k}" + (f" ({kernels.kernel_isa(k)} tiles)" if kernels.kernel_isa(k) else ""))
         print_curves(curves, bs_list, n_list)
     if len(all_curves) > 1:
         ks = list(all_curves)

@@ -186,11 +186,13 @@ def fig_time_split(df, out, written):
     save(fig, out, "time_split", written)
 
 
-def curves_for(curves, model, device, dtype, kernel=None) -> list[dict]:
+def curves_for(curves, model, device, dtype, kernel=None, isa=None) -> list[dict]:
     """The profiled cost curves of this model, device, dtype and linear-layer kernel path
-    (curves and records from before kernels existed ran torch's)."""
+    (curves and records from before kernels existed ran torch's), and of the same vector
+    instructions where both say which (avx2's tiles are AVX2 or AVX-512 by CPU)."""
     return [c for c in curves if str(c.get("model")) == str(model) and c.get("device") == device
-            and c.get("dtype") == dtype and (c.get("kernel") or "torch") == (kernel or "torch")]
+            and c.get("dtype") == dtype and (c.get("kernel") or "torch") == (kernel or "torch")
+            and (isa is None or c.get("kernel_isa") is None or c.get("kernel_isa") == isa)]
 
 
 def nearest_state(cand: list[dict], bs: int, base) -> dict:
@@ -224,7 +226,8 @@ def _priced(df, curves):
     model/device/dtype/kernel, no AR record)."""
     ar_of = ar_baselines(df)
     for _, r in df.iterrows():
-        cand = curves_for(curves, r["model"], r["device"], r["dtype"], r.get("kernel"))
+        isa = r.get("kernel_isa")
+        cand = curves_for(curves, r["model"], r["device"], r["dtype"], r.get("kernel"), None if pd.isna(isa) else isa)
         base = ar_of(r)
         if r["method"] != "ar" and cand and r.get("iterations") and base is not None:
             yield r, nearest_state(cand, int(r["bs"]), base), base

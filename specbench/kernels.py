@@ -104,7 +104,8 @@ def _extension():
     from specbench.models import cache_dir, file_lock
 
     flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]  # FMAs only where the code asks for them
-    key = hashlib.sha256(_SRC.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
+    sources = b"".join(f.read_bytes() for f in sorted(_SRC.parent.glob("*.[ch]*")))  # the .cpp and the header it includes
+    key = hashlib.sha256(sources + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
     build = cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
     try:  # torch builds with ninja; the `ninja` package puts it beside the interpreter, maybe not on PATH
@@ -125,9 +126,24 @@ def _extension():
                                   extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
-def pack(w: torch.Tensor, cols: int = 8) -> torch.Tensor:
-    """[O, I] -> [ceil(O/cols), I, cols]: blocks of ``cols`` output columns, each one contiguous
-    stream (the avx2 kernel's layout)."""
+@functools.cache
+def pack_cols() -> int:
+    """Columns per block of ``pack``: 16 where the CPU has AVX-512F (the kernel's AVX-512 tiles:
+    one pass for up to 8 rows), else 8 (AVX2). ``SPECBENCH_AVX512=0`` keeps 8 (the AVX2 tiles) for
+    an A/B on such a CPU. Either width gives the same bits."""
+    return 16 if os.environ.get("SPECBENCH_AVX512", "1") != "0" and _extension().has_avx512() else 8
+
+
+def kernel_isa(kernel: str) -> str | None:
+    """The vector instructions a resolved kernel path runs its linears with (for the records):
+    ``avx512f`` or ``avx2`` for the avx2 path, None for torch's and oneDNN's own choice."""
+    return None if kernel != "avx2" else "avx512f" if pack_cols() == 16 else "avx2"
+
+
+def pack(w: torch.Tensor, cols: int | None = None) -> torch.Tensor:
+    """[O, I] -> [ceil(O/cols), I, cols]: blocks of ``cols`` output columns (``pack_cols()`` if
+    None), each one contiguous stream (the avx2 kernel's layout)."""
+    cols = cols or pack_cols()
     O, I = w.shape
     blocks = -(-O // cols)
     w = torch.nn.functional.pad(w.detach(), (0, 0, 0, blocks * cols - O))

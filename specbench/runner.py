@@ -333,6 +333,15 @@ def _kernel_of(cfg, device) -> str | None:
         return cfg.get("kernel")
 
 
+def _kernel_isa(cfg, device) -> str | None:
+    """The vector instructions the job's kernel path runs its linears with (avx2's tiles are AVX2 or
+    AVX-512 by CPU), None where torch or oneDNN choose."""
+    try:
+        return kernels.kernel_isa(kernels.resolve(cfg.get("kernel", "torch"), device))
+    except ConfigError:
+        return None
+
+
 def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
     return {
         "schema": R.SCHEMA, "sweep_id": sweep_id, "job_id": uuid.uuid4().hex[:16], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -343,7 +352,7 @@ def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
         "dataset": cfg.dataset.name if cfg.dataset.name != "jsonl" else f"jsonl:{cfg.dataset.path}",
         "limit": cfg.limit, "temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
         "max_new_tokens": int(cfg.max_new_tokens), "dtype": str(dtype).replace("torch.", ""), "device": device.type,
-        "kernel": _kernel_of(cfg, device),
+        "kernel": _kernel_of(cfg, device), "kernel_isa": _kernel_isa(cfg, device),
         "method_opts": OmegaConf.to_container(cfg.method, resolve=True) if method_name == cfg.method.name
         else {"name": method_name},
         "seed": int(cfg.seed), "dataset_cfg": OmegaConf.to_container(cfg.dataset, resolve=True),

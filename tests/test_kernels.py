@@ -19,6 +19,9 @@ from specbench.models import ConfigError
 pytestmark = pytest.mark.skipif(not kernels.onednn_available(), reason="torch built without oneDNN")
 avx2 = pytest.mark.skipif(kernels.avx2_unavailable() is not None, reason=f"avx2 kernel: {kernels.avx2_unavailable()}")
 PACKED = ["onednn", pytest.param("avx2", marks=avx2)]
+_AVX512 = kernels.avx2_unavailable() is None and kernels._extension().has_avx512()
+# the packing widths the kernel runs here: 8 (AVX2 tiles) everywhere, 16 (AVX-512 tiles) where the CPU has AVX-512F
+COLS = [8, pytest.param(16, marks=pytest.mark.skipif(not _AVX512, reason="this CPU has no AVX-512F"))]
 
 
 @pytest.fixture(scope="module", params=PACKED)
@@ -93,12 +96,13 @@ def test_a_copied_or_reloaded_layer_computes_with_its_own_weights(kernel):
 
 
 @avx2
+@pytest.mark.parametrize("cols", COLS)
 @pytest.mark.parametrize("out_features,in_features", [(16, 8), (200, 576), (37, 129), (1, 5), (12, 7)])
-def test_avx2_kernel_matches_torch_at_every_row_count(out_features, in_features):
+def test_avx2_kernel_matches_torch_at_every_row_count(out_features, in_features, cols):
     g = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, in_features, generator=g)
-    wp = kernels.pack(w)
-    assert wp.shape == (-(-out_features // 8), in_features, 8)
+    wp = kernels.pack(w, cols)
+    assert wp.shape == (-(-out_features // cols), in_features, cols)
     for n in range(36):
         x = torch.randn(n, in_features, generator=g)
         y = kernels.few_rows_linear(x, wp, out_features)
@@ -107,18 +111,36 @@ def test_avx2_kernel_matches_torch_at_every_row_count(out_features, in_features)
 
 
 @avx2
-def test_avx2_rows_do_not_depend_on_each_other():
+@pytest.mark.parametrize("cols", COLS)
+def test_avx2_rows_do_not_depend_on_each_other(cols):
     """Each output is one fixed-order sum whatever tile, pass or chunk its row lands in: a row
     alone and the same row among 1..40 others agree bit for bit (a verify forward computes the
     linears of a committed token exactly as the decode step would). 100 outputs: groups of
     blocks, single blocks and a partial last block; 200 inputs: several k chunks and a partial one."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(100, 200, generator=g)
-    wp = kernels.pack(w)
+    wp = kernels.pack(w, cols)
     x = torch.randn(40, 200, generator=g)
     alone = torch.cat([kernels.few_rows_linear(x[i:i + 1], wp, 100) for i in range(len(x))])
     for n in range(1, len(x) + 1):
         assert torch.equal(kernels.few_rows_linear(x[:n], wp, 100), alone[:n]), n
+
+
+@avx2
+@pytest.mark.skipif(not _AVX512, reason="this CPU has no AVX-512F")
+def test_avx512_tiles_give_the_bits_of_the_avx2_tiles():
+    """The 16-column packing (AVX-512 tiles: up to 8 rows in one pass of 24 accumulators) and the
+    8-column one (AVX2: passes of 4 rows) compute every output as the same FMA chain: equal bits
+    at 1..40 rows (one and several passes and groups), partial blocks, a pack_cols() default."""
+    g = torch.Generator().manual_seed(3)
+    for out_features, in_features in ((100, 200), (49, 576), (16, 7), (3, 64)):
+        w = torch.randn(out_features, in_features, generator=g)
+        narrow, wide = kernels.pack(w, 8), kernels.pack(w, 16)
+        for n in range(1, 41):
+            x = torch.randn(n, in_features, generator=g)
+            assert torch.equal(kernels.few_rows_linear(x, wide, out_features),
+                               kernels.few_rows_linear(x, narrow, out_features)), (out_features, in_features, n)
+    assert kernels.pack_cols() == (8 if os.environ.get("SPECBENCH_AVX512") == "0" else 16)
 
 
 _GUARDED = r"""
@@ -145,9 +167,11 @@ def before_a_guard_page(t):
 
 
 g = torch.Generator().manual_seed(0)
-for out_features, in_features in ((37, 129), (48, 576)):
+for out_features, in_features, cols in ((37, 129, 8), (48, 576, 8), (37, 129, 16), (48, 576, 16)):
+    if cols == 16 and not kernels._extension().has_avx512():
+        continue
     w = torch.randn(out_features, in_features, generator=g)
-    wp = before_a_guard_page(kernels.pack(w))
+    wp = before_a_guard_page(kernels.pack(w, cols))
     for n in (1, 2, 3, 4, 5, 8, 9, 17):
         x = before_a_guard_page(torch.randn(n, in_features, generator=g))
         y = kernels.few_rows_linear(x, wp, out_features)
@@ -203,6 +227,11 @@ def test_avx2_kernel_refuses_a_wrong_packing():
         kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w), 40)
     with pytest.raises(RuntimeError, match="packing"):
         kernels.few_rows_linear(torch.randn(2, 9), kernels.pack(w), 32)
+    with pytest.raises(RuntimeError, match="packing"):  # a width the kernel has no tiles for
+        kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w, 4), 32)
+    if not _AVX512:
+        with pytest.raises(RuntimeError, match="AVX-512F"):
+            kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w, 16), 32)
 
 
 @pytest.mark.parametrize("kernel", PACKED)
