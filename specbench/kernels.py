@@ -128,16 +128,17 @@ def _extension():
 
 @functools.cache
 def pack_cols() -> int:
-    """Columns per block of ``pack``: 16 where the CPU has AVX-512F (the kernel's AVX-512 tiles:
-    one pass for up to 8 rows), else 8 (AVX2). ``SPECBENCH_AVX512=0`` keeps 8 (the AVX2 tiles) for
-    an A/B on such a CPU. Either width gives the same bits."""
-    return 16 if os.environ.get("SPECBENCH_AVX512", "1") != "0" and _extension().has_avx512() else 8
+    """Columns per panel of ``pack``: 48 where the CPU has AVX-512F (the kernel's AVX-512 tiles:
+    three 16-column vectors per k side by side, one pass for up to 8 rows), else 8 (AVX2).
+    ``SPECBENCH_AVX512=0`` keeps 8 (the AVX2 tiles) for an A/B on such a CPU. Either width gives
+    the same bits."""
+    return 48 if os.environ.get("SPECBENCH_AVX512", "1") != "0" and _extension().has_avx512() else 8
 
 
 def kernel_isa(kernel: str) -> str | None:
     """The vector instructions a resolved kernel path runs its linears with (for the records):
     ``avx512f`` or ``avx2`` for the avx2 path, None for torch's and oneDNN's own choice."""
-    return None if kernel != "avx2" else "avx512f" if pack_cols() == 16 else "avx2"
+    return None if kernel != "avx2" else "avx512f" if pack_cols() == 48 else "avx2"
 
 
 def pack(w: torch.Tensor, cols: int | None = None) -> torch.Tensor:

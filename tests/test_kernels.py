@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(not kernels.onednn_available(), reason="torch bu
 avx2 = pytest.mark.skipif(kernels.avx2_unavailable() is not None, reason=f"avx2 kernel: {kernels.avx2_unavailable()}")
 PACKED = ["onednn", pytest.param("avx2", marks=avx2)]
 _AVX512 = kernels.avx2_unavailable() is None and kernels._extension().has_avx512()
-# the packing widths the kernel runs here: 8 (AVX2 tiles) everywhere, 16 (AVX-512 tiles) where the CPU has AVX-512F
-COLS = [8, pytest.param(16, marks=pytest.mark.skipif(not _AVX512, reason="this CPU has no AVX-512F"))]
+# the packing widths the kernel runs here: 8 (AVX2 tiles) everywhere, 48 (AVX-512 tiles) where the CPU has AVX-512F
+COLS = [8, pytest.param(48, marks=pytest.mark.skipif(not _AVX512, reason="this CPU has no AVX-512F"))]
 
 
 @pytest.fixture(scope="module", params=PACKED)
@@ -129,18 +129,19 @@ def test_avx2_rows_do_not_depend_on_each_other(cols):
 @avx2
 @pytest.mark.skipif(not _AVX512, reason="this CPU has no AVX-512F")
 def test_avx512_tiles_give_the_bits_of_the_avx2_tiles():
-    """The 16-column packing (AVX-512 tiles: up to 8 rows in one pass of 24 accumulators) and the
-    8-column one (AVX2: passes of 4 rows) compute every output as the same FMA chain: equal bits
-    at 1..40 rows (one and several passes and groups), partial blocks, a pack_cols() default."""
+    """The 48-column panels (AVX-512 tiles: up to 8 rows in one pass of 24 accumulators) and the
+    8-column blocks (AVX2: passes of 4 rows) compute every output as the same FMA chain: equal bits
+    at 1..40 rows (one and several passes and groups), whole panels and a last panel with 1, 2 or
+    3 blocks of columns (some partial), a pack_cols() default."""
     g = torch.Generator().manual_seed(3)
-    for out_features, in_features in ((100, 200), (49, 576), (16, 7), (3, 64)):
+    for out_features, in_features in ((100, 200), (49, 576), (96, 33), (16, 7), (3, 64), (130, 9)):
         w = torch.randn(out_features, in_features, generator=g)
-        narrow, wide = kernels.pack(w, 8), kernels.pack(w, 16)
+        narrow, wide = kernels.pack(w, 8), kernels.pack(w, 48)
         for n in range(1, 41):
             x = torch.randn(n, in_features, generator=g)
             assert torch.equal(kernels.few_rows_linear(x, wide, out_features),
                                kernels.few_rows_linear(x, narrow, out_features)), (out_features, in_features, n)
-    assert kernels.pack_cols() == (8 if os.environ.get("SPECBENCH_AVX512") == "0" else 16)
+    assert kernels.pack_cols() == (8 if os.environ.get("SPECBENCH_AVX512") == "0" else 48)
 
 
 _GUARDED = r"""
@@ -167,8 +168,8 @@ def before_a_guard_page(t):
 
 
 g = torch.Generator().manual_seed(0)
-for out_features, in_features, cols in ((37, 129, 8), (48, 576, 8), (37, 129, 16), (48, 576, 16)):
-    if cols == 16 and not kernels._extension().has_avx512():
+for out_features, in_features, cols in ((37, 129, 8), (48, 576, 8), (37, 129, 48), (48, 576, 48), (100, 64, 48)):
+    if cols == 48 and not kernels._extension().has_avx512():
         continue
     w = torch.randn(out_features, in_features, generator=g)
     wp = before_a_guard_page(kernels.pack(w, cols))
@@ -223,15 +224,18 @@ def test_avx2_layer_takes_any_row_count_and_adds_its_bias():
 @avx2
 def test_avx2_kernel_refuses_a_wrong_packing():
     w = torch.randn(32, 8)
-    with pytest.raises(RuntimeError, match="packing"):
-        kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w), 40)
+    with pytest.raises(RuntimeError, match="packing"):  # 40 outputs from 4 blocks of 8
+        kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w, 8), 40)
     with pytest.raises(RuntimeError, match="packing"):
         kernels.few_rows_linear(torch.randn(2, 9), kernels.pack(w), 32)
+    if _AVX512:
+        with pytest.raises(RuntimeError, match="packing"):  # 60 outputs from one 48-column panel
+            kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w, 48), 60)
     with pytest.raises(RuntimeError, match="packing"):  # a width the kernel has no tiles for
-        kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w, 4), 32)
+        kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w, 16), 32)
     if not _AVX512:
         with pytest.raises(RuntimeError, match="AVX-512F"):
-            kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w, 16), 32)
+            kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w, 48), 32)
 
 
 @pytest.mark.parametrize("kernel", PACKED)

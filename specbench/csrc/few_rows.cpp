@@ -1,8 +1,8 @@
 // Few-row fp32 linear layer for CPU decode and verify forwards (kernel=avx2, specbench/kernels.py).
 //
 // y[n, O] = x[n, I] @ W[O, I]^T for small n (a decode step, a verify forward over K+1 tokens).
-// The weight is packed once into blocks of c output columns, wp[O/c][I][c], so that a block is
-// one contiguous stream (c = 8 for AVX2 vectors, 16 for AVX-512 where the CPU has it). The blocks are spread over all of torch's threads (MKL's sgemv for one
+// The weight is packed once into panels of c output columns, wp[O/c][I][c], so that a panel is
+// one contiguous stream (c = 8, one AVX2 vector; 48, three AVX-512 vectors, where the CPU has it). The blocks are spread over all of torch's threads (MKL's sgemv for one
 // row runs on one core; its sgemm for 2..16 rows repacks the weight on every call), and each
 // thread runs the rows of x through its blocks in register tiles of R rows x C blocks: per k,
 // C loads of the weight and R broadcasts of x feed R*C FMAs into R*C vector accumulators, so the
@@ -46,13 +46,14 @@ inline void prefetch_nta(const float* p, int64_t floats) {
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + floats * sizeof(float)), _MM_HINT_NTA);
 }
 
-// The tiles, for AVX2 (8 columns a block) and for AVX-512 (16), from linear_tiles.h. A packing's
-// block width says which runs (kernels.pack makes 16-column blocks where the CPU has AVX-512F).
-// Both compute every output as the same chain of FMAs in k order, so the same bits: the width
-// changes how many columns one instruction takes, not the sums.
+// The tiles, for AVX2 (blocks of 8 columns, each its own stream) and for AVX-512 (panels of 48
+// columns: three 16-column vectors per k, side by side), from linear_tiles.h. A packing's width
+// says which runs (kernels.pack makes 48-column panels where the CPU has AVX-512F). Both compute
+// every output as the same chain of FMAs in k order, so the same bits: the width changes how many
+// columns one instruction takes, not the sums.
 struct Ymm {
   using T = __m256;
-  static constexpr int W = 8;
+  static constexpr int W = 8, S = 1;
   static inline T zero() { return _mm256_setzero_ps(); }
   static inline T load(const float* p) { return _mm256_load_ps(p); }
   static inline T loadu(const float* p) { return _mm256_loadu_ps(p); }
@@ -63,6 +64,8 @@ struct Ymm {
 
 namespace ymm {
 using V = Ymm;
+constexpr int kOneC = 4;      // one row through 4 blocks (4 independent FMA chains: a decode step is bound by the stream)
+constexpr int kFewC = 4;      // 2 or 3 rows: 8 or 12 accumulators (3 blocks: ~0.6-0.9 ms slower per forward)
 constexpr int kManyC = 3;     // 4 or more rows: 3 blocks x 4 rows (12 accumulators, the most that 16
 constexpr int kManyRmax = 4;  // registers hold beside the loads: enough independent FMAs to hide their latency)
 constexpr int64_t kNoAheadFrom = kGroup + 1;  // a single pass always prefetches (2 or more rows)
@@ -73,7 +76,7 @@ constexpr int64_t kNoAheadFrom = kGroup + 1;  // a single pass always prefetches
 #pragma GCC target("avx512f")
 struct Zmm {
   using T = __m512;
-  static constexpr int W = 16;
+  static constexpr int W = 16, S = 3;
   static inline T zero() { return _mm512_setzero_ps(); }
   static inline T load(const float* p) { return _mm512_load_ps(p); }
   static inline T loadu(const float* p) { return _mm512_loadu_ps(p); }
@@ -85,10 +88,16 @@ struct Zmm {
 // With 32 registers, 4 to 8 rows go through 3 blocks of 16 columns in one pass (24 accumulators),
 // each weight vector loaded once for all of them, where AVX2 takes two passes of 4 rows x 3 blocks
 // of 8. Measured on a 2-core Zen 4 (the model's 121 linears back to back, interleaved, bits
-// equal): 0.95x AVX2's time at 4 rows, 0.90x at 8, equal at 1 and 2. A single pass of 4 or more
-// rows is left to the hardware prefetcher (with software prefetch: 0.99x and 0.95x).
+// equal), with blocks of 16 packed like AVX2's (each block its own stream): 0.95x AVX2's time at
+// 4 rows, 0.90x at 8, equal at 1 and 2. Packed as 48-column panels, every tile (1 to 8 rows)
+// takes one panel, and each thread reads its weights as one stream: against the 16-column blocks,
+// 0.82-0.92x the time at 1 row, 0.72-0.78x at 2, 0.79x at 4 and 0.84x at 8 in a quick host state
+// (55 GB/s), 1.00 / 0.93 / 0.94 / 0.89x in a slow one (35 GB/s). A single pass of 4 or more rows
+// is left to the hardware prefetcher (software prefetch there: 1.05-1.08x the time at 4 rows).
 namespace zmm {
 using V = Zmm;
+constexpr int kOneC = 3;
+constexpr int kFewC = 3;
 constexpr int kManyC = 3;
 constexpr int kManyRmax = 8;
 constexpr int64_t kNoAheadFrom = 4;
@@ -108,10 +117,10 @@ torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& wp
   const auto x = x_in.contiguous();
   const int64_t I = x.size(-1);
   const int64_t cols = wp.dim() == 3 ? wp.size(2) : 0;
-  TORCH_CHECK((cols == 8 || cols == 16) && wp.size(1) == I && wp.is_contiguous() &&
+  TORCH_CHECK((cols == 8 || cols == 48) && wp.size(1) == I && wp.is_contiguous() &&
                   wp.scalar_type() == torch::kFloat && wp.size(0) * cols >= O && (wp.size(0) - 1) * cols < O,
-              "few_rows_linear: wp must be the [ceil(O/c), in, c] packing (c = 8 or 16) of an fp32 [O, in] weight");
-  TORCH_CHECK(cols == 8 || cpu_has_avx512(), "few_rows_linear: a 16-column packing needs AVX-512F, which this "
+              "few_rows_linear: wp must be the [ceil(O/c), in, c] packing (c = 8 or 48) of an fp32 [O, in] weight");
+  TORCH_CHECK(cols == 8 || cpu_has_avx512(), "few_rows_linear: a 48-column packing needs AVX-512F, which this "
               "CPU lacks; pack with cols=8");
   const int64_t n = I ? x.numel() / I : 0, blocks = wp.size(0);
   auto sizes = x.sizes().vec();
@@ -128,7 +137,7 @@ torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& wp
     const float* xs = xp + s * I;
     float* ys = yp + s * O;
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      if (cols == 16)
+      if (cols == 48)
         zmm::rows_range(xs, m, I, wpp, ys, O, b0, b1);
       else
         ymm::rows_range(xs, m, I, wpp, ys, O, b0, b1);
@@ -513,8 +522,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mlp_block", &mlp_block, "a fused Llama layer's MLP half");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from one [..., gate | up] tensor");
   m.def("attention", &attention, "decode/verify attention over a KV cache, GQA without repeating it");
-  m.def("few_rows_linear", &few_rows_linear, "y = x @ W^T for a few rows, W packed in 8- or 16-column blocks");
-  m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the 16-column (AVX-512F) tiles");
+  m.def("few_rows_linear", &few_rows_linear, "y = x @ W^T for a few rows, W packed in 8- or 48-column panels");
+  m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the 48-column (AVX-512F) tiles");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (fp32)");
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of x [B, n, H, d]");
 }
