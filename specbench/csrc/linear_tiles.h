@@ -23,7 +23,7 @@ inline const float* block_at(const float* wp, int64_t I, int64_t b) {
 template <int R, int C, int Ahead>
 inline void tile(const float* x, int64_t I, const float* w, int64_t ws, int64_t k0, int64_t k1, float* acc) {
   typename V::T a[R][C];
-#pragma GCC unroll 8
+#pragma GCC unroll 9
   for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
     for (int c = 0; c < C; c++) a[r][c] = k0 ? V::load(acc + (r * C + c) * V::W) : V::zero();
@@ -34,14 +34,14 @@ inline void tile(const float* x, int64_t I, const float* w, int64_t ws, int64_t 
     if constexpr (Ahead > 0)  // every k (each line twice with 8 columns): cheaper than a branch for every other k
 #pragma GCC unroll 4
       for (int c = 0; c < C; c++) prefetch_nta(w + c * ws, kStride * (k + Ahead));
-#pragma GCC unroll 8
+#pragma GCC unroll 9
     for (int r = 0; r < R; r++) {
       const typename V::T xk = V::set1(x + r * I + k);
 #pragma GCC unroll 4
       for (int c = 0; c < C; c++) a[r][c] = V::fma(xk, wk[c], a[r][c]);
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 9
   for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
     for (int c = 0; c < C; c++) V::store(acc + (r * C + c) * V::W, a[r][c]);
@@ -51,6 +51,7 @@ template <int C, int Rmax, int Ahead>
 inline void tile_rows(int64_t R, const float* x, int64_t I, const float* w, int64_t ws, int64_t k0, int64_t k1,
                       float* acc) {
   switch (R) {
+    case 9: if constexpr (Rmax >= 9) tile<9, C, Ahead>(x, I, w, ws, k0, k1, acc); break;
     case 8: if constexpr (Rmax >= 8) tile<8, C, Ahead>(x, I, w, ws, k0, k1, acc); break;
     case 7: if constexpr (Rmax >= 7) tile<7, C, Ahead>(x, I, w, ws, k0, k1, acc); break;
     case 6: if constexpr (Rmax >= 6) tile<6, C, Ahead>(x, I, w, ws, k0, k1, acc); break;
