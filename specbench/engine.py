@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from methods.base import BatchState, Proposer
-from specbench.draft import Draft, tree_geometry
+from specbench.draft import Draft
 from specbench.hidden import Hidden, Tap
 from specbench.kv import RaggedCache
 from specbench.timing import PhaseTimer, sync
@@ -97,7 +97,7 @@ class Engine:
                         depth = torch.arange(tokens.shape[1], device=self.device)[None].expand_as(tokens)
                         anc = None
                     else:
-                        depth, anc = tree_geometry(draft.parents)
+                        depth, anc = draft.geometry()
                 out = cache.forward(tokens, depth, anc)
             with self.timer.phase("accept"):
                 v = verify(out.logits, draft, s, gen)

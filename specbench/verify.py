@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specbench.draft import Draft, tree_geometry
+from specbench.draft import Draft
 
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
@@ -105,7 +105,7 @@ def _greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
         keep, counts = _chain_keep(n_acc)
     else:
         ok = (draft.tokens == amax.gather(1, draft.parents)) & draft.accept_mask()
-        keep, counts, best = _walk(ok, draft.parents)
+        keep, counts, best = _walk(ok, draft)
         n_acc = counts - 1
     return _verdict(draft, keep, counts, n_acc, amax[rows, best])
 
@@ -124,7 +124,7 @@ def _relaxed(logits: torch.Tensor, draft: Draft, beta: int, tol: float) -> Verdi
     in_top = (at_par == draft.tokens[..., None]).any(-1)
     lp = logp[rows[:, None], par, draft.tokens]
     close = lp >= top.values[..., 0].gather(1, par) - tol
-    keep, counts, best = _walk(in_top & close & draft.accept_mask(), par)
+    keep, counts, best = _walk(in_top & close & draft.accept_mask(), draft)
     return _verdict(draft, keep, counts, counts - 1, top.indices[rows, best, 0])
 
 
@@ -135,14 +135,14 @@ def _chain_keep(n_acc: torch.Tensor):
     return keep, n_acc + 1
 
 
-def _walk(ok: torch.Tensor, par: torch.Tensor):
-    """The deepest node (lowest index on ties) whose whole path passes ``ok`` [B, n].
-    Returns keep [B, m] (the path, root first, padded), counts [B], best node [B]."""
+def _walk(ok: torch.Tensor, draft: Draft):
+    """The deepest node (lowest index on ties) of ``draft``'s tree whose whole path passes ``ok``
+    [B, n]. Returns keep [B, m] (the path, root first, padded), counts [B], best node [B]."""
     B, n = ok.shape
     N = n + 1
     dev = ok.device
     rows = torch.arange(B, device=dev)
-    depth, anc = tree_geometry(par)
+    depth, anc = draft.geometry()
     passed = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev), ok], dim=1)
     acc = ~(anc & ~passed[:, None, :]).any(-1)  # every node on the path from the root passes
     idx = torch.arange(N, device=dev)
@@ -176,7 +176,7 @@ def _typical(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generat
     rows = torch.arange(p.shape[0], device=p.device)
     px = p[rows[:, None], par, draft.tokens]
     ok = (px > thr.gather(1, par)) & draft.accept_mask()
-    keep, counts, best = _walk(ok, par)
+    keep, counts, best = _walk(ok, draft)
     return _verdict(draft, keep, counts, counts - 1, sample(p[rows, best], gen))
 
 

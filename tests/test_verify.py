@@ -50,6 +50,16 @@ def test_tree_geometry_matches_a_walk_down_the_parents():
                 assert int(depth[b, i]) == len(path) - 1
 
 
+def test_a_drafts_geometry_is_its_parents_once():
+    """The engine's mask and the verification's walk share one ``tree_geometry`` per draft."""
+    d = Draft(tokens=torch.tensor([[4, 5, 7, 8, 1]]), parents=torch.tensor([[0, 0, 2, 2, 3]]))
+    depth, anc = d.geometry()
+    ref = tree_geometry(d.parents)
+    assert torch.equal(depth, ref[0]) and torch.equal(anc, ref[1])
+    assert d.geometry()[1] is anc  # computed once
+    assert Draft(tokens=d.tokens, parents=torch.tensor([[0, 1, 2, 3, 4]])).geometry()[0].tolist() == [[0, 1, 2, 3, 4, 5]]
+
+
 def test_greedy_tree_walk():
     # root -> {1:4, 2:5}; 2 -> {3:7, 4:8}; 3 -> {5:1}
     d = Draft(tokens=torch.tensor([[4, 5, 7, 8, 1]]), parents=torch.tensor([[0, 0, 2, 2, 3]]))
