@@ -71,6 +71,32 @@ def test_greedy_tree_walk():
     assert v.extra.tolist() == [9]  # node 3's child (1) is wrong: correction from node 3
 
 
+def test_greedy_tree_list_walk_gives_the_tensor_walks_verdict(monkeypatch):
+    """Small greedy trees on the CPU are walked on lists; the vectorised walk (taken beyond
+    ``_LIST_WALK`` nodes) must give the same verdict: random trees, rows and invalid nodes, a
+    small vocabulary so that many nodes match and ties in depth occur."""
+    import specbench.verify as V
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 6, 15, 40):
+        for _ in range(20):
+            B = 3
+            par = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long),
+                                          torch.randint(0, 10**6, (n - 1,), generator=g) % torch.arange(2, n + 1)])
+                               for _ in range(B)])
+            d = Draft(tokens=torch.randint(0, 3, (B, n), generator=g), parents=par,
+                      valid=torch.rand(B, n, generator=g) < 0.9)
+            logits = torch.randn(B, n + 1, 3, generator=g)
+            monkeypatch.setattr(V, "_LIST_WALK", 10**9)
+            a = verify(logits, d, Sampling(), None)
+            monkeypatch.setattr(V, "_LIST_WALK", 0)
+            b = verify(logits, d, Sampling(), None)
+            assert torch.equal(a.counts, b.counts) and a.accepted == b.accepted and torch.equal(a.extra, b.extra)
+            for r in range(B):
+                c = int(a.counts[r])
+                assert a.keep[r, :c].tolist() == b.keep[r, :c].tolist(), (n, r)
+
+
 def test_greedy_invalid_nodes_never_accepted():
     d = Draft(tokens=torch.tensor([[5, 7]]), parents=torch.tensor([[0, 1]]),
               valid=torch.tensor([[True, False]]))
