@@ -151,6 +151,12 @@ def pack(w: torch.Tensor, cols: int | None = None) -> torch.Tensor:
     return w.view(blocks, cols, I).transpose(1, 2).contiguous()
 
 
+def loaded_extension():
+    """The extension if this process has loaded it already, else None (nothing is built for it):
+    for helpers outside the kernel path, such as the cache's slot moves."""
+    return _extension() if _extension.cache_info().currsize else None
+
+
 def few_rows_linear(x: torch.Tensor, wp: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x @ W.T`` for an fp32 ``x`` of any leading shape through the avx2 kernel (``wp = pack(W)``)."""
     return _extension().few_rows_linear(x, wp, out_features)

@@ -99,6 +99,18 @@ def _narrow(layer, lo: int, hi: int | None) -> None:
         layer._mine = (layer.keys, layer.values, off + lo)
 
 
+def _slot_mover(tensors: list[torch.Tensor]):
+    """The extension's ``move_slots`` when it is loaded (the avx2 kernel path) and every cache
+    tensor is fp32 on the CPU (one call for all layers), else None (torch's indexing, per layer)."""
+    from specbench import kernels
+
+    ext = kernels.loaded_extension()
+    if ext is None or not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4
+                              and t.stride(3) == 1 for t in tensors):
+        return None
+    return ext.move_slots
+
+
 def _slab_cache() -> DynamicCache:
     cache = DynamicCache()
     cache.layer_class_to_replicate = SlabLayer
@@ -223,9 +235,14 @@ class RaggedCache:
             if not bool((src == dst).logical_or_(~sel).all()):  # else every kept slot is in place already
                 rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(keep)[sel]
                 src, dst = src[sel], dst[sel]
-                for layer in self.cache.layers:
-                    layer.keys[rows, :, dst] = layer.keys[rows, :, src]
-                    layer.values[rows, :, dst] = layer.values[rows, :, src]
+                tensors = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+                move = _slot_mover(tensors)
+                if move is not None:
+                    move(tensors, rows, src, dst)
+                else:
+                    for layer in self.cache.layers:
+                        layer.keys[rows, :, dst] = layer.keys[rows, :, src]
+                        layer.values[rows, :, dst] = layer.values[rows, :, src]
         self.length = self.length + counts
         self._crop(int((self.start + self.length).max()) if self.batch_size else 0)
 

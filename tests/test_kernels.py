@@ -211,6 +211,26 @@ def test_a_kernel_build_killed_midway_does_not_hang_the_next_load(tmp_path):
 
 
 @avx2
+def test_move_slots_moves_what_torch_indexing_moves():
+    """The cache's slot moves (a tree's accepted path behind each row's prefix) on views of a
+    larger buffer, as the slab cache holds them: the same result as torch's per-tensor indexing,
+    and out-of-range slots refused."""
+    g = torch.Generator().manual_seed(0)
+    bufs = [torch.randn(3, 2, 20, 8, generator=g) for _ in range(4)]
+    views = [b.narrow(2, 3, 12) for b in bufs]
+    rows = torch.tensor([0, 0, 2, 2, 2])
+    src = torch.tensor([7, 9, 5, 8, 11])
+    dst = torch.tensor([5, 6, 4, 5, 6])
+    want = [v.clone() for v in views]
+    for w in want:
+        w[rows, :, dst] = w[rows, :, src]
+    kernels._extension().move_slots(views, rows, src, dst)
+    assert all(torch.equal(v, w) for v, w in zip(views, want))
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels._extension().move_slots(views, rows, src + 5, dst)
+
+
+@avx2
 def test_avx2_layer_takes_any_row_count_and_adds_its_bias():
     lin = torch.nn.Linear(40, 24, bias=True)
     kernels.apply(lin, "avx2")

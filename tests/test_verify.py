@@ -108,8 +108,21 @@ def test_greedy_invalid_nodes_never_accepted():
     assert v.accepted == [[]] and v.extra.tolist() == [5]
 
 
-def test_tree_commit_matches_recompute():
-    """After committing a tree path, the cache continues exactly as a fresh forward."""
+@pytest.mark.parametrize("mover", ["torch", "extension"])
+def test_tree_commit_matches_recompute(mover, monkeypatch):
+    """After committing a tree path, the cache continues exactly as a fresh forward; the slots
+    moved by torch's indexing per layer or by the extension's ``move_slots`` for all layers."""
+    from specbench import kernels, kv
+
+    if mover == "torch":
+        monkeypatch.setattr(kv, "_slot_mover", lambda tensors: None)
+    elif kernels.avx2_unavailable() is not None:
+        pytest.skip(f"avx2 extension: {kernels.avx2_unavailable()}")
+    else:
+        kernels._extension()  # loaded: the cache's commit takes move_slots
+        used = []
+        real = kv._slot_mover
+        monkeypatch.setattr(kv, "_slot_mover", lambda tensors: used.append(1) or real(tensors))
     m = tiny_llama(seed=2)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     c = RaggedCache(m, CPU, torch.float32)
@@ -126,6 +139,8 @@ def test_tree_commit_matches_recompute():
     for b, s in enumerate(seqs):
         want = m(torch.tensor([s])).logits[0, -1]
         assert torch.allclose(got[b], want, atol=1e-5), (b, (got[b] - want).abs().max())
+    if mover == "extension":  # the extension moved the slots
+        assert used and real([torch.zeros(1, 1, 1, 4)]) is not None
 
 
 # ----------------------------------------------------------------------- sampling
