@@ -129,7 +129,7 @@ def _extension():
 @functools.cache
 def pack_cols() -> int:
     """Columns per panel of ``pack``: 48 where the CPU has AVX-512F (the kernel's AVX-512 tiles:
-    three 16-column vectors per k side by side, one pass for up to 8 rows), else 8 (AVX2).
+    three 16-column vectors per k side by side, one pass for up to 9 rows), else 8 (AVX2).
     ``SPECBENCH_AVX512=0`` keeps 8 (the AVX2 tiles) for an A/B on such a CPU. Either width gives
     the same bits."""
     return 48 if os.environ.get("SPECBENCH_AVX512", "1") != "0" and _extension().has_avx512() else 8
