@@ -100,15 +100,14 @@ def _narrow(layer, lo: int, hi: int | None) -> None:
 
 
 def _slot_mover(tensors: list[torch.Tensor]):
-    """The extension's ``move_slots`` when it is loaded (the avx2 kernel path) and every cache
-    tensor is fp32 on the CPU (one call for all layers), else None (torch's indexing, per layer)."""
+    """The extension's ``move_slots`` when it is loaded (the avx2 kernel path) and the cache is
+    fp32 on the CPU (one call for all layers; it checks every tensor), else None (torch's
+    indexing, per layer)."""
     from specbench import kernels
 
     ext = kernels.loaded_extension()
-    if ext is None or not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4
-                              and t.stride(3) == 1 for t in tensors):
-        return None
-    return ext.move_slots
+    t = tensors[0]
+    return ext.move_slots if ext is not None and t.dtype == torch.float32 and t.device.type == "cpu" else None
 
 
 def _slab_cache() -> DynamicCache:

@@ -103,48 +103,11 @@ def _greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
         n_acc = match.long().cumprod(dim=1).sum(dim=1)  # accepted drafts per row
         best = n_acc
         keep, counts = _chain_keep(n_acc)
-    elif amax.device.type == "cpu" and B * N <= _LIST_WALK:
-        return _greedy_tree_lists(amax, draft)
     else:
         ok = (draft.tokens == amax.gather(1, draft.parents)) & draft.accept_mask()
         keep, counts, best = _walk(ok, draft)
         n_acc = counts - 1
     return _verdict(draft, keep, counts, n_acc, amax[rows, best])
-
-
-# Greedy trees of up to this many forward nodes in all (rows x nodes) are walked on lists: the
-# vectorised walk's ~25 small tensor ops cost ~0.5 ms right after a forward (the weight stream
-# leaves the caches cold), a walk over a few dozen nodes in Python a few tens of microseconds.
-_LIST_WALK = 256
-
-
-def _greedy_tree_lists(amax: torch.Tensor, draft: Draft) -> Verdict:
-    """``_greedy``'s tree case on Python lists, the same verdict as ``_walk``'s: per row the
-    deepest node (lowest index on ties) whose every node on the path from the root is valid and
-    holds the target's argmax at its parent; the extra token is the argmax at that node."""
-    B, n = draft.tokens.shape
-    am, tok, par = amax.tolist(), draft.tokens.tolist(), draft.parents.tolist()
-    valid = draft.accept_mask().tolist()
-    paths, accepted, extra = [], [], []
-    for b in range(B):
-        good, depth, best = [True] + [False] * n, [0] * (n + 1), 0
-        for i in range(1, n + 1):  # a parent comes before its children (Draft.check)
-            p = par[b][i - 1]
-            depth[i] = depth[p] + 1
-            good[i] = good[p] and valid[b][i - 1] and tok[b][i - 1] == am[b][p]
-            if good[i] and depth[i] > depth[best]:
-                best = i
-        path = [best]
-        while path[-1]:
-            path.append(par[b][path[-1] - 1])
-        path.reverse()
-        paths.append(path)
-        accepted.append([tok[b][i - 1] for i in path[1:]])
-        extra.append(am[b][best])
-    m = max(len(x) for x in paths)
-    keep = torch.tensor([x + [0] * (m - len(x)) for x in paths], dtype=torch.long)
-    counts = torch.tensor([len(x) for x in paths], dtype=torch.long)
-    return Verdict(keep=keep, counts=counts, accepted=accepted, extra=torch.tensor(extra, dtype=torch.long))
 
 
 def _relaxed(logits: torch.Tensor, draft: Draft, beta: int, tol: float) -> Verdict:
@@ -172,10 +135,18 @@ def _chain_keep(n_acc: torch.Tensor):
     return keep, n_acc + 1
 
 
+# Trees of up to this many forward nodes in all (rows x nodes) on the CPU are walked on lists:
+# the vectorised walk's ~25 small tensor ops cost ~0.5 ms right after a forward (the weight
+# stream leaves the caches cold), a walk over a few dozen nodes in Python a few tens of us.
+_LIST_WALK = 256
+
+
 def _walk(ok: torch.Tensor, draft: Draft):
     """The deepest node (lowest index on ties) of ``draft``'s tree whose whole path passes ``ok``
     [B, n]. Returns keep [B, m] (the path, root first, padded), counts [B], best node [B]."""
     B, n = ok.shape
+    if ok.device.type == "cpu" and B * (n + 1) <= _LIST_WALK:
+        return _walk_lists(ok, draft)
     N = n + 1
     dev = ok.device
     rows = torch.arange(B, device=dev)
@@ -190,6 +161,29 @@ def _walk(ok: torch.Tensor, draft: Draft):
     order = torch.where(on_path, idx[None], idx[None] + N).sort(dim=1).values
     keep = order[:, :int(counts.max())] % N  # entries past counts[b] are padding
     return keep, counts, best
+
+
+def _walk_lists(ok: torch.Tensor, draft: Draft):
+    """``_walk`` on Python lists (a parent comes before its children: Draft.check)."""
+    B, n = ok.shape
+    passes, par = ok.tolist(), draft.parents.tolist()
+    paths = []
+    for b in range(B):
+        good, depth, best = [True] + [False] * n, [0] * (n + 1), 0
+        for i in range(1, n + 1):
+            p = par[b][i - 1]
+            depth[i] = depth[p] + 1
+            good[i] = good[p] and passes[b][i - 1]
+            if good[i] and depth[i] > depth[best]:
+                best = i
+        path = [best]
+        while path[-1]:
+            path.append(par[b][path[-1] - 1])
+        paths.append(path[::-1])
+    m = max(len(x) for x in paths)
+    keep = torch.tensor([x + [0] * (m - len(x)) for x in paths], dtype=torch.long)
+    counts = torch.tensor([len(x) for x in paths], dtype=torch.long)
+    return keep, counts, torch.tensor([x[-1] for x in paths], dtype=torch.long)
 
 
 def _verdict(draft: Draft, keep, counts, n_acc, extra) -> Verdict:

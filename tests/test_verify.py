@@ -72,9 +72,9 @@ def test_greedy_tree_walk():
 
 
 def test_greedy_tree_list_walk_gives_the_tensor_walks_verdict(monkeypatch):
-    """Small greedy trees on the CPU are walked on lists; the vectorised walk (taken beyond
-    ``_LIST_WALK`` nodes) must give the same verdict: random trees, rows and invalid nodes, a
-    small vocabulary so that many nodes match and ties in depth occur."""
+    """Small trees on the CPU are walked on lists; the vectorised walk (taken beyond
+    ``_LIST_WALK`` nodes) must give the same greedy verdict: random trees, rows and invalid nodes,
+    a small vocabulary so that many nodes match and ties in depth occur."""
     import specbench.verify as V
 
     g = torch.Generator().manual_seed(0)
