@@ -465,13 +465,15 @@ def _fused_model_forward(self, input_ids=None, attention_mask=None, position_ids
     """``LlamaModel.forward`` when every decoder layer runs fused (``apply``). A decode or verify
     forward over the engine's slab cache takes Hugging Face's own steps around the layers (the
     embedding, ``create_causal_mask``, the rotary tables, the final norm, called as its forward
-    calls them) and runs each layer as its two extension calls from this one loop: Hugging
+    calls them) and runs every layer's two extension calls in one call (``_stack``): Hugging
     Face's module call per layer and the fused layer's own checks cost ~100 us a layer once the
-    weight stream has left the caches cold (~3 ms a forward). Anything else (a prefill, another
-    cache, hooks on a layer, hidden states or attentions asked for, autograd) takes its forward."""
+    weight stream has left the caches cold (~3 ms a forward), a Python loop over the layers'
+    calls ~30 us a layer. Anything else (a prefill, another cache, hooks on a layer, hidden
+    states or attentions asked for, autograd) takes its forward."""
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     slabs = _lean_slabs(self, input_ids, inputs_embeds, position_ids, attention_mask, cache, kwargs)
-    if slabs is None:
+    stack = _stack(self) if slabs is not None else None
+    if stack is None:
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -485,9 +487,9 @@ def _fused_model_forward(self, input_ids=None, attention_mask=None, position_ids
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     cos, sin = self.rotary_emb(x, position_ids=position_ids)
-    add, n = _additive(mask), x.shape[1]
-    for layer, slab in zip(self.layers, slabs):
-        x = _blocks(layer, _fused_weights(layer), x, cos, sin, slab.append(n), add)
+    n = x.shape[1]
+    kbufs, vbufs, offs, lens = zip(*[slab.append(n) for slab in slabs])
+    x = stack.forward(x, cos, sin, kbufs, vbufs, offs, lens, _additive(mask))
     return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{_output_cache_field(): cache})
 
 
@@ -518,13 +520,67 @@ def _lean_slabs(model, input_ids, inputs_embeds, position_ids, attention_mask, c
     slabs = getattr(cache, "layers", None)
     if slabs is None or len(slabs) != len(model.layers):
         return None
-    for layer, slab in zip(model.layers, slabs):
-        if type(slab) is not SlabLayer or not slab.is_initialized or slab._k is None or slab.keys.dim() != 4 \
-                or layer._forward_hooks or layer._forward_pre_hooks \
-                or getattr(layer.forward, "__func__", None) is not _fused_llama_forward \
-                or layer._modules["self_attn"]._modules["q_proj"]._parameters["weight"].dtype != torch.float32:
+    for slab in slabs:  # the layers themselves: _stack
+        if type(slab) is not SlabLayer or not slab.is_initialized or slab._k is None or slab.keys.dim() != 4:
             return None
     return slabs
+
+
+# model -> (its FusedStack, whether it runs): kept outside the model, as _PACKED
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _stack(model):
+    """The extension's loop over ``model``'s fused layers (``FusedStack``), rebuilt whenever a
+    weight it was packed from changed (its ``state``: the same cases as ``_cached_packing``'s
+    key, and a layer or submodule replaced); None when a layer has a hook or cannot run fused
+    (Hugging Face's loop then)."""
+    hit = _STACKS.get(model)
+    state = 1 if hit is None else hit[0].state()
+    if state == 1:
+        hit = _build_stack(model)
+        _STACKS[model] = hit
+        state = hit[0].state()
+    return hit[0] if hit[1] and state == 0 else None
+
+
+def _build_stack(model) -> tuple:
+    """(``FusedStack`` over ``model``'s decoder layers, whether every layer runs fused): the
+    packings of ``_fused_weights`` and the links through which the modules reach their weights."""
+    links, empties, weights, floats, ints = [], [], [], [], []
+
+    def link(d: dict, key: str, tensor: bool = False):
+        links.append((d, key, d[key], tensor))
+        return d[key]
+
+    layers = link(model._modules, "layers")
+    runs = len(layers) == model.config.num_hidden_layers
+    for name in list(layers._modules):
+        layer = link(layers._modules, name)
+        empties += [layer._forward_hooks, layer._forward_pre_hooks]
+        runs = runs and "forward" in layer.__dict__ and _fusable(layer)
+        if not runs:
+            break
+        if getattr(link(layer.__dict__, "forward"), "__func__", None) is not _fused_llama_forward:
+            runs = False
+            break
+        mods = {k: link(layer._modules, k) for k in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")}
+        for owner, names in ((mods["self_attn"], ("q_proj", "k_proj", "v_proj", "o_proj")),
+                             (mods["mlp"], ("gate_proj", "up_proj", "down_proj"))):
+            for k in names:
+                lin = link(owner._modules, k)
+                link(lin._parameters, "weight", True)
+                link(lin._parameters, "bias")
+        ln1, ln2 = mods["input_layernorm"], mods["post_attention_layernorm"]
+        link(ln1._parameters, "weight", True)
+        link(ln2._parameters, "weight", True)
+        qkv_w, gate_up_w, nq, nkv, d, width, o_w, down_w = _fused_weights(layer)
+        weights += [ln1.weight, qkv_w, o_w, ln2.weight, gate_up_w, down_w]
+        floats += [ln1.variance_epsilon, ln2.variance_epsilon, mods["self_attn"].scaling]
+        ints += [nq, nkv, d, width]
+    if not runs:
+        weights, floats, ints = [], [], []
+    return _extension().FusedStack(links, empties, weights, floats, ints), runs
 
 
 def fused_qkv(x, norm_w, eps: float, qkv_w, nq: int, nkv: int, d: int, cos, sin) -> tuple:

@@ -2,6 +2,7 @@
 fp32 rounding, greedy identity of the engine on them, training untouched; the avx2 kernel's
 rows independent of each other bit for bit."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -356,19 +357,26 @@ def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
     kernels.apply(m, "avx2")
     assert m.model.forward.__func__ is kernels._fused_model_forward
     depth, anc = tree_geometry(torch.tensor([[0, 1, 1], [0, 0, 2]]))
-    append, lean_slabs, taken, lean = SlabLayer.append, kernels._lean_slabs, [], []
+    append, lean_slabs, stack, taken, lean = SlabLayer.append, kernels._lean_slabs, kernels._stack, [], []
 
     def counted(self, n):
         room = append(self, n)
         taken.append(room is not None)
         return room
 
-    def counted_lean(*a):
+    def counted_lean(*a):  # the cache cannot take the lean loop
         slabs = lean_slabs(*a)
-        lean.append(slabs is not None)
+        if slabs is None:
+            lean.append(False)
         return slabs
 
+    def counted_stack(model):  # the layers can (or have a hook)
+        s = stack(model)
+        lean.append(s is not None)
+        return s
+
     monkeypatch.setattr(kernels, "_lean_slabs", counted_lean)
+    monkeypatch.setattr(kernels, "_stack", counted_stack)
 
     def run(path: str):
         monkeypatch.setattr(SlabLayer, "append", (lambda self, n: None) if path == "per-op" else counted)
@@ -405,6 +413,59 @@ def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
     assert lean == [False] + [True] * 30 + [False] + [True] * 3, "the model's own loop was not taken (or at a prefill)"
     for other in (blocks, fused):
         assert len(per_op) == len(other) and all(torch.equal(a, b) for a, b in zip(per_op, other))
+
+
+@avx2
+def test_fused_stack_follows_every_change_to_the_layers():
+    """The extension's loop over the layers (``_stack``) checks, on every forward, the links
+    through which the modules reach their weights: a weight changed in place, a parameter or a
+    submodule or a layer replaced gives a rebuilt stack whose logits follow the change (those of
+    Hugging Face's loop on an unpacked twin with the same change); a hook on a layer gives
+    Hugging Face's loop until it is removed."""
+    from specbench.kv import RaggedCache
+
+    m, ref = tiny_llama(seed=3), tiny_llama(seed=3)
+    kernels.apply(m, "avx2")
+
+    def step(model):
+        cache = RaggedCache(model, CPU, torch.float32)
+        with torch.inference_mode():
+            cache.prefill([[5, 6, 7, 8, 9]])
+            return cache.forward(torch.tensor([[20, 21, 22]]), torch.arange(3)[None], None).logits
+
+    assert (step(m) - step(ref)).abs().max() < 1e-4
+    first = kernels._STACKS[m.model][0]
+    assert kernels._stack(m.model) is first and first.state() == 0
+
+    def twin_of(layer, idx):  # a copy of a layer to stand at index idx
+        twin = copy.deepcopy(layer)
+        twin.self_attn.layer_idx = idx
+        twin.mlp.gate_proj.weight.mul_(0.5)
+        return twin
+
+    changes = [
+        lambda mod: mod.model.layers[1].mlp.up_proj.weight.mul_(-1.5),  # in place
+        lambda mod: setattr(mod.model.layers[0].self_attn.o_proj, "weight",
+                            torch.nn.Parameter(mod.model.layers[0].self_attn.o_proj.weight.flip(0).clone())),
+        lambda mod: mod.model.layers[1].post_attention_layernorm.weight.add_(0.5),
+        lambda mod: setattr(mod.model.layers[0].mlp, "down_proj", copy.deepcopy(mod.model.layers[1].mlp.down_proj)),
+        lambda mod: mod.model.layers.__setitem__(1, twin_of(mod.model.layers[0], 1)),
+    ]
+    for change in changes:
+        before, old = kernels._STACKS[m.model][0], step(m)
+        with torch.no_grad():
+            change(m)
+            change(ref)
+        assert before.state() == 1
+        new = step(m)
+        assert (new - step(ref)).abs().max() < 1e-4 and (new - old).abs().max() > 1e-3  # a stale stack would fail
+        assert kernels._STACKS[m.model][0] is not before and kernels._stack(m.model).state() == 0
+        assert kernels._stack(m.model) is kernels._STACKS[m.model][0]  # the lean loop ran on it
+    hook = m.model.layers[0].register_forward_hook(lambda *a: None)
+    assert kernels._stack(m.model) is None and kernels._STACKS[m.model][0].state() == 2
+    assert (step(m) - step(ref)).abs().max() < 1e-4
+    hook.remove()
+    assert kernels._stack(m.model) is not None
 
 
 @avx2

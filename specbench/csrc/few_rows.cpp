@@ -22,6 +22,7 @@
 // Below it, the other steps of the fused Llama layer (kernels._fused_llama_forward): RMSNorm,
 // RoPE in place, and the attention of a decode step over the KV cache.
 #include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -551,7 +552,106 @@ void move_slots(const std::vector<torch::Tensor>& caches, const torch::Tensor& r
   }
 }
 
+// A model whose decoder layers all run fused, as one call per decode or verify forward
+// (kernels._fused_model_forward): every layer's attn_block then mlp_block, the same calls in the
+// same order as the Python loop over them made (the same bits), without the ~30 us a layer that
+// loop spent reaching the weights through the modules and checking that they had not changed
+// once the weight stream had left the caches cold.
+//
+// The check is this object's own (state()): the (dict, key, object) links through which the
+// modules reach each weight (model.layers, each layer, its submodules, their parameters and their
+// forward), each still in place, and each tensor among them still at the address and version it
+// had when packed; the layers' hook dicts still empty. Any change there (a parameter reassigned or
+// loaded in place, a layer replaced, a hook added) tells the caller to rebuild or to take Hugging
+// Face's loop. Runs under the GIL (it reads the dicts), as every call from Python here does.
+class FusedStack {
+ public:
+  // links: (dict, key, object, is_tensor); empties: dicts that must stay empty; per layer,
+  // weights (rms weight 1, packed q|k|v, packed o_proj, rms weight 2, packed gate|up, packed
+  // down_proj), floats (eps 1, eps 2, attention scale), ints (query heads, KV heads, head size,
+  // MLP width).
+  FusedStack(const py::list& links, const py::list& empties, std::vector<torch::Tensor> weights,
+             std::vector<double> floats, std::vector<int64_t> ints)
+      : weights_(std::move(weights)), floats_(std::move(floats)), ints_(std::move(ints)) {
+    const size_t layers = weights_.size() / 6;
+    TORCH_CHECK(weights_.size() == 6 * layers && floats_.size() == 3 * layers && ints_.size() == 4 * layers,
+                "FusedStack: 6 weights, 3 floats and 4 ints per layer");
+    for (const auto& item : links) {
+      const auto t = item.cast<py::tuple>();
+      TORCH_CHECK(t.size() == 4 && PyDict_Check(t[0].ptr()), "FusedStack: links are (dict, key, object, is_tensor)");
+      Link l{t[0].cast<py::object>(), t[1].cast<py::object>(), t[2].cast<py::object>(), t[3].cast<bool>(), nullptr, 0};
+      if (l.tensor) {
+        TORCH_CHECK(THPVariable_Check(l.obj.ptr()), "FusedStack: a link marked as a tensor is not one");
+        const auto& w = THPVariable_Unpack(l.obj.ptr());
+        l.ptr = w.data_ptr();
+        l.version = w.is_inference() ? 0 : w._version();
+      }
+      links_.push_back(std::move(l));
+    }
+    for (const auto& d : empties) {
+      TORCH_CHECK(PyDict_Check(d.ptr()), "FusedStack: empties are dicts");
+      empties_.push_back(d.cast<py::object>());
+    }
+  }
+
+  // 0: as built, and runnable; 1: something it was built from changed (rebuild it); 2: a layer
+  // has a hook (run Hugging Face's loop).
+  int state() const {
+    for (const auto& l : links_) {
+      PyObject* cur = PyDict_GetItemWithError(l.dict.ptr(), l.key.ptr());
+      if (cur == nullptr) {
+        PyErr_Clear();
+        return 1;
+      }
+      if (cur != l.obj.ptr()) return 1;
+      if (l.tensor) {
+        const auto& w = THPVariable_Unpack(cur);
+        if (w.data_ptr() != l.ptr || (!w.is_inference() && w._version() != l.version)) return 1;
+      }
+    }
+    for (const auto& d : empties_)
+      if (PyDict_Size(d.ptr()) != 0) return 2;
+    return 0;
+  }
+
+  // x [B, n, D] through every layer; kbufs, vbufs, offs, lens: each layer's slab (SlabLayer.append).
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const std::vector<torch::Tensor>& kbufs, const std::vector<torch::Tensor>& vbufs,
+                        const std::vector<int64_t>& offs, const std::vector<int64_t>& lens, const torch::Tensor& mask) {
+    const size_t layers = weights_.size() / 6;
+    TORCH_CHECK(kbufs.size() == layers && vbufs.size() == layers && offs.size() == layers && lens.size() == layers,
+                "FusedStack.forward: one key buffer, value buffer, offset and length per layer");
+    for (size_t i = 0; i < layers; i++) {
+      const torch::Tensor* w = weights_.data() + 6 * i;
+      const double* f = floats_.data() + 3 * i;
+      const int64_t* k = ints_.data() + 4 * i;
+      x = attn_block(x, w[0], f[0], w[1], k[0], k[1], k[2], cos, sin, kbufs[i], vbufs[i], offs[i], lens[i], mask, f[2],
+                     w[2]);
+      x = mlp_block(x, w[3], f[1], w[4], k[3], w[5]);
+    }
+    return x;
+  }
+
+ private:
+  struct Link {
+    py::object dict, key, obj;
+    bool tensor;
+    const void* ptr;
+    int64_t version;
+  };
+  std::vector<Link> links_;
+  std::vector<py::object> empties_;
+  std::vector<torch::Tensor> weights_;
+  std::vector<double> floats_;
+  std::vector<int64_t> ints_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<FusedStack>(m, "FusedStack")
+      .def(py::init<const py::list&, const py::list&, std::vector<torch::Tensor>, std::vector<double>,
+                    std::vector<int64_t>>())
+      .def("state", &FusedStack::state, "0: as built; 1: changed since (rebuild); 2: a layer has a hook")
+      .def("forward", &FusedStack::forward, "x through every fused layer, the KV cache written in place");
   m.def("move_slots", &move_slots, "move cache slots (rows, src -> dst) in every layer's keys and values");
   m.def("attn_block", &attn_block, "a fused Llama layer's attention half, the KV cache written in place");
   m.def("mlp_block", &mlp_block, "a fused Llama layer's MLP half");
