@@ -521,7 +521,7 @@ def _lean_slabs(model, input_ids, inputs_embeds, position_ids, attention_mask, c
     if slabs is None or len(slabs) != len(model.layers):
         return None
     for slab in slabs:  # the layers themselves: _stack
-        if type(slab) is not SlabLayer or not slab.is_initialized or slab._k is None or slab.keys.dim() != 4:
+        if type(slab) is not SlabLayer or not slab.ready():
             return None
     return slabs
 

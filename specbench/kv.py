@@ -27,19 +27,47 @@ from specbench.models import cache_kwarg, text_config
 class SlabLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values are views of a larger buffer: a forward writes its
     new slots in place, and the buffer doubles when full (amortised O(new tokens) per forward).
-    Whoever replaces ``keys``/``values`` with another tensor (rows selected, say) just makes the
-    next update copy them into a fresh buffer; a slice of the buffer keeps appending in place."""
+    While they are its own slice of the buffer the layer keeps only where it starts and how long
+    it is (``_span``), and makes the two views when someone reads ``keys``/``values``: the engine's
+    own steps (the fused loop's ``append``, a commit's ``_narrow``) then create no tensors (two
+    views a layer each cost ~5 us on caches the weight stream left cold). Whoever sets
+    ``keys``/``values`` to another tensor (rows selected, say) makes the next update copy them
+    into a fresh buffer; a slice of the buffer keeps appending in place."""
+
+    _span: tuple[int, int] | None = None  # (offset in the buffer, length) while keys/values are that slice
+    _kv: tuple = (None, None)  # keys and values set from outside (when _span is None)
+    _views: tuple | None = None  # the views of _span, once read
+
+    @property
+    def keys(self):
+        return self._kv[0] if self._span is None else self._slice()[0]
+
+    @keys.setter
+    def keys(self, t):
+        self._kv, self._span, self._views = (t, self.values), None, None
+
+    @property
+    def values(self):
+        return self._kv[1] if self._span is None else self._slice()[1]
+
+    @values.setter
+    def values(self, t):
+        self._kv, self._span, self._views = (self.keys, t), None, None
+
+    def _slice(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._views is None:
+            off, L = self._span
+            self._views = (self._k.narrow(2, off, L), self._v.narrow(2, off, L))
+        return self._views
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._k = self._v = None
-        self._mine = (None, None, 0)  # the views this layer last handed out, and their offset
 
     def _offset(self) -> int | None:
         """Slot where ``keys``/``values`` start inside the buffer, None if they are not a slice of it."""
-        k, v, off = self._mine
-        if k is self.keys and v is self.values:  # untouched since the last update: the decode hot path
-            return off
+        if self._span is not None:
+            return self._span[0]
         for t, buf in ((self.keys, self._k), (self.values, self._v)):
             if buf is None or t.dim() != 4 or t.shape[:2] != buf.shape[:2] or t.stride() != buf.stride() \
                     or t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
@@ -52,19 +80,20 @@ class SlabLayer(DynamicLayer):
         """(offset of the views in the buffer, their length L) once the buffer has room for ``n``
         more slots after them (a new buffer shaped like k and v, the views copied, if not); the
         views then take in the n slots, still to be written."""
-        L = self.keys.shape[-2] if self.keys.dim() == 4 else 0
-        off = self._offset()
+        if self._span is not None:
+            off, L = self._span
+        else:
+            L = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+            off = self._offset()
         if off is None or off + L + n > self._k.shape[2]:
             cap = max(64, 2 * (L + n))
-            self._k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
-            self._v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+            new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            new_v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
             if L:
-                self._k[:, :, :L] = self.keys
-                self._v[:, :, :L] = self.values
-            off = 0
-        self.keys = self._k.narrow(2, off, L + n)
-        self.values = self._v.narrow(2, off, L + n)
-        self._mine = (self.keys, self.values, off)
+                new_k[:, :, :L] = self.keys
+                new_v[:, :, :L] = self.values
+            self._k, self._v, off = new_k, new_v, 0
+        self._span, self._views = (off, L + n), None
         return off, L
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -76,27 +105,34 @@ class SlabLayer(DynamicLayer):
         self._v.narrow(2, off + L, n).copy_(value_states)
         return self.keys, self.values
 
+    def ready(self) -> bool:
+        """Whether ``append`` gives room (the buffers exist: a prefill made them)."""
+        return self._span is not None or (self.is_initialized and self._k is not None and self.keys.dim() == 4)
+
     def append(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
         """Room for ``n`` new slots that the caller writes itself (the avx2 fused layer writes
         them from its kernel, then attends; nobody reads them in between): (key buffer, value
         buffer, offset of the views in them, slots before the new ones). None before the first
         ``update`` (a prefill) made the buffers."""
-        if not self.is_initialized or self.keys.dim() != 4 or self._k is None:
+        if not self.ready():
             return None
-        off, L = self._grow(n, self.keys, self.values)
+        own = self._span is not None  # else keys and values set from outside (rows selected): their shape
+        off, L = self._grow(n, *((self._k, self._v) if own else (self.keys, self.values)))
         return self._k, self._v, off, L
 
 
 def _narrow(layer, lo: int, hi: int | None) -> None:
-    """``layer``'s keys and values cut to slots ``[lo, hi)``. A ``SlabLayer`` whose views were
-    its own keeps knowing where they start in its buffer, so the next update appends without
-    re-deriving the offset from the storage (~10 us a layer after every rejected draft)."""
-    k, v, off = getattr(layer, "_mine", (None, None, 0))
-    own = k is not None and k is layer.keys and v is layer.values
+    """``layer``'s keys and values cut to slots ``[lo, hi)`` (``lo`` and ``hi`` within them). A
+    ``SlabLayer`` holding its own slice of its buffer just moves the slice's ends (no views made,
+    and the next update appends without re-deriving the offset from the storage)."""
+    span = getattr(layer, "_span", None)
+    if span is not None:
+        off, L = span
+        hi = L if hi is None else min(hi, L)
+        layer._span, layer._views = (off + lo, max(hi - lo, 0)), None
+        return
     layer.keys = layer.keys[:, :, lo:hi]
     layer.values = layer.values[:, :, lo:hi]
-    if own:
-        layer._mine = (layer.keys, layer.values, off + lo)
 
 
 def _slot_mover(tensors: list[torch.Tensor]):

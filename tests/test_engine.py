@@ -203,10 +203,10 @@ def test_slab_layer_keeps_what_a_concatenating_cache_keeps():
         elif op == 1 and keys.shape[2] > 3:  # drop left padding
             _narrow(layer, 1, None)
             keys, vals = keys[:, :, 1:], vals[:, :, 1:]
-        if op < 2 and layer._mine[0] is layer.keys:  # the offset _narrow kept is the buffer's own
+        if op < 2 and layer._span is not None:  # the offset _narrow kept is the buffer's own
             kept = layer._offset()
-            layer._mine = (None, None, 0)
-            assert kept == layer._offset() is not None, step
+            layer.keys, layer.values = layer.keys, layer.values  # the same views, set from outside
+            assert layer._span is None and kept == layer._offset() is not None, step
             checked += 1
         elif op == 2:  # move a slot in place
             layer.keys[0, :, 0] = layer.keys[0, :, -1]
