@@ -64,6 +64,9 @@ class SlabLayer(DynamicLayer):
         super().lazy_initialization(key_states, value_states)
         self._k = self._v = None
 
+    def get_seq_length(self) -> int:
+        return self._span[1] if self._span is not None else super().get_seq_length()
+
     def _offset(self) -> int | None:
         """Slot where ``keys``/``values`` start inside the buffer, None if they are not a slice of it."""
         if self._span is not None:
@@ -318,7 +321,11 @@ class RaggedCache:
 
     def cache_len(self) -> int:
         layers = self.cache.layers
-        if not layers or getattr(layers[0], "keys", None) is None or layers[0].keys.numel() == 0:
+        if not layers:
+            return 0
+        if type(layers[0]) is SlabLayer:
+            return layers[0].get_seq_length()
+        if getattr(layers[0], "keys", None) is None or layers[0].keys.numel() == 0:
             return 0
         return int(layers[0].keys.shape[2])
 
