@@ -166,19 +166,47 @@ class RaggedCache:
         layer_types = getattr(cfg, "layer_types", None) or []
         self.window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
         self.cache = _slab_cache()
-        self.start = torch.zeros(0, dtype=torch.long, device=device)
-        self.length = torch.zeros(0, dtype=torch.long, device=device)
+        self.start = []
+        self.length = []
         self.C = 0
 
     # ------------------------------------------------------------------ geometry
+    # Each row's start (left padding) and length are kept as Python ints: the bookkeeping of a
+    # step (a commit, a rollback, is the cache dense) is a few integer operations per row, where
+    # torch ops cost ~5-10 us apiece on caches the weight stream left cold (a Leviathan step
+    # made ~40 of them). ``start`` and ``length`` read as tensors on the cache's device (made
+    # once per change) and may be set from tensors or lists.
+    @property
+    def start(self) -> torch.Tensor:
+        if self._start_t is None:
+            self._start_t = torch.tensor(self._start, dtype=torch.long, device=self.device)
+        return self._start_t
+
+    @start.setter
+    def start(self, v) -> None:
+        self._start, self._start_t = (v.tolist() if isinstance(v, torch.Tensor) else list(v)), None
+
+    @property
+    def length(self) -> torch.Tensor:
+        if self._length_t is None:
+            self._length_t = torch.tensor(self._length, dtype=torch.long, device=self.device)
+        return self._length_t
+
+    @length.setter
+    def length(self, v) -> None:
+        self._length, self._length_t = (v.tolist() if isinstance(v, torch.Tensor) else list(v)), None
+
     @property
     def batch_size(self) -> int:
-        return int(self.length.shape[0])
+        return len(self._length)
+
+    def _ends(self) -> list[int]:
+        return [s + n for s, n in zip(self._start, self._length)]
 
     def is_dense(self) -> bool:
         """True when every row fills the whole cache (no padding, no gaps): a plain causal
         mask is then exact and the model can take its own fast path."""
-        return bool((self.start == 0).all() and (self.length == self.C).all())
+        return all(s == 0 for s in self._start) and all(n == self.C for n in self._length)
 
     def _neg(self) -> float:
         return torch.finfo(self.dtype).min
@@ -264,15 +292,16 @@ class RaggedCache:
 
         keep: [B, m] long (entries past counts[b] are ignored); counts: [B] long.
         """
-        m = keep.shape[1]
-        if m > 0:
-            j = torch.arange(m, device=self.device)
-            sel = j[None, :] < counts[:, None]
-            src = self.C + keep
-            dst = (self.start + self.length)[:, None] + j[None, :]
-            if not bool((src == dst).logical_or_(~sel).all()):  # else every kept slot is in place already
-                rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(keep)[sel]
-                src, dst = src[sel], dst[sel]
+        counts = counts.tolist()
+        if any(counts):
+            keep, ends = keep.tolist(), self._ends()
+            rows, src, dst = [], [], []
+            for b, (k, c) in enumerate(zip(keep, counts)):
+                rows += [b] * c
+                src += [self.C + i for i in k[:c]]
+                dst += range(ends[b], ends[b] + c)
+            if src != dst:  # else every kept slot is in place already
+                rows, src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (rows, src, dst))
                 tensors = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
                 move = _slot_mover(tensors)
                 if move is not None:
@@ -281,29 +310,30 @@ class RaggedCache:
                     for layer in self.cache.layers:
                         layer.keys[rows, :, dst] = layer.keys[rows, :, src]
                         layer.values[rows, :, dst] = layer.values[rows, :, src]
-        self.length = self.length + counts
-        self._crop(int((self.start + self.length).max()) if self.batch_size else 0)
+        self.length = [n + c for n, c in zip(self._length, counts)]
+        self._crop(max(self._ends(), default=0))
 
     def commit_all(self) -> None:
         """Keep every new slot of the last forward, in order, for every row (a chain each row
         takes whole: a draft model's own decode step). When every row ends at the cache's end
-        the new slots already sit right behind each prefix: no copy, no index tensors."""
+        the new slots already sit right behind each prefix: nothing moves."""
         n_new = self.cache_len() - self.C
         if n_new == 0:
             return
-        if bool(((self.start + self.length) == self.C).all()):
-            self.length = self.length + n_new
+        if all(e == self.C for e in self._ends()):
+            self.length = [n + n_new for n in self._length]
             self.C += n_new
             return
         B = self.batch_size
         keep = torch.arange(n_new, device=self.device)[None].expand(B, n_new)
         self.commit(keep, torch.full((B,), n_new, dtype=torch.long, device=self.device))
 
-    def rollback(self, new_length: torch.Tensor) -> None:
-        """Shorten rows to ``new_length`` (never longer than now); the freed slots become
-        unreachable and the cache is cropped to the longest row."""
-        self.length = torch.minimum(self.length, new_length)
-        self._crop(int((self.start + self.length).max()) if self.batch_size else 0)
+    def rollback(self, new_length) -> None:
+        """Shorten rows to ``new_length`` (a tensor or a list; never longer than now); the freed
+        slots become unreachable and the cache is cropped to the longest row."""
+        new_length = new_length.tolist() if isinstance(new_length, torch.Tensor) else new_length
+        self.length = [min(n, m) for n, m in zip(self._length, new_length)]
+        self._crop(max(self._ends(), default=0))
 
     def _crop(self, new_C: int, unpad: bool = False) -> None:
         total = self.cache_len()
@@ -312,11 +342,11 @@ class RaggedCache:
                 _narrow(layer, 0, new_C)
         self.C = new_C
         # drop left padding every row has outgrown (only rows leaving the batch change that)
-        shift = int(self.start.min()) if unpad and self.batch_size else 0
+        shift = min(self._start) if unpad and self.batch_size else 0
         if shift > 0:
             for layer in self.cache.layers:
                 _narrow(layer, shift, None)
-            self.start = self.start - shift
+            self.start = [s - shift for s in self._start]
             self.C -= shift
 
     def cache_len(self) -> int:
@@ -335,7 +365,8 @@ class RaggedCache:
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys = layer.keys[keep]
                 layer.values = layer.values[keep]
-        self.start = self.start[keep]
-        self.length = self.length[keep]
+        rows = (keep.nonzero().flatten() if keep.dtype == torch.bool else keep).tolist()
+        self.start = [self._start[r] for r in rows]
+        self.length = [self._length[r] for r in rows]
         if self.batch_size:
-            self._crop(int((self.start + self.length).max()), unpad=True)
+            self._crop(max(self._ends()), unpad=True)
