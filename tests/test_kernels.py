@@ -320,6 +320,7 @@ def test_llama_layers_take_the_fused_forward_and_keep_the_layer_semantics():
     m, ref = tiny_llama(seed=2), tiny_llama(seed=2)
     kernels.apply(m, "avx2")
     assert all(layer.forward.__func__ is kernels._fused_llama_forward for layer in m.model.layers)
+    assert m.model.norm.forward.__func__ is kernels._fused_rms_forward  # the final norm too
     parents = torch.tensor([[0, 1, 1], [0, 0, 2]])
     depth, anc = tree_geometry(parents)
     toks = torch.tensor([[20, 21, 22, 23], [30, 31, 32, 33]])
@@ -337,8 +338,9 @@ def test_llama_layers_take_the_fused_forward_and_keep_the_layer_semantics():
     assert (verify(m) - verify(ref)).abs().max() < 1e-4  # the original kept its own
     x = torch.randn(1, 3, 64, requires_grad=True)
     pe = m.model.rotary_emb(x, torch.arange(3)[None])
-    m.model.layers[0](x, position_embeddings=pe).sum().backward()
+    m.model.norm(m.model.layers[0](x, position_embeddings=pe)).sum().backward()
     assert x.grad is not None and m.model.layers[0].mlp.up_proj.weight.grad is not None
+    assert m.model.norm.weight.grad is not None
 
 
 @avx2
