@@ -589,8 +589,30 @@ def _build_stack(model) -> tuple:
         floats += [ln1.variance_epsilon, ln2.variance_epsilon, mods["self_attn"].scaling]
         ints += [nq, nkv, d, width]
     if not runs:
-        weights, floats, ints = [], [], []
-    return _extension().FusedStack(links, empties, weights, floats, ints), runs
+        return _extension().FusedStack(links, empties, [], [], []), False
+    _into_one_stream(model, weights)
+    return _extension().FusedStack(links, empties, weights, floats, ints), True
+
+
+def _into_one_stream(model, weights: list) -> None:
+    """The packings of ``weights`` (``_build_stack``'s list, six per layer) moved into one buffer
+    in the order a forward reads them (q|k|v, o_proj, gate|up, down_proj, layer after layer), in
+    place in the list and in the packing caches (``_fused_weights``, o_proj's and down_proj's own),
+    so the separate copies go. Whole forwards read one stream instead of 120 tensors wherever the
+    allocator put them: the layers' time at 1 new token 0.90-0.92x (interleaved in one process)."""
+    slots = [i for i in range(len(weights)) if i % 6 in (1, 2, 4, 5)]
+    sizes = [-(-weights[i].numel() // 16) * 16 for i in slots]  # 64-byte aligned
+    arena, off = torch.empty(sum(sizes), dtype=torch.float32), 0
+    for i, size in zip(slots, sizes):
+        t = weights[i]
+        weights[i] = arena[off:off + t.numel()].view(t.shape).copy_(t)
+        off += size
+    for j, layer in enumerate(model.layers):
+        qkv, o, gu, down = (weights[6 * j + k] for k in (1, 2, 4, 5))
+        key, w = _PACKED["fused"][layer]
+        _PACKED["fused"][layer] = (key, (qkv, gu, *w[2:6], o, down))
+        for mod, t in ((layer.self_attn.o_proj, o), (layer.mlp.down_proj, down)):
+            _PACKED["avx2"][mod] = (_PACKED["avx2"][mod][0], t)
 
 
 def fused_qkv(x, norm_w, eps: float, qkv_w, nq: int, nkv: int, d: int, cos, sin) -> tuple:

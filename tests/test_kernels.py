@@ -436,6 +436,10 @@ def test_fused_stack_follows_every_change_to_the_layers():
             return cache.forward(torch.tensor([[20, 21, 22]]), torch.arange(3)[None], None).logits
 
     assert (step(m) - step(ref)).abs().max() < 1e-4
+    packs = [kernels._PACKED["fused"][layer][1] for layer in m.model.layers]  # one buffer, read in order
+    ptrs = [t.data_ptr() for w in packs for t in (w[0], w[6], w[1], w[7])]
+    assert ptrs == sorted(ptrs) and len({t.untyped_storage().data_ptr() for w in packs for t in w[:2]}) == 1
+    assert kernels._PACKED["avx2"][m.model.layers[1].mlp.down_proj][1] is packs[1][7]
     first = kernels._STACKS[m.model][0]
     assert kernels._stack(m.model) is first and first.state() == 0
 
