@@ -475,6 +475,29 @@ def test_fused_stack_follows_every_change_to_the_layers():
 
 
 @avx2
+def test_heads_like_is_the_batched_matmul_and_follows_the_weights():
+    """Medusa's residual heads as one kernel call (``heads_like``): torch's batched matmul within
+    fp32 rounding on the avx2 path, its packing redone when the heads change in place, and
+    torch's own einsum under autograd or beside a layer on another path."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 40, 24, generator=g))
+    x = torch.randn(5, 24, generator=g)
+    like = torch.nn.Linear(24, 8)
+    kernels.apply(torch.nn.Sequential(like), "avx2")
+    owner = torch.nn.Module()
+    with torch.no_grad():
+        got = kernels.heads_like(x, w, like, owner)
+        assert got.shape == (3, 5, 40) and (got - torch.einsum("ni,hoi->hno", x, w)).abs().max() < 1e-4
+        assert kernels._PACKED["heads"][owner][0] == [(id(w), w.data_ptr(), w._version)]  # packed for the owner
+        w.mul_(-2.0)
+        assert (kernels.heads_like(x, w, like, owner) + 2 * got).abs().max() < 1e-3
+    y = kernels.heads_like(x, w, like, owner)  # autograd: torch's own
+    assert y.requires_grad and torch.equal(y, torch.einsum("ni,hoi->hno", x, w))
+    with torch.no_grad():
+        assert torch.equal(kernels.heads_like(x, w, torch.nn.Linear(24, 8), owner), torch.einsum("ni,hoi->hno", x, w))
+
+
+@avx2
 def test_fused_layer_takes_the_cache_under_either_name():
     """transformers 5.24 passes a layer its KV cache as ``cache``, earlier versions as
     ``past_key_values``: the fused forward appends to it under either name (attending over the

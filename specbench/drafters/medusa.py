@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specbench import kernels
 from specbench.drafters import Drafter, TargetParts
 from specbench.models import text_config
 
@@ -44,10 +45,10 @@ class MedusaHeads(Drafter):
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         """f [..., d] -> logits over the draft vocabulary [n_heads, ..., V']."""
-        w = self.weight.to(f.dtype)
         shape = f.shape
         x = f.reshape(-1, shape[-1])
-        h = x[None] + F.silu(torch.einsum("nd,hed->hne", x, w) + self.bias.to(f.dtype)[:, None])
+        z = kernels.heads_like(x, self.weight.to(f.dtype), self.parts.target.get_output_embeddings(), self)
+        h = x[None] + F.silu(z + self.bias.to(f.dtype)[:, None])
         out = self.parts.logits(h)
         return out.view(self.n_heads, *shape[:-1], -1)
 
