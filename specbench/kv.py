@@ -166,6 +166,7 @@ class RaggedCache:
         layer_types = getattr(cfg, "layer_types", None) or []
         self.window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
         self.cache = _slab_cache()
+        self._kw = None  # the keyword the model's forward takes the cache under (cache_kwarg), once known
         self.start = []
         self.length = []
         self.C = 0
@@ -268,7 +269,7 @@ class RaggedCache:
         at ``[C, C + n)``; call ``commit`` afterwards to keep some of them.
         """
         B, n = tokens.shape
-        pos = self.length[:, None] + depth
+        pos = depth + self._length[0] if B == 1 else self.length[:, None] + depth
         if anc is None and self.is_dense():
             mask = None  # plain causal: let the model use its own path
         else:
@@ -279,8 +280,10 @@ class RaggedCache:
             ok = torch.cat([prefix[:, None, :].expand(B, n, self.C), anc], dim=2)
             k_pos = torch.cat([(slot[None, :] - self.start[:, None]).expand(B, self.C), pos], dim=1)
             mask = self._to_model_mask(ok, pos, k_pos)
+        if self._kw is None:
+            self._kw = cache_kwarg(self.model)
         out = self.model(
-            input_ids=tokens, attention_mask=mask, position_ids=pos, **{cache_kwarg(self.model): self.cache},
+            input_ids=tokens, attention_mask=mask, position_ids=pos, **{self._kw: self.cache},
             use_cache=True, logits_to_keep=logits_to_keep, **model_kwargs,
         )
         return out
