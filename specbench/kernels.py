@@ -548,7 +548,7 @@ def _lean_slabs(model, input_ids, inputs_embeds, position_ids, attention_mask, c
     return slabs
 
 
-# model -> (its FusedStack, whether it runs): kept outside the model, as _PACKED
+# model -> its FusedStack (one whose layers all run fused): kept outside the model, as _PACKED
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -557,13 +557,16 @@ def _stack(model):
     weight it was packed from changed (its ``state``: the same cases as ``_cached_packing``'s
     key, and a layer or submodule replaced); None when a layer has a hook or cannot run fused
     (Hugging Face's loop then)."""
-    hit = _STACKS.get(model)
-    state = 1 if hit is None else hit[0].state()
+    stack = _STACKS.get(model)
+    state = 1 if stack is None else stack.state()
     if state == 1:
-        hit = _build_stack(model)
-        _STACKS[model] = hit
-        state = hit[0].state()
-    return hit[0] if hit[1] and state == 0 else None
+        stack, runs = _build_stack(model)
+        if not runs:  # not kept: its links stop at the first layer that cannot run fused
+            _STACKS.pop(model, None)
+            return None
+        _STACKS[model] = stack
+        state = stack.state()
+    return stack if state == 0 else None
 
 
 def _build_stack(model) -> tuple:

@@ -6,6 +6,7 @@ import copy
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -440,7 +441,7 @@ def test_fused_stack_follows_every_change_to_the_layers():
     ptrs = [t.data_ptr() for w in packs for t in (w[0], w[6], w[1], w[7])]
     assert ptrs == sorted(ptrs) and len({t.untyped_storage().data_ptr() for w in packs for t in w[:2]}) == 1
     assert kernels._PACKED["avx2"][m.model.layers[1].mlp.down_proj][1] is packs[1][7]
-    first = kernels._STACKS[m.model][0]
+    first = kernels._STACKS[m.model]
     assert kernels._stack(m.model) is first and first.state() == 0
 
     def twin_of(layer, idx):  # a copy of a layer to stand at index idx
@@ -458,20 +459,27 @@ def test_fused_stack_follows_every_change_to_the_layers():
         lambda mod: mod.model.layers.__setitem__(1, twin_of(mod.model.layers[0], 1)),
     ]
     for change in changes:
-        before, old = kernels._STACKS[m.model][0], step(m)
+        before, old = kernels._STACKS[m.model], step(m)
         with torch.no_grad():
             change(m)
             change(ref)
         assert before.state() == 1
         new = step(m)
         assert (new - step(ref)).abs().max() < 1e-4 and (new - old).abs().max() > 1e-3  # a stale stack would fail
-        assert kernels._STACKS[m.model][0] is not before and kernels._stack(m.model).state() == 0
-        assert kernels._stack(m.model) is kernels._STACKS[m.model][0]  # the lean loop ran on it
+        assert kernels._STACKS[m.model] is not before and kernels._stack(m.model).state() == 0
+        assert kernels._stack(m.model) is kernels._STACKS[m.model]  # the lean loop ran on it
     hook = m.model.layers[0].register_forward_hook(lambda *a: None)
-    assert kernels._stack(m.model) is None and kernels._STACKS[m.model][0].state() == 2
+    assert kernels._stack(m.model) is None and kernels._STACKS[m.model].state() == 2
     assert (step(m) - step(ref)).abs().max() < 1e-4
     hook.remove()
     assert kernels._stack(m.model) is not None
+    layer = m.model.layers[1]
+    fused = layer.forward
+    layer.forward = types.MethodType(type(layer).forward, layer)  # a layer off the fused path: HF's loop
+    assert kernels._stack(m.model) is None and m.model not in kernels._STACKS
+    assert (step(m) - step(ref)).abs().max() < 1e-4
+    layer.forward = fused
+    assert kernels._stack(m.model) is kernels._STACKS[m.model] is not None
 
 
 @avx2
