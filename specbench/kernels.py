@@ -394,8 +394,8 @@ def _fusable(mod: torch.nn.Module) -> bool:
 
 def _fused_weights(layer) -> tuple:
     """(packed q|k|v, packed gate|up, query heads, KV heads, head size, MLP width, packed o_proj,
-    packed down_proj) of ``layer`` (weights read through the modules' own dicts: this runs once
-    per layer per forward; o_proj's and down_proj's packings are their modules' own, so the
+    packed down_proj) of ``layer`` (weights read through the modules' own dicts: the per-layer
+    path runs this once per layer per forward; o_proj's and down_proj's packings are their modules' own, so the
     fused forward calls the kernel without two module calls and their cache lookups)."""
     a, m = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
     ws = [a[k]._parameters["weight"] for k in ("q_proj", "k_proj", "v_proj")] \
@@ -548,7 +548,7 @@ def _lean_slabs(model, input_ids, inputs_embeds, position_ids, attention_mask, c
     return slabs
 
 
-# model -> its FusedStack (one whose layers all run fused): kept outside the model, as _PACKED
+# model -> its FusedStack (kept only while every layer runs fused): outside the model, as _PACKED
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -558,20 +558,18 @@ def _stack(model):
     key, and a layer or submodule replaced); None when a layer has a hook or cannot run fused
     (Hugging Face's loop then)."""
     stack = _STACKS.get(model)
-    state = 1 if stack is None else stack.state()
-    if state == 1:
-        stack, runs = _build_stack(model)
-        if not runs:  # not kept: its links stop at the first layer that cannot run fused
+    if stack is None or stack.state() == 1:
+        stack = _build_stack(model)
+        if stack is None:
             _STACKS.pop(model, None)
             return None
         _STACKS[model] = stack
-        state = stack.state()
-    return stack if state == 0 else None
+    return stack if stack.state() == 0 else None
 
 
-def _build_stack(model) -> tuple:
-    """(``FusedStack`` over ``model``'s decoder layers, whether every layer runs fused): the
-    packings of ``_fused_weights`` and the links through which the modules reach their weights."""
+def _build_stack(model):
+    """A ``FusedStack`` over ``model``'s decoder layers (the packings of ``_fused_weights`` and the
+    links through which the modules reach their weights), None if a layer cannot run fused."""
     links, empties, weights, floats, ints = [], [], [], [], []
 
     def link(d: dict, key: str, tensor: bool = False):
@@ -579,16 +577,14 @@ def _build_stack(model) -> tuple:
         return d[key]
 
     layers = link(model._modules, "layers")
-    runs = len(layers) == model.config.num_hidden_layers
+    if len(layers) != model.config.num_hidden_layers:
+        return None
     for name in list(layers._modules):
         layer = link(layers._modules, name)
+        if not _fusable(layer) or getattr(layer.__dict__.get("forward"), "__func__", None) is not _fused_llama_forward:
+            return None
+        link(layer.__dict__, "forward")
         empties += [layer._forward_hooks, layer._forward_pre_hooks]
-        runs = runs and "forward" in layer.__dict__ and _fusable(layer)
-        if not runs:
-            break
-        if getattr(link(layer.__dict__, "forward"), "__func__", None) is not _fused_llama_forward:
-            runs = False
-            break
         mods = {k: link(layer._modules, k) for k in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")}
         for owner, names in ((mods["self_attn"], ("q_proj", "k_proj", "v_proj", "o_proj")),
                              (mods["mlp"], ("gate_proj", "up_proj", "down_proj"))):
@@ -603,10 +599,8 @@ def _build_stack(model) -> tuple:
         weights += [ln1.weight, qkv_w, o_w, ln2.weight, gate_up_w, down_w]
         floats += [ln1.variance_epsilon, ln2.variance_epsilon, mods["self_attn"].scaling]
         ints += [nq, nkv, d, width]
-    if not runs:
-        return _extension().FusedStack(links, empties, [], [], []), False
     _into_one_stream(model, weights)
-    return _extension().FusedStack(links, empties, weights, floats, ints), True
+    return _extension().FusedStack(links, empties, weights, floats, ints)
 
 
 def _into_one_stream(model, weights: list) -> None:

@@ -155,6 +155,29 @@ def _slab_cache() -> DynamicCache:
     return cache
 
 
+class _RowInts:
+    """A per-row quantity of ``RaggedCache`` kept as Python ints (``obj._<name>``): the bookkeeping
+    of a step (a commit, a rollback, is the cache dense) is a few integer operations per row,
+    where torch ops cost ~5-10 us apiece on caches the weight stream left cold (a Leviathan step
+    made ~40 of them). Reads as a tensor on the cache's device (made once per change); may be set
+    from a tensor or a list."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.ints, self.tensor = "_" + name, "_" + name + "_t"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        t = obj.__dict__.get(self.tensor)
+        if t is None:
+            t = obj.__dict__[self.tensor] = torch.tensor(obj.__dict__[self.ints], dtype=torch.long, device=obj.device)
+        return t
+
+    def __set__(self, obj, v) -> None:
+        obj.__dict__[self.ints] = v.tolist() if isinstance(v, torch.Tensor) else list(v)
+        obj.__dict__[self.tensor] = None
+
+
 class RaggedCache:
     def __init__(self, model, device: torch.device, dtype: torch.dtype):
         self.model = model
@@ -172,30 +195,8 @@ class RaggedCache:
         self.C = 0
 
     # ------------------------------------------------------------------ geometry
-    # Each row's start (left padding) and length are kept as Python ints: the bookkeeping of a
-    # step (a commit, a rollback, is the cache dense) is a few integer operations per row, where
-    # torch ops cost ~5-10 us apiece on caches the weight stream left cold (a Leviathan step
-    # made ~40 of them). ``start`` and ``length`` read as tensors on the cache's device (made
-    # once per change) and may be set from tensors or lists.
-    @property
-    def start(self) -> torch.Tensor:
-        if self._start_t is None:
-            self._start_t = torch.tensor(self._start, dtype=torch.long, device=self.device)
-        return self._start_t
-
-    @start.setter
-    def start(self, v) -> None:
-        self._start, self._start_t = (v.tolist() if isinstance(v, torch.Tensor) else list(v)), None
-
-    @property
-    def length(self) -> torch.Tensor:
-        if self._length_t is None:
-            self._length_t = torch.tensor(self._length, dtype=torch.long, device=self.device)
-        return self._length_t
-
-    @length.setter
-    def length(self, v) -> None:
-        self._length, self._length_t = (v.tolist() if isinstance(v, torch.Tensor) else list(v)), None
+    start = _RowInts()  # each row's left padding
+    length = _RowInts()  # each row's committed length
 
     @property
     def batch_size(self) -> int:

@@ -580,14 +580,13 @@ class FusedStack {
       const auto t = item.cast<py::tuple>();
       TORCH_CHECK(t.size() == 4 && PyDict_Check(t[0].ptr()), "FusedStack: links are (dict, key, object, is_tensor)");
       Link l{t[0].cast<py::object>(), t[1].cast<py::object>(), t[2].cast<py::object>(), t[3].cast<bool>(), nullptr, 0,
-             torch::Tensor(), nullptr, nullptr};
+             torch::Tensor(), nullptr};
       if (l.tensor) {
         TORCH_CHECK(THPVariable_Check(l.obj.ptr()), "FusedStack: a link marked as a tensor is not one");
         const auto& w = THPVariable_Unpack(l.obj.ptr());
         l.ptr = w.data_ptr();
         l.version = w.is_inference() ? 0 : w._version();
-        l.held = w;  // keeps the impl read below alive whatever happens to the parameter
-        l.impl = w.unsafeGetTensorImpl();
+        l.held = w;  // keeps the impl prefetched below alive whatever happens to the parameter
         l.storage = w.storage().unsafeGetStorageImpl();
       }
       links_.push_back(std::move(l));
@@ -607,17 +606,16 @@ class FusedStack {
     for (const auto& l : links_) {
       __builtin_prefetch(l.dict.ptr());
       __builtin_prefetch(l.obj.ptr());
-      if (l.impl != nullptr) {
-        __builtin_prefetch(l.impl);
+      if (l.tensor) {
+        __builtin_prefetch(l.held.unsafeGetTensorImpl());
         __builtin_prefetch(l.storage);
       }
     }
     for (const auto& l : links_) {
       const char* keys = reinterpret_cast<const char*>(reinterpret_cast<PyDictObject*>(l.dict.ptr())->ma_keys);
       for (int i = 0; i < 3; i++) __builtin_prefetch(keys + 64 * i);  // a module's dicts: a few entries
-      if (l.impl != nullptr)  // its version counter (a prefetch is only a hint: it never faults)
-        __builtin_prefetch(*reinterpret_cast<void* const*>(
-            &static_cast<const c10::TensorImpl*>(l.impl)->version_counter()));
+      if (l.tensor)  // its version counter (a prefetch is only a hint: it never faults)
+        __builtin_prefetch(*reinterpret_cast<void* const*>(&l.held.unsafeGetTensorImpl()->version_counter()));
     }
     for (const auto& l : links_) {
       PyObject* cur = PyDict_GetItemWithError(l.dict.ptr(), l.key.ptr());
@@ -660,9 +658,8 @@ class FusedStack {
     bool tensor;
     const void* ptr;
     int64_t version;
-    torch::Tensor held;   // the tensor as built: its impl, and where its storage lay then, are
-    const void* impl;     // only prefetched
-    const void* storage;
+    torch::Tensor held;   // the tensor as built: its impl, and where its storage lay then
+    const void* storage;  // (only prefetched)
   };
   std::vector<Link> links_;
   std::vector<py::object> empties_;
