@@ -26,6 +26,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
                                      "status", "error", "lossless")}
         row["kernel"] = r.get("kernel") or "torch"  # records before kernels ran torch's path
         row["kernel_isa"] = r.get("kernel_isa")  # avx2's tiles: AVX2 or AVX-512 (None: records before it was kept)
+        row["compile"] = bool(r.get("compile", False))  # the target's forward through torch.compile
         row.update({k: m.get(k) for k in ("new_tokens", "wall_s", "tokens_per_s", "steps", "iterations", "tau",
                                           "draft_nodes", "forward_nodes",
                                           "speedup", "match_ar", "verify_share", "engine_overhead", "ttft_s",

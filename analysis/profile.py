@@ -29,6 +29,9 @@ from specbench import records as R
 from specbench.kv import RaggedCache
 from specbench.models import (
     CONF_DIR,
+    ConfigError,
+    check_compile,
+    compile_forward,
     load_model,
     resolve_device,
     resolve_dtype,
@@ -207,13 +210,20 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", default="auto", help="linear-layer path(s): auto, torch, onednn; a comma list "
                     "profiles each (interleaved) and prints their ratios")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--compile", action="store_true", help="the target's forward through torch.compile, as a job "
+                    "with compile=true runs it (kernel=torch; each point's untimed first forward compiles)")
     ap.add_argument("--results-dir", default="results")
     a = ap.parse_args(argv)
     if a.reps < 1 or a.repeats < 1 or a.ctx < 1:
         ap.error("--reps, --repeats and --ctx must be >= 1")
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, device)
-    kerns = [kernels.resolve(k, device) for k in a.kernel.split(",")]
+    try:
+        kerns = [kernels.resolve(k, device) for k in a.kernel.split(",")]
+        for k in kerns if a.compile else ():
+            check_compile(True, k)
+    except ConfigError as e:
+        ap.error(str(e))
     mcfg = OmegaConf.load(CONF_DIR / "model" / f"{a.model}.yaml")
     if a.model_path:
         mcfg.path = a.model_path
@@ -221,6 +231,8 @@ def main(argv=None) -> int:
     for k in dict.fromkeys(kerns):  # one copy of the model per kernel path
         models[k] = load_model(mcfg, device, dtype)
         kernels.apply(models[k], k)
+        if a.compile:
+            compile_forward(models[k])
     draft = self_layers_draft(next(iter(models.values())), a.draft_layers) if a.draft_layers else None
     bs_list = [int(x) for x in a.bs.split(",")]
     n_list = [int(x) for x in a.n.split(",")]
@@ -229,6 +241,7 @@ def main(argv=None) -> int:
     for k, curves in all_curves.items():
         rec = {"kind": "cost_curve", "model": a.model_path or a.model, "device": device.type,
                "dtype": str(dtype).replace("torch.", ""), "kernel": k, "kernel_isa": kernels.kernel_isa(k), "ctx": a.ctx,
+               **({"compile": True} if a.compile else {}),
                "draft": f"self_layers:{a.draft_layers}" if a.draft_layers else None, **curves,
                "env": R.env_info(device), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         R.append(out, rec)

@@ -186,13 +186,15 @@ def fig_time_split(df, out, written):
     save(fig, out, "time_split", written)
 
 
-def curves_for(curves, model, device, dtype, kernel=None, isa=None) -> list[dict]:
+def curves_for(curves, model, device, dtype, kernel=None, isa=None, compiled=False) -> list[dict]:
     """The profiled cost curves of this model, device, dtype and linear-layer kernel path
-    (curves and records from before kernels existed ran torch's), and of the same vector
-    instructions where both say which (avx2's tiles are AVX2 or AVX-512 by CPU)."""
+    (curves and records from before kernels existed ran torch's), of the same vector
+    instructions where both say which (avx2's tiles are AVX2 or AVX-512 by CPU), and compiled
+    (``analysis.profile --compile``) exactly when the job was."""
     return [c for c in curves if str(c.get("model")) == str(model) and c.get("device") == device
             and c.get("dtype") == dtype and (c.get("kernel") or "torch") == (kernel or "torch")
-            and (isa is None or c.get("kernel_isa") is None or c.get("kernel_isa") == isa)]
+            and (isa is None or c.get("kernel_isa") is None or c.get("kernel_isa") == isa)
+            and bool(c.get("compile", False)) == bool(compiled)]
 
 
 def nearest_state(cand: list[dict], bs: int, base) -> dict:
@@ -227,7 +229,8 @@ def _priced(df, curves):
     ar_of = ar_baselines(df)
     for _, r in df.iterrows():
         isa = r.get("kernel_isa")
-        cand = curves_for(curves, r["model"], r["device"], r["dtype"], r.get("kernel"), None if pd.isna(isa) else isa)
+        cand = curves_for(curves, r["model"], r["device"], r["dtype"], r.get("kernel"), None if pd.isna(isa) else isa,
+                          bool(r.get("compile", False)))
         base = ar_of(r)
         if r["method"] != "ar" and cand and r.get("iterations") and base is not None:
             yield r, nearest_state(cand, int(r["bs"]), base), base

@@ -76,24 +76,60 @@ def model_cfg(name_or_path: str, attn_implementation=None):
                              "chat": True, "attn_implementation": attn_implementation})
 
 
-def cached_model(mcfg, device, dtype, kernel: str = "torch"):
+def cached_model(mcfg, device, dtype, kernel: str = "torch", compile: bool = False):
     """(model, tokenizer), loaded once per sweep process (with its linear layers on the
-    resolved ``kernel`` path, ``specbench.kernels``); at most two models are kept."""
+    resolved ``kernel`` path, ``specbench.kernels``, and its forward compiled when ``compile``);
+    at most two models are kept."""
     import gc
 
     from omegaconf import OmegaConf
 
     from specbench import kernels
 
-    key = (OmegaConf.to_yaml(mcfg), str(device), str(dtype), kernel)
+    key = (OmegaConf.to_yaml(mcfg), str(device), str(dtype), kernel, bool(compile))
     if key not in _MODELS:
         if len(_MODELS) >= 2:  # keep memory bounded in long sweeps over models
             _MODELS.clear()
             gc.collect()
         model = load_model(mcfg, device, dtype)
         kernels.apply(model, kernel)
+        if compile:
+            compile_forward(model)
         _MODELS[key] = (model, load_tokenizer(mcfg))
     return _MODELS[key]
+
+
+def check_compile(compile, kernel: str | None) -> None:
+    """``compile=true`` compiles torch's own kernels: the packed CPU paths (onednn, avx2) run
+    extension calls that torch.compile cannot trace (it would break the graph at every layer).
+    ``kernel``: the resolved path (None: check the setting's type only)."""
+    if not isinstance(compile, bool):
+        raise ConfigError(f"compile must be true or false, got {compile!r}")
+    if compile and kernel is not None and kernel != "torch":
+        raise ConfigError(f"compile=true compiles torch's kernels, not kernel={kernel} (its linears are extension "
+                          "calls torch.compile cannot trace): add kernel=torch")
+
+
+def compile_forward(model) -> None:
+    """The model's forward through ``torch.compile`` with dynamic shapes (the batch, the new nodes
+    and the cache length change every step; one graph serves them). The module's own hooks (the
+    engine's forward timer) stay outside the compiled code. Compiling happens on the first
+    calls: the runner's untimed warm-up, which meets the job's shapes, and counts the graphs
+    compiled later, inside the timing (``metrics.compile``)."""
+    import torch._dynamo.config as dynamo_config
+
+    # one graph per kind of call (see runner.warm_compiled): ~14 at bs > 1, past dynamo's default
+    # limit of 8, after which it would run the rest eagerly without a word
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+    model.forward = torch.compile(model.forward, dynamic=True)
+    model._specbench_compiled = True
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def resolve_device(name: str) -> torch.device:

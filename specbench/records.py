@@ -15,10 +15,10 @@ SCHEMA = 1
 # Fields an AR job must share with a method's job to be its speedup baseline: everything
 # that changes the prompts (the whole dataset config: language, turns, path), the model
 # (the whole model config: chat template, attention kernel) or the numerics and their speed (dtype,
-# the linear-layer kernel path and the vector instructions it runs).
+# the linear-layer kernel path and the vector instructions it runs, a compiled forward).
 BASELINE_KEYS = ("model", "dataset", "limit", "bs", "ctx", "dtype", "device", "temperature", "top_k", "top_p",
                  "max_new_tokens", "seed", "dataset_cfg", "model_cfg", "repeats", "kernel",
-                 "kernel_isa")  # repeats: only when > 1
+                 "kernel_isa", "compile")  # repeats: only when > 1; compile: only when true
 # ... and, for an AR record of another sweep (ar_baseline=any), the same machine and code.
 ENV_KEYS = ("device_name", "host", "git_sha", "torch", "transformers")
 

@@ -22,8 +22,9 @@ from specbench import data as D
 from specbench import loggers, quality
 from specbench import kernels
 from specbench import records as R
-from specbench.models import (CONF_DIR, ConfigError, cached_model, check_rollback, eos_ids, file_lock, load_config,
-                              load_tokenizer, max_positions, resolve_device, resolve_dtype)
+from specbench.models import (CONF_DIR, ConfigError, cached_model, check_compile, check_rollback, compiled_graphs,
+                              eos_ids, file_lock, load_config, load_tokenizer, max_positions, resolve_device,
+                              resolve_dtype)
 from specbench.monitor import NvmlMonitor
 from specbench.timing import PHASES, PhaseTimer, sync
 from specbench.verify import Sampling
@@ -69,6 +70,10 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"dataset path '{cfg.dataset.path}' does not exist")
     device = resolve_device(cfg.device)
     resolve_dtype(cfg.dtype, device)
+    compile_ = cfg.get("compile", False)
+    check_compile(compile_, None)
+    if compile_:  # (resolving kernel=auto may build the avx2 extension: only when it matters)
+        check_compile(compile_, kernels.resolve(cfg.get("kernel", "torch"), device))
     mconf = load_config(cfg.model)
     check_rollback(mconf)
     npos = max_positions(mconf)
@@ -167,9 +172,12 @@ class MethodRun:
         def engine(timer):
             return Engine(model, self.proposer, sampling, device, dtype, eos, timer)
 
+        self.compiled = bool(getattr(model, "_specbench_compiled", False))
         if cfg.warmup:  # the job's own shapes: a full batch of its ragged prompts (padding masks, tree masks)
             qs = questions[:int(cfg.bs)]  # the first batch, as the timed job will see it
             ids = [q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], self.chat) for q in qs]
+            if self.compiled:  # every graph the timed job can need, with the method's taps in place
+                warm_compiled(model, len(ids), device, dtype, self.proposer.hidden_layers)
             engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
         self.timer = PhaseTimer(device)
         self.eng = engine(self.timer)
@@ -181,6 +189,7 @@ class MethodRun:
         self.wall, self.n_batches = 0.0, 0
         self.rep_tokens, self.rep_wall = [0] * self.repeats, [0.0] * self.repeats
         self.mem, self.nvml = PeakMemory(device), NvmlMonitor(device)
+        self.graphs_timed = 0  # graphs torch.compile made inside the timing (shapes the warm-up did not meet)
 
     def units(self) -> list[tuple[int, int]]:
         """(repeat, first question) of every batch, in order; repeats=N measures the set N times."""
@@ -204,11 +213,14 @@ class MethodRun:
                 if longest + cfg.max_new_tokens + cfg.K + 1 > self.npos:
                     raise ConfigError(f"a prompt of {longest} tokens + max_new_tokens exceeds the model's "
                                       f"{self.npos} positions")
+                graphs = compiled_graphs() if self.compiled else 0
                 sync(device)
                 t = time.perf_counter()
                 out = self.eng.generate(prompts, int(cfg.max_new_tokens), self.gen)
                 sync(device)
                 dt = time.perf_counter() - t
+                if self.compiled:
+                    self.graphs_timed += compiled_graphs() - graphs
                 self.wall += dt
                 self.rep_wall[rep] += dt
                 self.n_batches += 1
@@ -277,9 +289,46 @@ class MethodRun:
             "speedup": None,
             "match_ar": None,
         }
+        if self.compiled:
+            metrics["compile"] = {"graphs_in_timing": self.graphs_timed}
+            if self.graphs_timed:
+                print(f"[specbench] warning: {self.name}: torch.compile made {self.graphs_timed} graph(s) inside the "
+                      "timing (shapes its warm-up did not meet): its speed includes compiling; rerun with repeats=2 "
+                      "and read the second pass (metrics.repeat_tokens_per_s)", file=sys.stderr)
         if self.repeats > 1:  # each pass over the prompt set on its own: the spread between repeats
             metrics["repeat_tokens_per_s"] = [t / w if w > 0 else None for t, w in zip(self.rep_tokens, self.rep_wall)]
         return metrics, requests
+
+
+@torch.inference_mode()
+def warm_compiled(model, bs: int, device, dtype, taps=()) -> None:
+    """Compile, outside the timing, the graphs a job's forwards can need: torch.compile with
+    dynamic shapes still makes one graph per kind of call, and specialises a size of 1. So:
+    prefill and decode forwards at the job's batch size and at one row (rows leave the batch as
+    they finish), dense and ragged (padding masks), one new token and several, chain and tree
+    (a tree always takes a mask), with the method's hidden-state taps (``taps``) hooked."""
+    from specbench.hidden import Tap
+    from specbench.kv import RaggedCache
+
+    def steps(cache):
+        B = cache.batch_size
+        for n in (1, 2, 3):
+            for anc in (None, torch.ones(n, n, dtype=torch.bool, device=device).tril()[None].expand(B, n, n)):
+                cache.forward(torch.ones(B, n, dtype=torch.long, device=device),
+                              torch.arange(n, device=device)[None].expand(B, n), anc)
+                cache.commit(torch.zeros(B, 1, dtype=torch.long, device=device),
+                             torch.zeros(B, dtype=torch.long, device=device))
+
+    with Tap(model, taps):
+        for B in sorted({1, bs}):
+            for ragged in (False, True) if B > 1 else (False,):
+                cache = RaggedCache(model, device, dtype)
+                cache.prefill([[1 + i % 7] * (8 + (i if ragged else 0)) for i in range(B)])
+                steps(cache)
+                # finished rows leave: the cache's layers then hold selected rows (another code path)
+                for keep in ([list(range(B - 1)), [0]] if B > 2 else [[0]] if B == 2 else []):
+                    cache.select_rows(torch.tensor(keep, dtype=torch.long, device=device))
+                    steps(cache)
 
 
 def _rng_state(device) -> tuple:
@@ -353,6 +402,7 @@ def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
         "limit": cfg.limit, "temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
         "max_new_tokens": int(cfg.max_new_tokens), "dtype": str(dtype).replace("torch.", ""), "device": device.type,
         "kernel": _kernel_of(cfg, device), "kernel_isa": _kernel_isa(cfg, device),
+        **({"compile": True} if cfg.get("compile") else {}),  # only when true: older records pair as eager
         "method_opts": OmegaConf.to_container(cfg.method, resolve=True) if method_name == cfg.method.name
         else {"name": method_name},
         "seed": int(cfg.seed), "dataset_cfg": OmegaConf.to_container(cfg.dataset, resolve=True),
@@ -422,7 +472,8 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
         if cfg.bs > len(questions):  # it would run a smaller batch than the record says
             raise ConfigError(f"bs={cfg.bs} is larger than the {len(questions)} prompts of dataset={cfg.dataset.name} "
                               f"limit={cfg.limit}: raise limit (null = all) or lower bs")
-        model, tokenizer = cached_model(cfg.model, device, dtype, kernels.resolve(cfg.get("kernel", "torch"), device))
+        model, tokenizer = cached_model(cfg.model, device, dtype, kernels.resolve(cfg.get("kernel", "torch"), device),
+                                        bool(cfg.get("compile", False)))
     except ConfigError as e:
         return [_fail(cfg, method_name, device, dtype, sweep_id, "error", str(e))]
     except (torch.OutOfMemoryError, MemoryError) as e:

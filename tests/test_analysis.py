@@ -108,6 +108,20 @@ def test_report_says_when_a_bound_reads_another_host_state(tmp_path, capsys):
     assert "[report]" not in capsys.readouterr().err
 
 
+def test_a_compiled_job_reads_only_a_compiled_curve():
+    """compile=true jobs are priced with curves profiled with --compile, eager jobs with eager
+    ones: a job with no curve of its kind gets no bound."""
+    df = load(FIX / "records.jsonl")
+    curves = [json.loads(x) for x in (FIX / "cost_curves.jsonl").read_text().splitlines() if x.strip()]
+    n_bounds = report.curve_state_gap(df, curves).notna().sum()
+    assert n_bounds == 12
+    compiled = [dict(c, compile=True) for c in curves]
+    assert report.curve_state_gap(df, compiled).notna().sum() == 0  # eager jobs, compiled curves only
+    df_c = df.assign(compile=True)
+    assert report.curve_state_gap(df_c, curves).notna().sum() == 0
+    assert report.curve_state_gap(df_c, compiled).notna().sum() == n_bounds
+
+
 def test_simulator_by_hand():
     T = {1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5}.get  # seconds per forward of n tokens
     steps = [3, 0, 1]  # K=3, draft 0.1 s/token

@@ -103,6 +103,8 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
     ({"model.path": "/no/such/model"}, "model path '/no/such/model' does not exist"),
     ({"temperature": -1.0}, "temperature must be >= 0"),
     ({"kernel": "triton"}, "unknown kernel 'triton'; choices: auto, torch, onednn, avx2"),
+    ({"compile": "yes"}, "compile must be true or false, got 'yes'"),
+    ({"compile": True, "kernel": "onednn"}, "compile=true compiles torch's kernels, not kernel=onednn"),
     ({"ar_baseline": "nearest"}, "unknown ar_baseline 'nearest'; choices: sweep, any, paired"),
     ({"top_p": 0.0}, "top_p must be in"),
     ({"method": {"name": "eagle9"}}, "unknown method 'eagle9'"),
@@ -211,6 +213,34 @@ def test_kernel_is_recorded_and_pairs_ar_on_the_same_path(tiny_dirs, tmp_path):
     # the torch path is another baseline: a torch job runs its own AR
     recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, kernel="torch", **pld), sweep_id="k")
     assert [(r["method"], r["kernel"]) for r in recs] == [("ar", "torch"), ("pld", "torch")]
+
+
+def test_compile_changes_no_token_pairs_with_a_compiled_ar_and_counts_graphs_in_the_timing(tiny_dirs, tmp_path,
+                                                                                             capsys):
+    """compile=true: the target's forward through torch.compile (dynamic shapes); greedy output
+    identical to the eager job's; the records say compile and pair only with a compiled AR; the
+    graphs compiled inside the timing are counted and warned about (here all of them: no
+    warm-up); the shape warm-up a warmed job runs first compiles what it needs once."""
+    pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
+    eager = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, limit=2, kernel="torch", **pld), sweep_id="c")
+    comp = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, limit=2, kernel="torch", compile=True, warmup=False, **pld),
+                      sweep_id="c")
+    # the eager AR of the same sweep is no baseline for a compiled job: it runs its own
+    assert [(r["method"], r.get("compile")) for r in comp] == [("ar", True), ("pld", True)]
+    assert "compile" not in eager[0] and "compile" not in eager[1]
+    assert comp[1]["ar_job_id"] == comp[0]["job_id"] and comp[1]["metrics"]["match_ar"] == 1.0
+    for e, c in zip(eager, comp):
+        assert [r["tokens"] for r in c["requests"]] == [r["tokens"] for r in e["requests"]]
+        assert "compile" not in e["metrics"]
+    assert comp[0]["metrics"]["compile"]["graphs_in_timing"] >= 1  # the first compiled forwards were timed
+    assert "inside the timing" in capsys.readouterr().err
+    model = runner.cached_model(tiny_cfg(tiny_dirs, tmp_path).model, torch.device("cpu"), torch.float32, "torch",
+                                True)[0]
+    assert getattr(model, "_specbench_compiled", False)
+    runner.warm_compiled(model, 1, torch.device("cpu"), torch.float32)
+    before = models.compiled_graphs()
+    runner.warm_compiled(model, 1, torch.device("cpu"), torch.float32)
+    assert models.compiled_graphs() == before
 
 
 def test_paired_baseline_takes_turns_and_changes_no_token(tiny_dirs, tmp_path, monkeypatch):
