@@ -326,4 +326,7 @@ def self_layers_draft(target, n: int):
         if buf.device.type == "meta":
             raise ConfigError(f"draft=self_layers: {name} could not be shared from the target")
     draft.generation_config = copy.deepcopy(target.generation_config)
+    from specbench import kernels
+
+    kernels.apply(draft, kernels.kernel_of(target))  # the target's path; on avx2 its own model loop over the fused layers
     return draft.eval()

@@ -233,6 +233,45 @@ def test_move_slots_moves_what_torch_indexing_moves():
 
 
 @avx2
+def test_argmax_rows_is_numpys_argmax_and_greedy_pick_takes_it(monkeypatch):
+    """The extension's argmax: numpy's index on random rows of every length around its
+    thread shares and vector widths, on ties (the first index), on NaN (the first NaN), on -inf
+    rows, on rows with a stride; greedy_pick goes through it once the extension is loaded (and
+    through numpy otherwise) with the same answers on 1-3 dimensional logits."""
+    import numpy as np
+
+    from specbench import verify
+
+    ext = kernels._extension()
+    g = torch.Generator().manual_seed(0)
+    for R, V in [(1, 1), (1, 7), (3, 8), (2, 33), (5, 4095), (4, 8193), (3, 49152), (2, 100003)]:
+        x = torch.randn(R, V, generator=g)
+        cases = [x, x.clone().fill_(float("-inf")), x.round()]  # round(): many ties at the top
+        tied = x.clone()
+        tied[:, V // 3:] = x.max() + 1  # the same largest value in every thread's share
+        nan = x.clone()
+        nan[:, (2 * V) // 3:] = float("nan")  # the first NaN of a row wins, as in numpy
+        nan[0, V - 1] = float("nan")
+        wide = torch.randn(R, V + 5, generator=g)[:, 2:V + 2]  # rows with a stride
+        for c in cases + [tied, nan, wide]:
+            assert torch.equal(ext.argmax_rows(c), torch.from_numpy(np.argmax(c.numpy(), -1))), (R, V)
+    with pytest.raises(RuntimeError, match="unit stride"):
+        ext.argmax_rows(torch.randn(4, 6).t())
+    logits = [torch.randn(9, generator=g), torch.randn(3, 9, generator=g), torch.randn(2, 4, 49152, generator=g),
+              torch.randn(2, 4, 49152, generator=g)[:, -1], torch.randn(4, 2, 300, generator=g).transpose(0, 1)]
+    calls = []
+    real = ext.argmax_rows
+    monkeypatch.setattr(kernels, "loaded_extension",
+                        lambda: types.SimpleNamespace(argmax_rows=lambda x: calls.append(1) or real(x)))
+    for lg in logits:
+        assert torch.equal(verify.greedy_pick(lg), lg.argmax(-1))
+    assert len(calls) == 4  # the transposed 3-d logits are not contiguous: numpy takes them
+    monkeypatch.setattr(kernels, "loaded_extension", lambda: None)
+    for lg in logits:
+        assert torch.equal(verify.greedy_pick(lg), lg.argmax(-1))
+
+
+@avx2
 def test_avx2_layer_takes_any_row_count_and_adds_its_bias():
     lin = torch.nn.Linear(40, 24, bias=True)
     kernels.apply(lin, "avx2")
@@ -416,6 +455,54 @@ def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
     assert lean == [False] + [True] * 30 + [False] + [True] * 3, "the model's own loop was not taken (or at a prefill)"
     for other in (blocks, fused):
         assert len(per_op) == len(other) and all(torch.equal(a, b) for a, b in zip(per_op, other))
+
+
+@avx2
+def test_drafts_of_an_avx2_target_run_their_own_loop_over_the_fused_layers(monkeypatch):
+    """A self_layers draft and a trained draft LM of an avx2 target run their decode steps
+    through the extension's loop over their fused layers (``_stack``), as the target does, with
+    the logits of Hugging Face's loop over the same layers, bit for bit; a drafter whose embed()
+    is its own (SpecDec's queries) keeps Hugging Face's loop."""
+    from specbench.drafters.draft_lm import DraftLM
+    from specbench.drafters.specdec import SpecDrafter
+    from specbench.kv import RaggedCache
+    from specbench.models import self_layers_draft
+
+    m = tiny_llama(seed=5, layers=3)
+    kernels.apply(m, "avx2")
+    sl = self_layers_draft(m, 2)
+    dl = DraftLM(m, 2, torch.arange(0, 96, 2))
+    sd = SpecDrafter(m, 1, torch.arange(96), 2)
+    for d in (dl, sd):
+        kernels.apply(d, "avx2")
+    stack, lean = kernels._stack, []
+    monkeypatch.setattr(kernels, "_stack", lambda model: lean.append(model) or stack(model))
+
+    def decode(d):
+        cache, g, out = RaggedCache(d, CPU, torch.float32), torch.Generator().manual_seed(1), []
+        with torch.inference_mode():
+            cache.prefill([[5, 6, 7, 8, 9, 10], [11, 12, 13]])
+            for _ in range(4):
+                out.append(cache.forward(torch.randint(3, 96, (2, 3), generator=g), torch.arange(3)[None].expand(2, 3),
+                                         None).logits)
+                cache.commit(torch.tensor([[0, 1, 2]] * 2), torch.tensor([3, 1]))
+        return out
+
+    for d, body in ((sl, sl.model), (dl, dl.body)):
+        lean.clear()
+        own = decode(d)
+        assert lean.count(body) == 4, "the draft's decode steps did not take its own loop"
+        patched = body.forward
+        body.forward = types.MethodType(type(body).forward, body)  # Hugging Face's loop over the same layers
+        try:
+            lean.clear()
+            hf = decode(d)
+        finally:
+            body.forward = patched
+        assert not lean and all(torch.equal(a, b) for a, b in zip(own, hf))
+    lean.clear()
+    decode(sd)
+    assert sd.body not in lean  # its query embeddings go in as inputs_embeds: Hugging Face's loop
 
 
 @avx2

@@ -86,8 +86,12 @@ class DraftLM(Drafter):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True,
                 logits_to_keep: int = 0, output_hidden_states: bool = False, **_):
-        out = self.body(inputs_embeds=self.embed(input_ids), attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=use_cache, **{cache_kwarg(self.body): past_key_values})
+        # where embed() is the body's own embedding, the body takes the token ids: the same numbers, and
+        # on avx2 its own loop over its fused layers (kernels._fused_model_forward) takes ids only
+        own = type(self).embed is DraftLM.embed
+        out = self.body(**({"input_ids": input_ids} if own else {"inputs_embeds": self.embed(input_ids)}),
+                        attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+                        **{cache_kwarg(self.body): past_key_values})
         h = out.last_hidden_state
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
