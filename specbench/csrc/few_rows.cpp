@@ -672,8 +672,8 @@ class FusedStack {
 // numpy's and torch's argmax: the first index of the largest value, or of the first NaN where a
 // row has one. Greedy picks read a whole vocabulary per row right after the output layer wrote
 // it; the layer's threads each wrote a contiguous share of the columns, so each thread here
-// scans the same share of every row (from its own core's cache: one thread reading all of it
-// took ~0.1 ms for a 49K row), then the shares' bests combine in column order.
+// scans the same share of every row (from its own core's cache; numpy's one thread reading all
+// of it took ~0.1 ms a pick inside a Leviathan step), then the shares' bests combine in column order.
 torch::Tensor argmax_rows(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.device().is_cpu() && x.stride(1) == 1 &&
                   x.size(1) > 0,
