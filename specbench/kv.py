@@ -226,6 +226,12 @@ class RaggedCache:
         return {"full_attention": full, "sliding_attention": sliding}
 
     # ------------------------------------------------------------------ forwards
+    def _cache_kw(self) -> str:
+        """The keyword the model's forward takes the cache under (``cache_kwarg``), looked up once."""
+        if self._kw is None:
+            self._kw = cache_kwarg(self.model)
+        return self._kw
+
     def prefill(self, prompts: list[list[int]], **model_kwargs):
         """Left-padded forward over whole prompts. Returns the model output (logits of the
         last position only)."""
@@ -254,7 +260,7 @@ class RaggedCache:
             ok = ok | (~valid[:, :, None] & torch.eye(P, dtype=torch.bool, device=self.device)[None])
             mask = self._to_model_mask(ok, pos, pos)
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, **{cache_kwarg(self.model): self.cache},
+            input_ids=ids, attention_mask=mask, position_ids=pos, **{self._cache_kw(): self.cache},
             use_cache=True, logits_to_keep=1, **model_kwargs,
         )
         self.C = P
@@ -281,10 +287,8 @@ class RaggedCache:
             ok = torch.cat([prefix[:, None, :].expand(B, n, self.C), anc], dim=2)
             k_pos = torch.cat([(slot[None, :] - self.start[:, None]).expand(B, self.C), pos], dim=1)
             mask = self._to_model_mask(ok, pos, k_pos)
-        if self._kw is None:
-            self._kw = cache_kwarg(self.model)
         out = self.model(
-            input_ids=tokens, attention_mask=mask, position_ids=pos, **{self._kw: self.cache},
+            input_ids=tokens, attention_mask=mask, position_ids=pos, **{self._cache_kw(): self.cache},
             use_cache=True, logits_to_keep=logits_to_keep, **model_kwargs,
         )
         return out

@@ -112,10 +112,10 @@ def check_compile(compile, kernel: str | None) -> None:
 
 def compile_forward(model) -> None:
     """The model's forward through ``torch.compile`` with dynamic shapes (the batch, the new nodes
-    and the cache length change every step; one graph serves them). The module's own hooks (the
-    engine's forward timer) stay outside the compiled code. Compiling happens on the first
-    calls: the runner's untimed warm-up, which meets the job's shapes, and counts the graphs
-    compiled later, inside the timing (``metrics.compile``)."""
+    and the cache length change every step). The module's own hooks (the engine's forward timer)
+    stay outside the compiled code. Graphs are compiled on first use: the runner's untimed
+    warm-up (``runner.warm_compiled``) meets the shapes a job needs, and the runner counts any
+    graph compiled later, inside the timing (``metrics.compile``)."""
     import torch._dynamo.config as dynamo_config
 
     # one graph per kind of call (see runner.warm_compiled): ~14 at bs > 1, past dynamo's default
@@ -123,6 +123,11 @@ def compile_forward(model) -> None:
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
     model.forward = torch.compile(model.forward, dynamic=True)
     model._specbench_compiled = True
+
+
+def is_compiled(model) -> bool:
+    """Whether ``compile_forward`` compiled ``model``'s forward."""
+    return bool(getattr(model, "_specbench_compiled", False))
 
 
 def compiled_graphs() -> int:

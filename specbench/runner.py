@@ -23,8 +23,8 @@ from specbench import loggers, quality
 from specbench import kernels
 from specbench import records as R
 from specbench.models import (CONF_DIR, ConfigError, cached_model, check_compile, check_rollback, compiled_graphs,
-                              eos_ids, file_lock, load_config, load_tokenizer, max_positions, resolve_device,
-                              resolve_dtype)
+                              eos_ids, file_lock, is_compiled, load_config, load_tokenizer, max_positions,
+                              resolve_device, resolve_dtype)
 from specbench.monitor import NvmlMonitor
 from specbench.timing import PHASES, PhaseTimer, sync
 from specbench.verify import Sampling
@@ -170,7 +170,7 @@ class MethodRun:
         def engine(timer):
             return Engine(model, self.proposer, sampling, device, dtype, eos, timer)
 
-        self.compiled = bool(getattr(model, "_specbench_compiled", False))
+        self.compiled = is_compiled(model)
         if cfg.warmup:  # the job's own shapes: a full batch of its ragged prompts (padding masks, tree masks)
             qs = questions[:int(cfg.bs)]  # the first batch, as the timed job will see it
             ids = [q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], self.chat) for q in qs]
@@ -323,9 +323,10 @@ def warm_compiled(model, bs: int, device, dtype, taps=()) -> None:
                 cache = RaggedCache(model, device, dtype)
                 cache.prefill([[1 + i % 7] * (8 + (i if ragged else 0)) for i in range(B)])
                 steps(cache)
-                # finished rows leave: the cache's layers then hold selected rows (another code path)
-                for keep in ([list(range(B - 1)), [0]] if B > 2 else [[0]] if B == 2 else []):
-                    cache.select_rows(torch.tensor(keep, dtype=torch.long, device=device))
+                # finished rows leave (the cache's layers then hold selected rows, another code path):
+                # down to B - 1 rows (a size that stays dynamic) and to one row (a specialised size)
+                for rows in sorted({B - 1, 1} - {0, B}, reverse=True):
+                    cache.select_rows(torch.arange(rows, device=device))
                     steps(cache)
 
 

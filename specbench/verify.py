@@ -37,8 +37,7 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     ext = kernels.loaded_extension()
     if ext is not None and logits.dim() >= 1 and logits.shape[-1] > 0 and logits.stride(-1) == 1 \
             and (logits.dim() <= 2 or logits.is_contiguous()):
-        rows = logits.reshape(-1, logits.shape[-1]) if logits.dim() != 2 else logits
-        return ext.argmax_rows(rows).view(logits.shape[:-1])
+        return ext.argmax_rows(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
     return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), axis=-1)))
 
 

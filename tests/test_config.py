@@ -236,7 +236,7 @@ def test_compile_changes_no_token_pairs_with_a_compiled_ar_and_counts_graphs_in_
     assert "inside the timing" in capsys.readouterr().err
     model = runner.cached_model(tiny_cfg(tiny_dirs, tmp_path).model, torch.device("cpu"), torch.float32, "torch",
                                 True)[0]
-    assert getattr(model, "_specbench_compiled", False)
+    assert models.is_compiled(model)
     runner.warm_compiled(model, 1, torch.device("cpu"), torch.float32)
     before = models.compiled_graphs()
     runner.warm_compiled(model, 1, torch.device("cpu"), torch.float32)

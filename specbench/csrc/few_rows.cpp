@@ -727,7 +727,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
           if (hit) at += __builtin_ctz(hit);
           else while (row[at] != m) at++;
         }
-        best[r * T + t] = has_nan ? NAN : m;
+        best[r * T + t] = m;  // (unused where the share has a NaN: that share wins)
         where[r * T + t] = at;
         nan[r * T + t] = has_nan;
       }
