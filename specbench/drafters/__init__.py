@@ -108,6 +108,36 @@ class Drafter(torch.nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith(self.shared_prefixes())}
 
 
+class Borrowed:
+    """A module of the target that a drafter calls without owning it (its embedding, its rotary
+    tables): callable, its attributes read through, but no ``nn.Module``, so the drafter's
+    ``.to()``, ``parameters()``, ``state_dict()`` and training never reach it. A bf16 drafter
+    whose module tree held the target's rotary module turned the shared target's RoPE tables
+    bf16 for every later job of the sweep."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.nn.Module):
+        object.__setattr__(self, "module", module)
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def __repr__(self) -> str:
+        return f"Borrowed({type(self.module).__name__})"
+
+
+def borrow(owner: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    """``owner.<name>`` calls the target's ``module`` without making it a submodule of ``owner``."""
+    owner._modules.pop(name, None)
+    owner._parameters.pop(name, None)
+    owner._buffers.pop(name, None)
+    owner.__dict__[name] = Borrowed(module)
+
+
 class TargetParts:
     """What a drafter borrows from its target without owning it: token embedding, output
     layer rows of the draft vocabulary, rotary tables. Held outside the module tree, so

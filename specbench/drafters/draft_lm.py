@@ -1,7 +1,7 @@
 """Trained drafters that reuse parts of their target.
 
 ``DraftLM``: a small causal LM with the target's tokenizer. Its token embedding is the
-target's (shared, frozen); its transformer layers are its own (initialised from the
+target's (borrowed: outside its module tree, so never cast, saved or trained); its transformer layers are its own (initialised from the
 target's first layers); its output layer is the target's head restricted to the
 ``draft_vocab`` most frequent tokens of the distillation data. On a 49k vocabulary the
 output layer dominates a small model's cost, so a frequency-ranked head cuts the draft's
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specbench import kernels
-from specbench.drafters import Drafter
+from specbench.drafters import Drafter, borrow
 from specbench.models import cache_kwarg, text_config
 
 
@@ -52,9 +52,9 @@ class DraftLM(Drafter):
         body.layers = nn.ModuleList([copy.deepcopy(tbody.layers[i]) for i in range(n_layers)]) if init_from_target \
             else nn.ModuleList([type(tbody.layers[0])(cfg, i) for i in range(n_layers)])
         body.norm = copy.deepcopy(tbody.norm)
-        for name, child in tbody.named_children():
+        for name, child in tbody.named_children():  # the embedding, the rotary tables: the target's, not ours
             if name not in ("layers", "norm"):
-                setattr(body, name, child)
+                borrow(body, name, child)
         self.body = body
         self.vocab_size = int(cfg.vocab_size)
         self.register_buffer("vocab_ids", vocab_ids.clone().long(), persistent=True)
@@ -72,11 +72,6 @@ class DraftLM(Drafter):
                 (torch.is_inference(c[1]) and not torch.is_inference_mode_enabled()):
             self._head_cache = (w, w.detach()[self.vocab_ids.to(w.device)])
         return self._head_cache[1]
-
-    @staticmethod
-    def shared_prefixes() -> tuple:
-        return ("body.embed_tokens", "body.rotary")
-
 
     def reduced_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return kernels.linear_like(hidden, self.head_weight(), self._target_head[0], self)
