@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -102,18 +103,44 @@ def find_ar(records: list[dict], probe: dict, sweep_id: str | None) -> dict | No
     return None
 
 
+# Untracked files that count as code (``git_sha``'s hash): a new method module or config is code.
+SOURCE_SUFFIXES = (".py", ".yaml", ".yml", ".cpp", ".h", ".toml", ".cfg", ".json", ".txt", ".jsonl")
+
+
 @lru_cache(maxsize=1)
 def git_sha() -> str | None:
+    """The code of this checkout (``code_state`` of the repository), once per process."""
+    return code_state(Path(__file__).resolve().parent.parent)
+
+
+def code_state(root: Path) -> str | None:
+    """The code a record was measured with: the commit, and where the work tree differs from it
+    ``<sha>-dirty-<12 hex>``, a hash of the diff against the commit (tracked files) and of every
+    untracked source file (path and bytes; ignored files such as results do not count). Two
+    different uncommitted states never share a label, so ``resume=true`` and ``ar_baseline=any``
+    never pair records measured with different code. None outside a git work tree."""
+    def git(*args) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, timeout=10)
+
     try:
-        root = Path(__file__).resolve().parent.parent
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5)
+        sha = git("rev-parse", "HEAD")
         if sha.returncode != 0:
             return None
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+        head = sha.stdout.decode().strip()
+        diff = git("diff", "HEAD", "--binary", "--no-color", "--no-ext-diff")
+        untracked = git("ls-files", "--others", "--exclude-standard", "-z").stdout.decode().split("\0")
     except (OSError, subprocess.SubprocessError):
         return None
+    h = hashlib.sha256(diff.stdout)
+    dirty = bool(diff.stdout.strip())
+    for rel in sorted(f for f in untracked if f.endswith(SOURCE_SUFFIXES)):
+        try:
+            data = (root / rel).read_bytes()
+        except OSError:
+            continue
+        h.update(b"\0untracked\0" + rel.encode() + b"\0" + data)
+        dirty = True
+    return head + (f"-dirty-{h.hexdigest()[:12]}" if dirty else "")
 
 
 def cpu_name() -> str:

@@ -635,3 +635,42 @@ def test_models_with_a_recurrent_state_are_refused():
     ssm.model_type = "mamba2"
     with pytest.raises(ConfigError, match="cannot be rolled back"):
         models.check_rollback(ssm)
+
+
+def test_code_state_tells_uncommitted_states_apart(tmp_path):
+    """``<sha>-dirty`` for any change let resume and ar_baseline=any pair records of different
+    code: the label carries a hash of the diff and of untracked source files."""
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    (tmp_path / ".gitignore").write_text("results/\n")
+    (tmp_path / "m.py").write_text("x = 1\n")
+    git("add", ".")
+    git("commit", "-qm", "c")
+    clean = R.code_state(tmp_path)
+    assert clean and "dirty" not in clean
+    (tmp_path / "m.py").write_text("x = 2\n")
+    a = R.code_state(tmp_path)
+    (tmp_path / "m.py").write_text("x = 3\n")
+    b = R.code_state(tmp_path)
+    assert a.startswith(clean + "-dirty-") and b.startswith(clean + "-dirty-") and a != b
+    assert R.code_state(tmp_path) == b  # the same state, the same label
+    (tmp_path / "new_method.py").write_text("y = 1\n")  # an untracked source file is code
+    c = R.code_state(tmp_path)
+    assert c != b
+    (tmp_path / "new_method.py").write_text("y = 2\n")
+    assert R.code_state(tmp_path) != c
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "records.jsonl").write_text("{}\n")  # ignored: not code
+    (tmp_path / "notes.bin").write_bytes(b"\0")  # not a source file
+    assert R.code_state(tmp_path) == R.code_state(tmp_path)
+    d = R.code_state(tmp_path)
+    (tmp_path / "results" / "records.jsonl").write_text("{}\n{}\n")
+    assert R.code_state(tmp_path) == d
+    (tmp_path / "m.py").write_text("x = 1\n")
+    (tmp_path / "new_method.py").unlink()
+    assert R.code_state(tmp_path) == clean
+    assert R.code_state(tmp_path / "results") is not None  # a subfolder of the work tree: the same repo
