@@ -39,20 +39,26 @@ def read_jsonl_questions(path: str | Path) -> list[Question]:
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(f"dataset path '{path}' does not exist")
-    out = []
+    out, seen = [], {}
     with p.open() as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                turns = row["turns"]
-            except (json.JSONDecodeError, KeyError) as e:
+            except json.JSONDecodeError as e:
                 raise ConfigError(f"{p}:{n}: not a question line ({e})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{p}:{n}: a question line is a JSON object with 'turns', got a "
+                                  f"{type(row).__name__}")
+            turns = row.get("turns")
             if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
                 raise ConfigError(f"{p}:{n}: 'turns' must be a non-empty list of strings")
-            qid = row.get("question_id", row.get("id", n))
-            out.append(Question(id=str(qid), category=str(row.get("category", "default")), turns=turns))
+            qid = str(row.get("question_id", row.get("id", n)))
+            if qid in seen:  # results pair with AR's by (id, turn): two questions with one id mis-pair
+                raise ConfigError(f"{p}:{n}: question_id {qid} is already on line {seen[qid]}; ids must be unique")
+            seen[qid] = n
+            out.append(Question(id=qid, category=str(row.get("category", "default")), turns=turns))
     if not out:
         raise ConfigError(f"dataset path '{path}' holds no questions")
     return out
@@ -197,6 +203,10 @@ def load_questions(dcfg, limit: int | None) -> list[Question]:
         qs = read_jsonl_questions(dcfg.path)
     else:
         raise ConfigError(f"unknown dataset '{name}'; choices: {', '.join(DATASETS)}")
+    dup = next((q.id for i, q in enumerate(qs) if any(r.id == q.id for r in qs[:i])), None) \
+        if len({q.id for q in qs}) < len(qs) else None
+    if dup is not None:  # a packaged set: results pair with AR's by (id, turn)
+        raise ConfigError(f"dataset={name} holds question id {dup} twice; ids must be unique")
     max_turns = dcfg.get("max_turns")
     if max_turns:
         qs = [Question(q.id, q.category, q.turns[: int(max_turns)], q.reference) for q in qs]

@@ -674,3 +674,26 @@ def test_code_state_tells_uncommitted_states_apart(tmp_path):
     (tmp_path / "new_method.py").unlink()
     assert R.code_state(tmp_path) == clean
     assert R.code_state(tmp_path / "results") is not None  # a subfolder of the work tree: the same repo
+
+
+@pytest.mark.parametrize("lines,msg", [
+    (['[1, 2]'], r"q.jsonl:1: a question line is a JSON object with 'turns', got a list"),
+    (['{"question_id": 7, "turns": ["a"]}', '{"question_id": 7, "turns": ["b"]}'],
+     "q.jsonl:2: question_id 7 is already on line 1; ids must be unique"),
+    (['{"turns": ["a"]}', '{"question_id": 1, "turns": ["b"]}'],  # the line number is the first one's id
+     "q.jsonl:2: question_id 1 is already on line 1"),
+    (['{"question_id": 1, "turns": "a"}'], "'turns' must be a non-empty list of strings"),
+    (['{"question_id": 1}'], "'turns' must be a non-empty list of strings"),
+    (['{"question_id": 1, "turns": [1'], "not a question line"),
+])
+def test_bad_jsonl_lines_fail_in_one_line_with_a_record(tiny_dirs, tmp_path, lines, msg):
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    from specbench import data as D
+
+    with pytest.raises(ConfigError, match=msg.replace("[", r"\[")):
+        D.read_jsonl_questions(path)
+    cfg = tiny_cfg(tiny_dirs, tmp_path / "res", **{"dataset.path": str(path), "limit": None})
+    (rec,) = runner.job(cfg, "s1")  # recorded, no traceback, the sweep goes on
+    assert rec["status"] == "error" and "q.jsonl" in rec["error"]
+    assert [r["status"] for r in R.read(cfg.records)] == ["error"]
