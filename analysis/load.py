@@ -137,8 +137,9 @@ def add_theory(df: pd.DataFrame) -> pd.DataFrame:
 def load_cost_curves(path: str | Path) -> list[dict]:
     p = Path(path)
     files = sorted(p.rglob("cost_curves*.jsonl")) if p.is_dir() else [p.parent / "cost_curves.jsonl"]
-    out = []
+    out, skipped = [], R.Skipped()
     for f in files:
-        if f.exists():
-            out += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        if f.exists():  # a line cut by a crash, or null, is skipped and reported, never fatal
+            out += R.parse_lines(f, skipped)
+    skipped.report("cost-curve")
     return out

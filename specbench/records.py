@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,6 +25,21 @@ BASELINE_KEYS = ("model", "dataset", "limit", "bs", "ctx", "dtype", "device", "t
 ENV_KEYS = ("device_name", "host", "git_sha", "torch", "transformers")
 
 
+# What a job's decisions read (pairing with AR, resume): a record without its metrics and requests.
+# The records file embeds every output token, so a long sweep whose every job parsed the whole file
+# grew quadratically; an index beside it (``<records>.idx``: one line a record, its byte span and
+# these fields) is read instead, and the one record a job pairs with is read at its offset.
+HEAVY = ("metrics", "requests")
+
+
+def _index_path(p: Path) -> Path:
+    return p.with_name(p.name + ".idx")
+
+
+def _light(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in HEAVY}
+
+
 def append(path: str | Path, record: dict) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -35,30 +51,198 @@ def append(path: str | Path, record: dict) -> None:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 line = "\n" + line
-        f.write((line + "\n").encode())
+        off = f.seek(0, os.SEEK_END) + (1 if line.startswith("\n") else 0)
+        data = (line + "\n").encode()
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+        light = json.loads(json.dumps(_light(record), default=str))  # as a reader would parse it back
+        try:  # under the same lock: the index covers the file up to here (else the next reader mends it)
+            if _index_end(p) == max(0, off - 1):  # the index reaches this line: one entry more
+                _write_index(p, [_entry(off, data.strip(b"\n"), light)])
+            else:  # lines it lacks before this one (a torn line, a crash between record and entry)
+                _index_locked(p, f, report=False)
+        except OSError:
+            pass
 
 
-def read(path: str | Path) -> list[dict]:
-    """Every record of a file (or of every records*.jsonl under a folder); a line cut by a
-    crash is skipped."""
-    p = Path(path)
-    files = sorted(p.rglob("records*.jsonl")) if p.is_dir() else [p]
+def _index_end(p: Path) -> int | None:
+    """Where the index's last entry ends in the records file (0: an empty index), read from the
+    index's tail; None where it cannot tell."""
+    ip = _index_path(p)
+    try:
+        with ip.open("rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            if end == 0:
+                return 0
+            chunk = 4096
+            while True:
+                f.seek(max(0, end - chunk))
+                tail = f.read().rstrip(b"\n")
+                if b"\n" in tail or chunk >= end:
+                    e = json.loads(tail.rsplit(b"\n", 1)[-1])
+                    return e["off"] + e["len"]
+                chunk *= 4
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+HEAD = 256  # bytes of a record line an index entry fingerprints (read back to check the entry)
+
+
+def _fingerprint(head: bytes) -> str:
+    return hashlib.sha1(head[:HEAD]).hexdigest()[:12]
+
+
+def _entry(off: int, line: bytes, rec) -> dict:
+    """An index line: where the record is, a fingerprint of its start, and its light fields."""
+    return {"off": off, "len": len(line), "head": _fingerprint(line),
+            **({"rec": _light(rec)} if isinstance(rec, dict) else {})}
+
+
+def _write_index(p: Path, entries: list[dict]) -> None:
+    with _index_path(p).open("a") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in entries))
+
+
+class Skipped(list):
+    """Lines of a records file that could not be read, as (file, where: "line N" or "byte N", reason)."""
+
+    def report(self, what: str = "records") -> None:
+        if not self:
+            return
+        by_file: dict = {}
+        for f, n, why in self:
+            by_file.setdefault(f, []).append((n, why))
+        for f, lines in by_file.items():
+            where = ", ".join(str(n) for n, _ in lines[:5]) + (", ..." if len(lines) > 5 else "")
+            print(f"specbench: warning: {f}: {len(lines)} {what} line(s) could not be read and were skipped "
+                  f"({where}: {lines[0][1]})", file=sys.stderr, flush=True)
+
+
+def parse_line(line: bytes | str, skipped: Skipped, f, where: str) -> dict | None:
+    """The JSON object on ``line``; None (and an entry in ``skipped``) for anything else: a line
+    cut by a crash, ``null``, a list."""
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        skipped.append((str(f), where, f"not JSON ({str(e).split(':')[0]})"))
+        return None
+    if not isinstance(obj, dict):
+        what = {type(None): "null", list: "a list", str: "a string", bool: "a boolean"}.get(type(obj), "a number")
+        skipped.append((str(f), where, f"{what}, not a record"))
+        return None
+    return obj
+
+
+def parse_lines(f: Path, skipped: Skipped) -> list[dict]:
+    """The JSON objects of a JSON-lines file, one per line (``parse_line``)."""
     out = []
-    for f in files:
-        if not f.exists():
-            continue
-        with f.open() as fh:
-            for line in fh:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+    with f.open("rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            line = raw.strip()
+            if line:
+                obj = parse_line(line, skipped, f, f"line {n}")
+                if obj is not None:
+                    out.append(obj)
     return out
+
+
+def _files(p: Path) -> list[Path]:
+    return sorted(p.rglob("records*.jsonl")) if p.is_dir() else [p]
+
+
+def read(path: str | Path, report: bool = True) -> list[dict]:
+    """Every record of a file (or of every records*.jsonl under a folder). A line that is not a
+    record (cut by a crash, hand-edited) is skipped, and how many and where is printed."""
+    skipped, out = Skipped(), []
+    for f in _files(Path(path)):
+        if f.exists():
+            out += parse_lines(f, skipped)
+    if report:
+        skipped.report()
+    return out
+
+
+def index(path: str | Path) -> list[dict]:
+    """Every record of the file without its metrics and requests (``HEAVY``), each with ``_at``
+    (its byte span, for ``load``), from the index beside the file. The index is checked against
+    the file (its first and last entry point at those records) and mended from the file where it
+    falls short: written by another version, cut by a crash, or the file replaced."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    with p.open("rb") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # no append half done while reading, and one reader mending the index
+        try:
+            return _index_locked(p, f)
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _index_locked(p: Path, f, report: bool = True) -> list[dict]:
+    size = os.fstat(f.fileno()).st_size
+    ip = _index_path(p)
+    entries = parse_lines(ip, Skipped()) if ip.exists() else []
+    ok = all(isinstance(e.get("off"), int) and isinstance(e.get("len"), int) and isinstance(e.get("head"), str)
+             and (isinstance(e.get("rec"), dict) or "skip" in e) for e in entries)
+    # each entry must be where it says: the first and last are checked against the file's bytes
+    # (cheap: their first HEAD bytes), so a replaced or rewritten file is indexed anew
+    if ok and entries:
+        ok = entries[-1]["off"] + entries[-1]["len"] <= size and \
+            all(_head_at(f, e["off"], e["len"]) == e["head"] for e in (entries[0], entries[-1]))
+    if not ok:
+        entries = []
+    covered = entries[-1]["off"] + entries[-1]["len"] if entries else 0
+    if covered < size:  # lines the index lacks: parse them once, and keep them
+        f.seek(covered)
+        new, off = [], covered
+        skipped = Skipped()
+        for raw in f.read().split(b"\n"):
+            line = raw.strip()
+            if line:
+                at = off + raw.index(line[:1])
+                got = parse_line(line, skipped, p, f"byte {at}")
+                new.append({**_entry(at, line, got), **({} if got is not None else {"skip": skipped[-1][2]})})
+            off += len(raw) + 1
+        try:
+            if not ok and ip.exists():
+                ip.unlink()
+            _write_index(p, new)
+        except OSError:
+            pass
+        entries += new
+    # damaged lines stay in the index as such: reported at every read, never parsed again
+    if report:
+        Skipped((str(p), f"byte {e['off']}", e["skip"]) for e in entries if "skip" in e).report()
+    return [{**e["rec"], "_at": [e["off"], e["len"]]} for e in entries if "rec" in e]
+
+
+def _head_at(f, off: int, n: int) -> str:
+    f.seek(off)
+    return _fingerprint(f.read(min(n, HEAD)))
+
+
+def _at(f, off: int, n: int) -> dict:
+    f.seek(off)
+    try:
+        obj = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def load(path: str | Path, entry: dict) -> dict:
+    """The whole record an ``index`` entry stands for."""
+    if "_at" not in entry:  # a whole record already
+        return entry
+    with Path(path).open("rb") as f:
+        rec = _at(f, *entry["_at"])
+    if rec.get("job_id") != entry.get("job_id"):
+        raise RuntimeError(f"{path} changed while it was read (record {entry.get('job_id')} moved); rerun")
+    return rec
 
 
 def baseline_key(rec: dict) -> tuple:

@@ -482,18 +482,27 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
     except Exception as e:  # noqa: BLE001 - a method that fails to import, a model that fails to load
         traceback.print_exc(file=sys.stderr)
         return [_fail(cfg, method_name, device, dtype, sweep_id, "error", f"loading: {_one_line(e)}")]
-    existing = R.read(cfg.records)
-    resume = bool(cfg.get("resume", False))
-    if resume:  # this job's ok record from an earlier run (same settings, machine and code)
-        done = R.find_done(existing, _record_base(cfg, method_name, device, dtype, sweep_id))
+    if not bool(cfg.get("resume", False)):
+        return _job(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id, written, False)
+    # resume: decide and run under this job's lock, so that two sweeps resumed at once never both run it
+    probe = _record_base(cfg, method_name, device, dtype, sweep_id)
+    tag = hashlib.sha1(repr((R.job_key(probe), R.env_key(probe))).encode()).hexdigest()[:12]
+    with file_lock(Path(f"{cfg.records}.job-{tag}.lock")):
+        # this job's ok record from an earlier run (same settings, machine and code)
+        done = R.find_done(R.index(cfg.records), probe)
         if done is not None:
             print(f"[specbench] resume: {_job_name(cfg, method_name, device)} is already recorded (sweep "
                   f"{done.get('sweep_id')}); skipped", file=sys.stderr)
             return []
+        return _job(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id, written, True)
+
+
+def _job(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id, written, resume) -> list[dict]:
+    """A validated, loaded job: its AR baseline (found, run, or paired) and the method."""
     paired = cfg.ar_baseline == "paired" and method_name != "ar"
     probe = _record_base(cfg, "ar", device, dtype, sweep_id)
     scope = None if cfg.ar_baseline == "any" or resume else sweep_id
-    ar = None if paired else R.find_ar(existing, probe, scope)
+    ar = None if paired else _find_ar(cfg, probe, scope)
     n_turns = sum(len(q.turns) for q in questions)
     n_runs = (1 if method_name == "ar" or ar is not None else 2) * int(cfg.get("repeats") or 1)
     bar = _bar(n_runs * n_turns, _job_name(cfg, method_name, device), cfg.progress)
@@ -506,7 +515,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
             # none takes that baseline's lock, looks again, and runs it if it is still missing
             tag = hashlib.sha1(repr(R.baseline_key(probe)).encode()).hexdigest()[:12]
             with file_lock(Path(f"{cfg.records}.ar-{tag}.lock")):
-                ar = R.find_ar(R.read(cfg.records), probe, scope)
+                ar = _find_ar(cfg, probe, scope)
                 if method_name == "ar" and ar is not None and ar.get("sweep_id") == sweep_id:
                     print(f"[specbench] ar bs={cfg.bs}: the same AR job already ran in this sweep; reusing it",
                           file=sys.stderr)
@@ -518,6 +527,12 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
     finally:
         bar.close()
     return written
+
+
+def _find_ar(cfg, probe, scope) -> dict | None:
+    """The whole AR record that pairs with ``probe`` (``records.find_ar`` over the index)."""
+    entry = R.find_ar(R.index(cfg.records), probe, scope)
+    return None if entry is None else R.load(cfg.records, entry)
 
 
 def _run_one(cfg, name, ar, model, tokenizer, device, dtype, questions, sweep_id, bar, written) -> dict | None:
@@ -676,7 +691,7 @@ class SummaryCallback(Callback):
     def _print(self, config) -> None:
         records = OmegaConf.select(config, "records") or "results/records.jsonl"
         sid = Path(str(config.hydra.sweep.dir)).name
-        recs = [r for r in R.read(records) if r.get("sweep_id") == sid]
+        recs = [R.load(records, e) for e in R.index(records) if e.get("sweep_id") == sid]
         if not recs:
             print("\n[specbench] no records written by this sweep", file=sys.stderr)
             return

@@ -1,0 +1,129 @@
+"""The records file: lines that cannot be read are reported (never silently lost), the index
+beside it that pairing and resume read instead of every output token, and the cost curves'
+reader in analysis."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from analysis import load as L
+from specbench import records as R
+
+from conftest import REPO
+
+
+def _rec(method, job_id, **kw):
+    return {"method": method, "job_id": job_id, "status": "ok", "metrics": {"tokens_per_s": 1.0},
+            "requests": [{"id": 1, "tokens": list(range(50))}], **kw}
+
+
+def test_read_reports_every_line_it_skips(tmp_path, capsys):
+    p = tmp_path / "records.jsonl"
+    R.append(p, _rec("ar", "a"))
+    with p.open("a") as f:
+        f.write("null\n[1, 2]\n")  # a hand edit: JSON, but not a record
+    R.append(p, _rec("pld", "b"))
+    with p.open("a") as f:
+        f.write('{"method": "lev')  # cut by a crash
+    assert [r["method"] for r in R.read(p)] == ["ar", "pld"]
+    err = capsys.readouterr().err
+    assert f"{p}: 3 records line(s) could not be read and were skipped (line 2, line 3, line 5: null, not a record)" in err
+    R.read(p, report=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_cost_curves_survive_a_null_and_a_torn_line(tmp_path, capsys):
+    f = tmp_path / "cost_curves.jsonl"
+    good = {"device": "cpu", "bs": 1, "n": 1, "ms": 40.0}
+    f.write_text(json.dumps(good) + "\nnull\n" + json.dumps(good) + '\n{"device": "cp')
+    assert L.load_cost_curves(tmp_path) == [good, good]
+    err = capsys.readouterr().err
+    assert "2 cost-curve line(s) could not be read" in err and str(f) in err
+
+
+def test_index_holds_keys_only_and_load_returns_the_whole_record(tmp_path):
+    p = tmp_path / "records.jsonl"
+    for i, m in enumerate(("ar", "pld", "leviathan")):
+        R.append(p, _rec(m, f"j{i}", bs=1))
+    idx = R.index(p)
+    assert [e["method"] for e in idx] == ["ar", "pld", "leviathan"]
+    assert all("metrics" not in e and "requests" not in e for e in idx)  # what pairing reads: no tokens
+    assert [R.load(p, e) for e in idx] == R.read(p)
+    assert len(R._index_path(p).read_text().splitlines()) == 3  # append keeps the index as it writes
+
+
+def test_index_is_mended_after_a_crash_a_hand_edit_and_a_replaced_file(tmp_path, capsys):
+    p = tmp_path / "records.jsonl"
+    R.append(p, _rec("ar", "a"))
+    R.append(p, _rec("pld", "b"))
+    # a crash between the record and its index line: the reader indexes what the index lacks
+    with p.open("a") as f:
+        f.write(json.dumps(_rec("rest", "c")) + "\n")
+    assert [e["job_id"] for e in R.index(p)] == ["a", "b", "c"]
+    assert len(R._index_path(p).read_text().splitlines()) == 3  # kept: parsed once
+    # a torn line is reported (every read), and the next record after it is indexed and loads whole
+    with p.open("a") as f:
+        f.write('{"method": "lev')
+    R.append(p, _rec("eagle", "d"))
+    idx = R.index(p)
+    assert [e["job_id"] for e in idx] == ["a", "b", "c", "d"]
+    assert R.load(p, idx[-1])["requests"][0]["tokens"] == list(range(50))
+    assert "1 records line(s) could not be read" in capsys.readouterr().err
+    # the file replaced by another one (a copy from another run): the stale index is rebuilt
+    p.write_text(json.dumps(_rec("medusa", "x")) + "\n")
+    assert [e["job_id"] for e in R.index(p)] == ["x"]
+    # an index in an older or broken format is rebuilt too
+    R._index_path(p).write_text('{"nonsense": 1}\n')
+    assert [e["job_id"] for e in R.index(p)] == ["x"]
+
+
+def test_load_refuses_an_entry_whose_record_moved(tmp_path):
+    p = tmp_path / "records.jsonl"
+    R.append(p, _rec("ar", "a"))
+    R.append(p, _rec("pld", "b"))
+    entry = R.index(p)[1]
+    p.write_text(json.dumps(_rec("pld", "zzzz-other-record")) + "\n" * 400)
+    with pytest.raises(RuntimeError, match="changed while it was read"):
+        R.load(p, entry)
+
+
+def test_pairing_reads_the_index_not_the_output_tokens(tmp_path, monkeypatch):
+    """find_ar over the index picks the same AR record as over whole records, and a job's
+    decisions do not parse the heavy part of earlier records (the quadratic cost of a sweep)."""
+    p = tmp_path / "records.jsonl"
+    base = {k: None for k in R.BASELINE_KEYS}
+    R.append(p, _rec("ar", "old", sweep_id="s1", **{**base, "bs": 1}))
+    R.append(p, _rec("ar", "new", sweep_id="s2", **{**base, "bs": 1}))
+    R.append(p, _rec("ar", "bs2", sweep_id="s2", **{**base, "bs": 2}))
+    R.index(p)  # the index is complete now
+    parsed = []
+    real = json.loads
+    monkeypatch.setattr(R.json, "loads", lambda s, *a, **k: parsed.append(len(s)) or real(s, *a, **k))
+    probe = {**base, "bs": 1, "method": "pld"}
+    entry = R.find_ar(R.index(p), probe, "s2")
+    assert entry["job_id"] == "new"
+    full = max(len(x) for x in p.read_bytes().splitlines())
+    index_line = max(len(x) for x in R._index_path(p).read_bytes().splitlines())
+    assert index_line < full and max(parsed) <= index_line  # no whole record parsed to decide
+    assert R.load(p, entry)["requests"][0]["tokens"] == list(range(50))
+
+
+SWEEP = ["model=hf", "dataset=jsonl", "method=pld", "K=1,2", "limit=2", "max_new_tokens=8", "progress=false",
+         "resume=true", "warmup=false"]
+
+
+def test_two_resumed_sweeps_at_once_run_each_job_once(tiny_dirs, tmp_path):
+    """Two `resume=true` sweeps started together on one records file: each job (and AR) is
+    decided under its lock, so every job has exactly one record."""
+    args = [sys.executable, "-m", "specbench", f"model.path={tiny_dirs['target']}",
+            f"dataset.path={tiny_dirs['questions']}", f"results_dir={tmp_path}", *SWEEP]
+    procs = [subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errs
+    recs = R.read(tmp_path / "records.jsonl")
+    assert sorted((r["method"], r["K"]) for r in recs if r["method"] == "pld") == [("pld", 1), ("pld", 2)]
+    assert [r["method"] for r in recs].count("ar") == 1
+    assert sum(e.count("already recorded") for e in errs) == 2  # the later sweep skipped both jobs
