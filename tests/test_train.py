@@ -1,4 +1,7 @@
-"""The distillation pipeline and a tiny end-to-end drafter training run (seconds)."""
+"""The distillation pipeline, a tiny end-to-end drafter training run (seconds), and the
+checkpoints' cards."""
+
+import json
 
 import pytest
 import torch
@@ -140,3 +143,52 @@ def _lookup(draft):
     lk = torch.full((draft.vocab_size,), -1, dtype=torch.long)
     lk[draft.vocab_ids] = torch.arange(len(draft.vocab_ids))
     return lk
+
+
+def test_shipped_cards_are_portable_and_made_from_todays_defaults():
+    """Every checkpoint's drafter.json and README.md are what `python -m specbench.train.card`
+    writes now: no path of the training machine, tree sizes and K read from the code."""
+    from specbench.train import card
+
+    folders = card.shipped()
+    assert {f.name for f in folders} >= {"draft_lm", "eagle", "medusa", "specdec"}
+    assert card.main(["--check"]) == 0, "run `python -m specbench.train.card` and commit the cards"
+    for f in folders:
+        for name in ("drafter.json", "README.md"):
+            assert card.absolute_paths((f / name).read_text()) == [], f / name
+    from methods.eagle import AUTO
+    from methods.medusa import AUTO_CPU_TREE
+
+    eagle = (card.REPO / "checkpoints/smollm2-135m/eagle/README.md").read_text()
+    assert f"{AUTO['cpu']['total_tokens']} nodes verified on a CPU" in eagle
+    assert f"tree has {AUTO_CPU_TREE} nodes on a CPU" in (card.REPO / "checkpoints/smollm2-135m/medusa/README.md").read_text()
+
+
+def test_card_check_fails_on_a_stale_card_and_a_machine_path(tmp_path, monkeypatch):
+    import shutil
+
+    from specbench.train import card
+
+    src = card.REPO / "checkpoints/smollm2-135m/eagle"
+    ck = tmp_path / "eagle"
+    ck.mkdir()
+    for name in ("drafter.json", "README.md"):
+        shutil.copy(src / name, ck / name)
+    assert card.main([str(ck)]) == 0  # outside the repo its card names no folder of this machine
+    assert "eagle.checkpoint=<this folder>" in (ck / "README.md").read_text()
+    assert card.main(["--check", str(ck)]) == 0
+    import methods.eagle
+
+    monkeypatch.setitem(methods.eagle.AUTO["cpu"], "total_tokens", 9)  # the code's default moved
+    assert card.main(["--check", str(ck)]) == 1
+    assert card.main([str(ck)]) == 0 and "9 nodes verified on a CPU" in (ck / "README.md").read_text()
+    meta = json.loads((ck / "drafter.json").read_text())
+    # training on a machine with a local sources file and an out folder: both dropped
+    meta["feature_settings"]["sources"] = "/data/me/.cache/sources.pt"
+    meta["command"] += " features.sources=/data/me/.cache/sources.pt out=/tmp/ck/eagle"
+    card.write(ck, meta)
+    assert card.absolute_paths((ck / "drafter.json").read_text() + (ck / "README.md").read_text()) == []
+    assert "out=" not in json.loads((ck / "drafter.json").read_text())["command"]
+    meta["data"]["note"] = "features from /home/me/features"  # anything else naming a path is refused
+    with pytest.raises(ValueError, match="/home/me/features"):
+        card.write(ck, meta)

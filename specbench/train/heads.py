@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from specbench.drafters import vocab_by_frequency
 from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.medusa import MedusaHeads, sparse_tree
+from specbench.train import card
 from specbench.train.loop import fit
 
 RANKS = 10  # Medusa per-rank accuracies measured for the tree
@@ -192,10 +193,11 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
     if dr.kind == "medusa":
         meta["heads"] = int(dr.heads)
     save(model, out, meta)
-    write_card(out, meta)
+    card.write(out, meta)
 
 
-def write_card(out: Path, meta: dict) -> None:
+def card_body(meta: dict) -> list[str]:
+    """The card's description, data and training sections (``specbench.train.card`` adds the rest)."""
     s, d, fs, ts = meta["train_summary"], meta["data"], meta["feature_settings"], meta["train_settings"]
     what = {
         "eagle": "EAGLE feature-level drafter for `method=eagle`: fc([token embedding; target feature]) -> one "
@@ -225,9 +227,6 @@ def write_card(out: Path, meta: dict) -> None:
         f"- held-out top-1 agreement with the target's greedy token, per {per}: {agree}",
     ]
     if meta.get("acc"):
-        lines.append(f"- expected accepted drafts of the default {meta['drafter']['tree_size']}-node tree (product of "
-                     f"per-rank accuracies): {s['tree_expected_accepted']:.2f}")
-    lines += ["", "## Reproduce", "```bash", meta["command"], "```", ""]
-    if meta.get("measured"):
-        lines += ["## Measured", "", meta["measured"], ""]
-    (out / "README.md").write_text("\n".join(lines))
+        lines.append(f"- expected accepted drafts of the {meta['drafter']['tree_size']}-node tree it was trained "
+                     f"for (product of per-rank accuracies): {s['tree_expected_accepted']:.2f}")
+    return lines

@@ -16,6 +16,7 @@ import torch
 
 from specbench.drafters import save as save_draft
 from specbench.drafters.draft_lm import DraftLM
+from specbench.train import card
 
 
 def pick_vocab(items: list[dict], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
@@ -179,7 +180,8 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], progress: bo
     return {"draft": draft, "summary": summary, "loss_curve": [round(h[0], 4) for h in history[::10]]}
 
 
-def write_card(out: Path, meta: dict, command: str) -> None:
+def card_body(meta: dict) -> list[str]:
+    """The card's description, data and training sections (``specbench.train.card`` adds the rest)."""
     s = meta["train_summary"]
     d = meta["data"]
     lines = [
@@ -206,16 +208,8 @@ def write_card(out: Path, meta: dict, command: str) -> None:
         f"- held-out ({s['eval_sequences']} sequences): loss {s['eval_loss']:.3f}, KL {s['eval_kl']:.3f}, "
         f"top-1 agreement with the target {s['eval_top1_agreement']:.1%}",
         "",
-        "## Reproduce",
-        "```bash",
-        command,
-        "```",
-        "",
     ]
-    if meta.get("measured"):
-        lines += ["## Measured", "", meta["measured"], ""]
-    (out / "README.md").write_text("\n".join(lines))
-    (out / "drafter.json").write_text(json.dumps(meta, indent=1, default=str))
+    return lines
 
 
 def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, command: str) -> None:
@@ -226,7 +220,7 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
         "draft_vocab": int(len(draft.vocab_ids)), "seed": int(cfg.seed),
         "data": data_meta, "data_settings": {k: cfg.data[k] for k in cfg.data},
         "train_settings": {k: cfg.train[k] for k in cfg.train}, "train_summary": result["summary"],
-        "loss_curve_every_10_steps": result["loss_curve"],
+        "loss_curve_every_10_steps": result["loss_curve"], "command": command,
     }
     save_draft(draft, out, meta)
-    write_card(out, meta, command)
+    card.write(out, meta)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from specbench.drafters import save as save_draft
 from specbench.drafters import vocab_by_frequency
 from specbench.drafters.specdec import SpecDrafter
+from specbench.train import card
 from specbench.train.loop import batches, fit
 
 
@@ -158,10 +159,11 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
         "train_summary": s, "loss_curve_every_10_steps": result["loss_curve"], "command": command,
     }
     save_draft(model, out, meta)
-    write_card(out, meta)
+    card.write(out, meta)
 
 
-def write_card(out: Path, meta: dict) -> None:
+def card_body(meta: dict) -> list[str]:
+    """The card's description, data and training sections (``specbench.train.card`` adds the rest)."""
     s, d, ds, ts = meta["train_summary"], meta["data"], meta["data_settings"], meta["train_settings"]
     agree = ", ".join(f"{x:.1%}" for x in s["eval_query_agreement"])
     lines = [
@@ -182,9 +184,5 @@ def write_card(out: Path, meta: dict) -> None:
         f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}",
         f"- held-out ({s['eval_sequences']} answers, {s['eval_cuts']} cuts): top-1 agreement with the target's "
         f"greedy token per query: {agree}; tau of a greedy {meta['k']}-token chain: {s['eval_chain_tau']:.2f}",
-        "", "## Reproduce", "```bash", meta["command"], "```", "",
     ]
-    if meta.get("measured"):
-        lines += ["## Measured", "", meta["measured"], ""]
-    (out / "README.md").write_text("\n".join(lines))
-    (out / "drafter.json").write_text(json.dumps(meta, indent=1, default=str))
+    return lines

@@ -1,0 +1,183 @@
+"""A drafter checkpoint's card (README.md) and metadata (drafter.json): portable, and made from
+the code's current defaults.
+
+    python -m specbench.train.card [--check] [FOLDER ...]    (default: every folder under checkpoints/)
+
+Training writes both (``write``). This command writes them again after the code's defaults
+change (a tree size, a K); ``--check`` (run by the tests) exits 1 where a card is stale or
+where either file names a path of the machine that trained it. Measurements of a checkpoint
+are dated benchmarks and live in docs/benchmarks/drafters.md, not in its card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BENCHMARKS = "docs/benchmarks/drafters.md"
+
+# Settings that name files of the machine that trained (inputs cached there): never part of the
+# data key, meaningless elsewhere. `out` is dropped from the command: its default is where the
+# checkpoint is shipped (checkpoints/<target>/<name>).
+LOCAL_SETTINGS = ("sources", "dir")
+LOCAL_ARGS = ("features.sources", "features.dir", "data.dir", "out")
+_ABS = re.compile(r"(?:^|[\s=:,(\['\"])((?:/|~/)[^\s/'\",)\]]+/[^\s'\",)\]]*)")
+
+
+def absolute_paths(obj) -> list[str]:
+    """Every absolute path (``/a/b``, ``~/a``) inside the strings of a JSON-like object."""
+    if isinstance(obj, dict):
+        return [p for v in obj.values() for p in absolute_paths(v)]
+    if isinstance(obj, list):
+        return [p for v in obj for p in absolute_paths(v)]
+    return _ABS.findall(obj) if isinstance(obj, str) else []
+
+
+def portable(meta: dict) -> dict:
+    """``meta`` without what only the training machine knows: local input files and ``out``
+    (also in the command). Raises ValueError if an absolute path is still left."""
+    m = copy.deepcopy(meta)
+    m.pop("measured", None)  # measurements are dated benchmarks: docs/benchmarks/drafters.md
+    for section in ("feature_settings", "data_settings"):
+        for key in LOCAL_SETTINGS:
+            if key in (m.get(section) or {}):
+                m[section][key] = None
+    if m.get("command"):
+        args = shlex.split(m["command"])
+        keep = [a for a in args if a.split("=", 1)[0] not in LOCAL_ARGS]
+        m["command"] = " ".join(shlex.quote(a) for a in keep)
+    left = absolute_paths(m)
+    if left:
+        raise ValueError(f"drafter metadata names machine paths: {', '.join(sorted(set(left)))}")
+    return m
+
+
+def _where(folder: Path) -> str:
+    try:
+        return str(folder.resolve().relative_to(REPO))
+    except ValueError:
+        return "<this folder>"
+
+
+def _conf(group: str, name: str) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(REPO / "conf" / group / f"{name}.yaml"))
+
+
+def use_lines(meta: dict, folder: Path) -> list[str]:
+    """How a run picks this checkpoint, and the defaults it then runs with (read from the code
+    and configs now, so a card never states an old tree size)."""
+    where, kind = _where(folder), meta["kind"]
+    lines = ["## Use", ""]
+    if kind in ("eagle", "medusa", "specdec"):
+        mconf = _conf("method", kind)
+        pick = f"method={kind}" + ("" if mconf.get("checkpoint") == where else f" {kind}.checkpoint={where}")
+        lines += ["```bash", f"python -m specbench {pick}", "```", ""]
+    if kind == "eagle":
+        from methods.eagle import AUTO
+
+        c, g = AUTO["cpu"], AUTO["cuda"]
+        lines.append(f"Draft tree with `eagle.top_k`, `eagle.depth` and `eagle.total_tokens` at `auto` "
+                     f"(methods/eagle.py): top_k {c['top_k']}, depth {c['depth']}, {c['total_tokens']} nodes "
+                     f"verified on a CPU; top_k {g['top_k']}, depth {g['depth']}, {g['total_tokens']} nodes on a GPU.")
+    elif kind == "medusa":
+        from methods.medusa import AUTO_CPU_TREE
+        from specbench.drafters.medusa import sparse_tree
+
+        acc = meta.get("acc")
+
+        def expected(n):
+            if not acc:
+                return ""
+            import math
+
+            e = sum(math.prod(acc[d][i] for d, i in enumerate(p)) for p in sparse_tree(acc, n))
+            return f" (expected accepted drafts by the heads' held-out accuracies: {e:.2f})"
+
+        own = int(meta["drafter"]["tree_size"])
+        lines.append(f"{meta.get('heads')} heads; with `medusa.tree_size=auto` (methods/medusa.py) the sparse "
+                     f"tree has {AUTO_CPU_TREE} nodes on a CPU{expected(AUTO_CPU_TREE)} and the checkpoint's "
+                     f"{own} on a GPU{expected(own)}.")
+    elif kind == "specdec":
+        mconf = _conf("method", "specdec")
+        lines.append(f"{meta['k']} draft tokens per forward (the checkpoint's queries; K above {meta['k']} is capped); "
+                     f"verification `specdec.beta={mconf['beta']}` (1 = exact, lossless), `specdec.tol={mconf['tol']}`.")
+    elif kind == "draft_lm":
+        from omegaconf import OmegaConf
+
+        drafts = [p.stem for p in sorted((REPO / "conf" / "draft").glob("*.yaml"))
+                  if OmegaConf.load(p).get("path") == where]
+        pick = f"draft={drafts[0]}" if drafts else f"draft=smollm2-135m-draft draft.path={where}"
+        k = OmegaConf.load(REPO / "conf" / "config.yaml").K
+        lines += ["```bash", f"python -m specbench method=leviathan {pick}", "```", "",
+                  f"Drafts K={k} tokens a step by default (`K=...`)."]
+    return lines + [""]
+
+
+def render(meta: dict, folder: Path) -> str:
+    """The card of a checkpoint whose (portable) metadata is ``meta``."""
+    from specbench.train import heads, loop, specdec
+
+    body = {"eagle": heads.card_body, "medusa": heads.card_body, "draft_lm": loop.card_body,
+            "specdec": specdec.card_body}[meta["kind"]](meta)
+    lines = [*body, *([""] if body[-1] != "" else []), *use_lines(meta, folder)]
+    if meta.get("command"):
+        lines += ["## Reproduce", "", "```bash", meta["command"], "```", ""]
+    lines += ["## Measured", "", f"Benchmarks of the shipped checkpoints, dated and with their commands: `{BENCHMARKS}`.",
+              ""]
+    return "\n".join(lines)
+
+
+def files(folder: Path, meta: dict) -> dict[str, str]:
+    m = portable(meta)
+    return {"drafter.json": json.dumps(m, indent=1, default=str) + "\n", "README.md": render(m, folder)}
+
+
+def write(folder: Path, meta: dict) -> None:
+    """Write a checkpoint's drafter.json and README.md (portable, from the current defaults)."""
+    for name, text in files(Path(folder), meta).items():
+        (Path(folder) / name).write_text(text)
+
+
+def shipped() -> list[Path]:
+    return sorted(p.parent for p in (REPO / "checkpoints").glob("*/*/drafter.json"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specbench.train.card", description=__doc__.splitlines()[0])
+    ap.add_argument("folders", nargs="*", type=Path, help="checkpoint folders (default: every one under checkpoints/)")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 where a card or drafter.json differs")
+    a = ap.parse_args(argv)
+    stale = []
+    for folder in a.folders or shipped():
+        try:
+            meta = json.loads((folder / "drafter.json").read_text())
+            want = files(folder, meta)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"specbench.train.card: error: {folder}: {e}", file=sys.stderr)
+            return 2
+        for name, text in want.items():
+            have = (folder / name).read_text() if (folder / name).exists() else None
+            if have != text:
+                stale.append(folder / name)
+                if not a.check:
+                    (folder / name).write_text(text)
+    verb = "stale" if a.check else "written"
+    for p in stale:
+        print(f"{verb}: {p}")
+    if a.check and stale:
+        print("specbench.train.card: cards differ from the code's defaults; run `python -m specbench.train.card`",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
