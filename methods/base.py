@@ -54,6 +54,21 @@ class Proposer:
         return int(cfg.K)
 
     @classmethod
+    def reach(cls, cfg, device: torch.device) -> int:
+        """How far past a row's committed tokens a verify forward can place a node (the deepest
+        node's depth, candidates or not): the run is refused where prompt + max_new_tokens +
+        reach + 1 exceeds the model's positions. ``spec_len`` by default."""
+        return int(cls.spec_len(cfg, device) or 0)
+
+    @classmethod
+    def positions(cls, cfg, target_config) -> int:
+        """The positions every model the method runs can take (the target's; a method with a
+        draft model of its own also bounds it by the draft's)."""
+        from specbench.models import max_positions
+
+        return max_positions(target_config)
+
+    @classmethod
     def draft_label(cls, cfg) -> str | None:
         """The draft model this job runs, for the record (None: the method has none)."""
         return None

@@ -13,8 +13,8 @@ from methods.base import BatchState, Proposer
 from specbench import drafters, kernels
 from specbench.draft import Draft
 from specbench.kv import RaggedCache
-from specbench.models import (ConfigError, cached_model, load_tokenizer, model_cfg, resolve_path, self_layers_draft,
-                              text_config)
+from specbench.models import (ConfigError, cached_model, load_config, load_tokenizer, max_positions, model_cfg,
+                              resolve_path, self_layers_draft, text_config)
 from specbench.verify import greedy_pick, sample, warp
 
 
@@ -55,6 +55,12 @@ class Leviathan(Proposer):
                 diff = len(set(t_vocab.items()) ^ set(d_vocab.items()))
                 raise ConfigError(f"draft '{cfg.draft.path}' has another vocabulary than the target "
                                   f"({len(d_vocab)} vs {len(t_vocab)} tokens, {diff} entries differ)")
+
+    @classmethod
+    def positions(cls, cfg, target_config) -> int:
+        dm = hf_draft_cfg(cfg)  # a separate draft LM has positions of its own; the others share the target's
+        own = max_positions(target_config)
+        return own if dm is None else min(own, max_positions(load_config(dm)))
 
     @classmethod
     def draft_label(cls, cfg) -> str:

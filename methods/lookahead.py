@@ -100,6 +100,11 @@ class Lookahead(Proposer):
     def spec_len(cls, cfg, device) -> int:
         return settings(cfg.method, device.type)[1] - 1  # candidates of N-1 tokens; cfg.K plays no part
 
+    @classmethod
+    def reach(cls, cfg, device) -> int:
+        W, N, _ = settings(cfg.method, device.type)
+        return max(W + N - 2, N - 1)  # window node (level l, column c) sits at depth c + 1 + l
+
     def __init__(self, cfg, target, tokenizer, device, dtype):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method

@@ -174,6 +174,11 @@ class Rest(Proposer):
     def spec_len(cls, cfg, device) -> None:
         return None  # the datastore's continuations set each path's length; cfg.K plays no part
 
+    @classmethod
+    def reach(cls, cfg, device) -> int:
+        m = cfg.method  # at most num_draft nodes: a chain of them at worst
+        return int(AUTO_NUM_DRAFT.get(device.type, AUTO_NUM_DRAFT["cpu"]) if m.num_draft == "auto" else m.num_draft)
+
     def __init__(self, cfg, target, tokenizer, device, dtype, reader=None):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method

@@ -179,16 +179,21 @@ def model_dir(mcfg) -> str:
         if str(mcfg.path).startswith(("/", ".", "~")) or str(mcfg.path).count("/") > 1:
             raise ConfigError(f"model path '{mcfg.path}' does not exist")
         return str(mcfg.path)  # a hub id such as HuggingFaceTB/SmolLM2-135M
-    out = cache_dir() / "models" / mcfg.name
-
-    def ready():
-        return (out / "config.json").exists() and any(out.glob("*.safetensors"))
-
-    if not ready():
+    out = _converted_dir(mcfg)
+    if not _converted(mcfg):
         with file_lock(out.with_name(out.name + ".lock")):
-            if not ready():  # not converted by another process while this one waited
+            if not _converted(mcfg):  # not converted by another process while this one waited
                 _convert_gguf(mcfg, out)
     return str(out)
+
+
+def _converted_dir(mcfg) -> Path:
+    return cache_dir() / "models" / mcfg.name
+
+
+def _converted(mcfg) -> bool:
+    out = _converted_dir(mcfg)
+    return (out / "config.json").exists() and any(out.glob("*.safetensors"))
 
 
 def _convert_gguf(mcfg, out: Path) -> None:
@@ -228,9 +233,19 @@ def load_tokenizer(mcfg):
     return tok
 
 
+# Copies of the packaged models' HF configs (config.json as the GGUF conversion writes it), so
+# that checking a run needs no conversion (~30 s on a cold cache) just to refuse it.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
+
+
 def load_config(mcfg):
+    """The model's HF config: from its folder, or for a packaged model not converted yet from
+    the copy in ``SHIPPED_CONFIGS`` (a test holds the copy to the conversion)."""
     from transformers import AutoConfig
 
+    shipped = SHIPPED_CONFIGS / str(mcfg.get("name"))
+    if not mcfg.get("path") and mcfg.get("package") and (shipped / "config.json").exists() and not _converted(mcfg):
+        return AutoConfig.from_pretrained(shipped)
     return AutoConfig.from_pretrained(model_dir(mcfg))
 
 

@@ -19,11 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 
 import methods
 from specbench import data as D
-from specbench import loggers, quality
+from specbench import loggers, quality, schema
 from specbench import kernels
 from specbench import records as R
 from specbench.models import (CONF_DIR, ConfigError, cached_model, check_compile, check_rollback, compiled_graphs,
-                              eos_ids, file_lock, is_compiled, load_config, load_tokenizer, max_positions,
+                              eos_ids, file_lock, is_compiled, load_config, load_tokenizer,
                               resolve_device, resolve_dtype)
 from specbench.monitor import NvmlMonitor
 from specbench.timing import PHASES, PhaseTimer, sync
@@ -39,32 +39,13 @@ if not OmegaConf.has_resolver("mod"):
 
 # ---------------------------------------------------------------------------- validation
 
-def validate(cfg: DictConfig) -> None:
-    """Every check that needs no model weights; raises ConfigError with one line."""
+def validate(cfg: DictConfig) -> int:
+    """Every check that needs no model weights (and no conversion, no kernel build), cheapest
+    first; raises ConfigError with one line. Returns the positions the job's models can take."""
     if cfg.method.name not in methods.REGISTRY:
         raise ConfigError(f"unknown method '{cfg.method.name}'; choices: {', '.join(methods.names())}")
-    for key in ("K", "bs"):
-        v = cfg[key]
-        if not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{key} must be an integer >= 1, got {v!r}")
-    if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
-        raise ConfigError(f"limit must be an integer >= 1 or null, got {cfg.limit!r}")
-    rep = cfg.get("repeats", 1)
-    if not isinstance(rep, int) or isinstance(rep, bool) or rep < 1:
-        raise ConfigError(f"repeats must be an integer >= 1, got {rep!r}")
-    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {cfg.max_new_tokens!r}")
+    schema.check(cfg)  # types and ranges of every setting but the method's own
     loggers.check(cfg)
-    if cfg.temperature < 0:
-        raise ConfigError(f"temperature must be >= 0, got {cfg.temperature}")
-    if cfg.get("ar_baseline", "sweep") not in AR_BASELINES:
-        raise ConfigError(f"unknown ar_baseline '{cfg.ar_baseline}'; choices: {', '.join(AR_BASELINES)}")
-    if cfg.get("kernel", "torch") not in kernels.KERNELS:
-        raise ConfigError(f"unknown kernel '{cfg.kernel}'; choices: {', '.join(kernels.KERNELS)}")
-    if not 0.0 < float(cfg.top_p) <= 1.0:
-        raise ConfigError(f"top_p must be in (0, 1], got {cfg.top_p}")
-    if cfg.top_k < 0:
-        raise ConfigError(f"top_k must be >= 0, got {cfg.top_k}")
     if cfg.dataset.name == "jsonl":
         if not Path(str(cfg.dataset.path)).expanduser().exists():
             raise ConfigError(f"dataset path '{cfg.dataset.path}' does not exist")
@@ -74,17 +55,29 @@ def validate(cfg: DictConfig) -> None:
     check_compile(compile_, kernels.resolve(cfg.get("kernel", "torch"), device) if compile_ is True else None)
     mconf = load_config(cfg.model)
     check_rollback(mconf)
-    npos = max_positions(mconf)
+    method = methods.get(cfg.method.name)
+    method.check(cfg, mconf)  # a method owns its own config checks
+    npos = method.positions(cfg, mconf)
     if cfg.ctx is not None:
-        if not isinstance(cfg.ctx, int) or cfg.ctx < 1:
-            raise ConfigError(f"ctx must be an integer >= 1 or null, got {cfg.ctx!r}")
-        need = cfg.ctx + cfg.max_new_tokens + cfg.K + 1
-        if need > npos:
-            raise ConfigError(f"ctx={cfg.ctx} + max_new_tokens={cfg.max_new_tokens} + K={cfg.K} exceeds the "
-                              f"model's {npos} positions")
-    check = getattr(methods.get(cfg.method.name), "check", None)
-    if check is not None:  # a method owns its own config checks
-        check(cfg, mconf)
+        reach = method.reach(cfg, device)
+        if cfg.ctx + cfg.max_new_tokens + reach + 1 > npos:
+            raise ConfigError(f"ctx={cfg.ctx} + max_new_tokens={cfg.max_new_tokens} + {reach} draft positions "
+                              f"exceeds the {npos} positions of the job's models")
+    return npos
+
+
+def check_prompts(cfg, questions, tokenizer, npos: int, device) -> None:
+    """Refuse, before any weights load, a first-turn prompt too long for the models' positions
+    with max_new_tokens and the method's deepest draft node (later turns, which hold the
+    answers, are checked as they come)."""
+    reach = methods.get(cfg.method.name).reach(cfg, device)
+    chat = bool(cfg.model.get("chat", True))
+    for q in questions:
+        n = len(q.ctx_ids) if cfg.ctx is not None else len(D.render(tokenizer, [], q.turns[0], chat))
+        if n + cfg.max_new_tokens + reach + 1 > npos:
+            raise ConfigError(f"question {q.id}: a prompt of {n} tokens + max_new_tokens={cfg.max_new_tokens} + "
+                              f"{reach} draft positions exceeds the {npos} positions of the job's models; lower "
+                              "max_new_tokens or drop the question")
 
 
 # ---------------------------------------------------------------------------- loading
@@ -165,7 +158,9 @@ class MethodRun:
         sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
         self.chat = bool(cfg.model.get("chat", True))
         eos = eos_ids(model, tokenizer)
-        self.npos = max_positions(model.config)
+        method = methods.get(method_name)
+        self.npos = method.positions(mcfg, model.config)
+        self.reach = method.reach(mcfg, device)
 
         def engine(timer):
             return Engine(model, self.proposer, sampling, device, dtype, eos, timer)
@@ -208,9 +203,10 @@ class MethodRun:
                 else:
                     prompts = [D.render(tokenizer, history[i], batch[i].turns[turn], self.chat) for i in rows]
                 longest = max(len(p) for p in prompts)
-                if longest + cfg.max_new_tokens + cfg.K + 1 > self.npos:
-                    raise ConfigError(f"a prompt of {longest} tokens + max_new_tokens exceeds the model's "
-                                      f"{self.npos} positions")
+                if longest + cfg.max_new_tokens + self.reach + 1 > self.npos:
+                    raise ConfigError(f"a prompt of {longest} tokens + max_new_tokens={cfg.max_new_tokens} + "
+                                      f"{self.reach} draft positions exceeds the {self.npos} positions of the "
+                                      "job's models")
                 graphs = compiled_graphs() if self.compiled else 0
                 sync(device)
                 t = time.perf_counter()
@@ -390,7 +386,9 @@ def _kernel_isa(cfg, device) -> str | None:
         return None
 
 
-def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
+def _record_base(cfg, method_name, device, dtype, sweep_id, resolve_kernel: bool = True) -> dict:
+    """The record's settings and environment. ``resolve_kernel=False`` (a refused job's record)
+    keeps the kernel setting as given: resolving ``auto`` can build the avx2 extension."""
     return {
         "schema": R.SCHEMA, "sweep_id": sweep_id, "job_id": uuid.uuid4().hex[:16], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "status": "ok", "error": None, "method": method_name,
@@ -400,7 +398,8 @@ def _record_base(cfg, method_name, device, dtype, sweep_id) -> dict:
         "dataset": cfg.dataset.name if cfg.dataset.name != "jsonl" else f"jsonl:{cfg.dataset.path}",
         "limit": cfg.limit, "temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
         "max_new_tokens": int(cfg.max_new_tokens), "dtype": str(dtype).replace("torch.", ""), "device": device.type,
-        "kernel": _kernel_of(cfg, device), "kernel_isa": _kernel_isa(cfg, device),
+        "kernel": _kernel_of(cfg, device) if resolve_kernel else cfg.get("kernel"),
+        "kernel_isa": _kernel_isa(cfg, device) if resolve_kernel else None,
         **({"compile": True} if cfg.get("compile") else {}),  # only when true: older records pair as eager
         "method_opts": OmegaConf.to_container(cfg.method, resolve=True) if method_name == cfg.method.name
         else {"name": method_name},
@@ -461,7 +460,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
     written: list[dict] = []
     device = dtype = None
     try:
-        validate(cfg)
+        npos = validate(cfg)
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         if device.type == "cuda":  # CUDA events and synchronize() act on the current device
@@ -471,6 +470,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
         if cfg.bs > len(questions):  # it would run a smaller batch than the record says
             raise ConfigError(f"bs={cfg.bs} is larger than the {len(questions)} prompts of dataset={cfg.dataset.name} "
                               f"limit={cfg.limit}: raise limit (null = all) or lower bs")
+        check_prompts(cfg, questions, tokenizer, npos, device)
         model, tokenizer = cached_model(cfg.model, device, dtype, kernels.resolve(cfg.get("kernel", "torch"), device),
                                         bool(cfg.get("compile", False)))
     except ConfigError as e:
@@ -634,9 +634,33 @@ def _fail(cfg, method_name, device, dtype, sweep_id, status, msg) -> dict:
     print(f"specbench: {status}: {msg}", file=sys.stderr, flush=True)
     FAILED.append(msg)
     dev = device or torch.device("cpu")
-    rec = _record_base(cfg, method_name, dev, dtype or torch.float32, sweep_id)
+    try:
+        rec = _record_base(cfg, method_name, dev, dtype or torch.float32, sweep_id, resolve_kernel=False)
+    except Exception:  # noqa: BLE001 - settings that failed validation may not convert (K='x', a missing path)
+        rec = _raw_record(cfg, method_name, dev, sweep_id)
     rec["status"], rec["error"] = status, msg
     _append(cfg, rec)
+    return rec
+
+
+def _raw_record(cfg, method_name, device, sweep_id) -> dict:
+    """A refused job's record whose settings are kept as given (``???`` where one is missing)."""
+    def raw(key):
+        try:
+            v = OmegaConf.select(cfg, key, throw_on_missing=False, throw_on_resolution_failure=False)
+        except Exception:  # noqa: BLE001
+            return None
+        return OmegaConf.to_container(v, resolve=False) if isinstance(v, DictConfig) else v
+
+    rec = {"schema": R.SCHEMA, "sweep_id": sweep_id, "job_id": uuid.uuid4().hex[:16],
+           "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "status": "error", "error": None, "method": method_name,
+           "model": raw("model.path") or raw("model.name"), "draft": None}
+    for key in ("K", "bs", "ctx", "limit", "temperature", "top_k", "top_p", "max_new_tokens", "dtype", "seed",
+                "kernel"):
+        rec[key] = raw(key)
+    rec.update({"dataset": raw("dataset.name"), "device": device.type, "dataset_cfg": raw("dataset"),
+                "model_cfg": raw("model"), "method_opts": raw("method"), "lossless": None,
+                "env": R.env_info(device), "metrics": None, "requests": []})
     return rec
 
 

@@ -2,6 +2,7 @@
 (recorded failures, AR baseline reuse, records schema) on tiny HF folders."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,15 +99,27 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
 @pytest.mark.parametrize("over,msg", [
     ({"K": 0}, "K must be an integer >= 1"),
     ({"bs": 0}, "bs must be an integer >= 1"),
-    ({"ctx": 100000}, "exceeds the model's 512 positions"),
+    ({"ctx": 100000}, "exceeds the 512 positions of the job's models"),
+    ({"K": True}, "K must be an integer >= 1, got True"),
+    ({"K": 2.5}, "K must be an integer >= 1, got 2.5"),
+    ({"bs": "8"}, "bs must be an integer >= 1, got '8'"),
+    ({"dataset.max_turns": -1}, "dataset.max_turns must be an integer >= 1 or null, got -1"),
+    ({"top_p": "high"}, "top_p must be a number in (0, 1], got 'high'"),
+    ({"top_p": 1.5}, "top_p must be a number in (0, 1], got 1.5"),
+    ({"warmup": "no"}, "warmup must be true or false, got 'no'"),
+    ({"dtype": "int8"}, "unknown dtype 'int8'; choices: auto, fp32"),
+    ({"limit": 0}, "limit must be an integer >= 1 or null, got 0"),
+    ({"dataset.path": "???"}, "dataset=jsonl needs dataset.path=<...> (a .jsonl file of questions)"),
+    ({"model.path": "???"}, "model=hf needs model.path=<...> (a hub id or a local folder)"),
+    ({"draft.layers": 0}, "draft.layers must be an integer >= 1 or null, got 0"),
     ({"dataset.path": "/no/such/file.jsonl"}, "does not exist"),
     ({"model.path": "/no/such/model"}, "model path '/no/such/model' does not exist"),
-    ({"temperature": -1.0}, "temperature must be >= 0"),
+    ({"temperature": -1.0}, "temperature must be a number >= 0, got -1.0"),
     ({"kernel": "triton"}, "unknown kernel 'triton'; choices: auto, torch, onednn, avx2"),
     ({"compile": "yes"}, "compile must be true or false, got 'yes'"),
     ({"compile": True, "kernel": "onednn"}, "compile=true compiles torch's kernels, not kernel=onednn"),
     ({"ar_baseline": "nearest"}, "unknown ar_baseline 'nearest'; choices: sweep, any, paired"),
-    ({"top_p": 0.0}, "top_p must be in"),
+    ({"top_p": 0.0}, "top_p must be a number in (0, 1]"),
     ({"method": {"name": "eagle9"}}, "unknown method 'eagle9'"),
     ({"method": {"name": "leviathan"}, "draft.layers": 5}, "draft.layers must be an integer in 1..1"),
     ({"method": {"name": "eagle", "version": 2, "top_k": "auto", "depth": 0, "total_tokens": "auto",
@@ -135,8 +148,108 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
 ])
 def test_bad_inputs(tiny_dirs, tmp_path, over, msg):
     cfg = tiny_cfg(tiny_dirs, tmp_path, **over)
-    with pytest.raises(ConfigError, match=msg.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(msg)):
         runner.validate(cfg)
+
+
+def test_a_refused_job_writes_one_error_record_and_the_sweep_goes_on(tiny_dirs, tmp_path):
+    """Settings that fail validation, even ones that cannot be converted or are missing, give one
+    error record each (no second exception while writing it) and the next job runs."""
+    for over, msg in (({"dataset.path": "???"}, "dataset=jsonl needs dataset.path"),
+                      ({"model.path": "???"}, "model=hf needs model.path"),
+                      ({"K": True}, "K must be an integer >= 1, got True"),
+                      ({"K": "many"}, "K must be an integer >= 1, got 'many'"),
+                      ({"dataset.max_turns": -1}, "dataset.max_turns must be")):
+        recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}},
+                                   **over), sweep_id="bad")
+        assert len(recs) == 1 and recs[0]["status"] == "error" and recs[0]["error"].startswith(msg), recs[0]["error"]
+    ok = runner.job(tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}),
+                    sweep_id="bad")
+    assert [r["status"] for r in ok] == ["ok", "ok"]
+    assert [r["status"] for r in R.read(tmp_path / "records.jsonl")] == ["error"] * 5 + ["ok", "ok"]
+
+
+def test_a_prompt_too_long_is_refused_before_the_model_loads(tiny_dirs, tmp_path, monkeypatch):
+    qs = tmp_path / "long.jsonl"
+    qs.write_text(json.dumps({"question_id": 1, "turns": ["w1 w2"]}) + "\n" +
+                  json.dumps({"question_id": 2, "turns": [" ".join(f"w{i % 90}" for i in range(600))]}) + "\n")
+    monkeypatch.setattr(runner, "cached_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    cfg = tiny_cfg(tiny_dirs, tmp_path, **{"dataset.path": str(qs), "method": {"name": "pld", "max_ngram": 3,
+                                                                                 "min_ngram": 1}})
+    rec, = runner.job(cfg, sweep_id="long")
+    assert rec["status"] == "error" and rec["error"].startswith("question 2: a prompt of ")
+    assert "exceeds the 512 positions of the job's models" in rec["error"]
+
+
+def test_the_position_limit_counts_the_methods_deepest_node(tiny_dirs, tmp_path):
+    """K=4 leaves room for ctx=495 on 512 positions (495 + 12 + 4 + 1); Lookahead's window
+    (W=5, N=3: nodes 6 deep) does not, whatever K says."""
+    pld = {"name": "pld", "max_ngram": 3, "min_ngram": 1}
+    runner.validate(tiny_cfg(tiny_dirs, tmp_path, ctx=495, method=pld))
+    with pytest.raises(ConfigError, match=re.escape("ctx=495 + max_new_tokens=12 + 6 draft positions exceeds")):
+        runner.validate(tiny_cfg(tiny_dirs, tmp_path, ctx=495, method={"name": "lookahead", "W": 5, "N": 3, "G": 3}))
+    runner.validate(tiny_cfg(tiny_dirs, tmp_path, ctx=493, method={"name": "lookahead", "W": 5, "N": 3, "G": 3}))
+
+
+def test_a_draft_model_with_fewer_positions_bounds_the_job(tiny_dirs, tmp_path):
+    import shutil
+
+    short = tmp_path / "short_draft"
+    shutil.copytree(tiny_dirs["draft"], short)
+    conf = json.loads((short / "config.json").read_text())
+    conf["max_position_embeddings"] = 64
+    (short / "config.json").write_text(json.dumps(conf))
+    cfg = tiny_cfg(tiny_dirs, tmp_path, ctx=40, method={"name": "leviathan"})
+    with open_dict(cfg):
+        cfg.draft = {"name": "hf", "path": str(short), "layers": None}
+    runner.validate(cfg)  # 40 + 12 + 4 + 1 <= 64
+    cfg.ctx = 50
+    with pytest.raises(ConfigError, match="exceeds the 64 positions of the job's models"):
+        runner.validate(cfg)
+
+
+def test_a_refusal_on_a_cold_cache_converts_no_model_and_builds_no_kernel(tmp_path, monkeypatch):
+    """On an empty cache a refused job must answer at once: no GGUF conversion (~30 s) to read
+    the target's config, no avx2 build (~40 s) to label the error record."""
+    from specbench import kernels
+
+    monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("converted the GGUF to refuse a job"))
+    monkeypatch.setattr(kernels, "avx2_unavailable", lambda: pytest.fail("built the kernel to refuse a job"))
+    for over, msg in ((["method=eagle", "method.depth=0"], "eagle.depth must be 'auto' or an integer >= 1"),
+                      (["method=pld", "K=true"], "K must be an integer >= 1, got True"),
+                      (["method=pld", "ctx=8190"], "ctx=8190 + max_new_tokens=64 + 4 draft positions exceeds the 8192")):
+        cfg = composed([*over, f"results_dir={tmp_path}"])
+        rec, = runner.job(cfg, sweep_id="cold")
+        assert rec["status"] == "error" and rec["error"].startswith(msg), rec["error"]
+        assert rec["kernel"] == "auto"  # the setting as given
+    assert not (models.cache_dir() / "models").exists()
+
+
+def test_shipped_model_configs_match_the_conversion():
+    """The copies in specbench/model_configs are what validation reads on a cold cache: the
+    fields it and the methods use must be those of the converted model."""
+    from transformers import AutoConfig
+
+    for d in sorted(models.SHIPPED_CONFIGS.iterdir()):
+        c = AutoConfig.from_pretrained(d)
+        assert d.name in models.group_options("model")
+        mcfg = OmegaConf.load(models.CONF_DIR / "model" / f"{d.name}.yaml")
+        assert mcfg.package and not mcfg.path
+        assert models.max_positions(c) > 0 and c.vocab_size > 0 and c.num_hidden_layers > 0
+
+
+@pytest.mark.slow
+def test_shipped_model_configs_equal_the_converted_folders():
+    from transformers import AutoConfig
+
+    for d in sorted(models.SHIPPED_CONFIGS.iterdir()):
+        mcfg = OmegaConf.load(models.CONF_DIR / "model" / f"{d.name}.yaml")
+        converted = AutoConfig.from_pretrained(models.model_dir(mcfg)).to_dict()
+        shipped = AutoConfig.from_pretrained(d).to_dict()
+        for k in ("transformers_version", "_name_or_path", "dtype", "torch_dtype"):
+            converted.pop(k, None)
+            shipped.pop(k, None)
+        assert shipped == converted, d.name
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny_dirs, tmp_path):
