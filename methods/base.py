@@ -25,6 +25,7 @@ class BatchState:
     # during update(): the target's logits [B, n+1, V] at every node of the step's verify
     # forward (root first), non-candidate nodes included (Lookahead reads its window's here)
     logits: torch.Tensor | None = None
+    max_new_tokens: int = 0  # the most tokens a row emits after its prompt (to size caches once)
 
 
 class Proposer:

@@ -94,7 +94,7 @@ class Leviathan(Proposer):
     def start(self, state: BatchState, hidden=None) -> None:
         self.dcache = RaggedCache(self.draft, self.device, self.dtype)
         prompts = [s[:-1] for s in state.seqs]
-        self.dcache.prefill(prompts)
+        self.dcache.prefill(prompts, room=state.max_new_tokens + self.K + 2)
         self.fed = [list(p) for p in prompts]
 
     def _pick(self, logits: torch.Tensor, state: BatchState):

@@ -39,6 +39,7 @@ class Engine:
         self.eos = set(eos_ids)
         self.timer = timer
         self.iterations = 0  # decoding steps of the batch (one target forward each), summed over calls
+        self.widest = 64  # the most nodes a verify forward has had (at least 64): the cache's room per batch
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
@@ -55,7 +56,7 @@ class Engine:
         sync(self.device)
         t0 = time.perf_counter()
         with self.timer.phase("prefill"):
-            out = cache.prefill(prompts)
+            out = cache.prefill(prompts, room=max_new_tokens + self.widest + 1)
             last = out.logits[:, -1]
             first = greedy_pick(last) if s.greedy else sample(warp(last, s), gen)
             first = first.tolist()
@@ -72,7 +73,7 @@ class Engine:
             res[b].t_first = res[b].t_done = now
             res[b].hit_eos = t in self.eos
         state = BatchState(seqs=seqs, prompt_lens=[len(p) for p in prompts], sampling=s, gen=gen,
-                           device=self.device, eos=self.eos)
+                           device=self.device, eos=self.eos, max_new_tokens=max_new_tokens)
         done = [res[b].hit_eos or max_new_tokens <= 1 for b in range(B)]
         with self.timer.phase("prefill"):  # the method's own prefill (a draft model's cache) is prefill too
             self.proposer.start(state, hidden)
@@ -98,6 +99,7 @@ class Engine:
                         anc = None
                     else:
                         depth, anc = draft.geometry()
+                self.widest = max(self.widest, tokens.shape[1])
                 out = cache.forward(tokens, depth, anc)
             with self.timer.phase("accept"):
                 v = verify(out.logits, draft, s, gen)

@@ -35,6 +35,7 @@ class SlabLayer(DynamicLayer):
     into a fresh buffer; a slice of the buffer keeps appending in place."""
 
     _span: tuple[int, int] | None = None  # (offset in the buffer, length) while keys/values are that slice
+    capacity = 0  # slots the first buffer gets when that covers what it must hold (RaggedCache.prefill's room)
     _kv: tuple = (None, None)  # keys and values set from outside (when _span is None)
     _views: tuple | None = None  # the views of _span, once read
 
@@ -89,7 +90,8 @@ class SlabLayer(DynamicLayer):
             L = self.keys.shape[-2] if self.keys.dim() == 4 else 0
             off = self._offset()
         if off is None or off + L + n > self._k.shape[2]:
-            cap = max(64, 2 * (L + n))
+            # the batch's known bound where it covers this (one buffer for the whole batch), else doubling
+            cap = self.capacity if self.capacity >= L + n else max(64, 2 * (L + n))
             new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
             new_v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
             if L:
@@ -149,10 +151,32 @@ def _slot_mover(tensors: list[torch.Tensor]):
     return ext.move_slots if ext is not None and t.dtype == torch.float32 and t.device.type == "cpu" else None
 
 
-def _slab_cache() -> DynamicCache:
+def _slab_cache(capacity: int = 0) -> DynamicCache:
+    def layer() -> SlabLayer:
+        new = SlabLayer()
+        new.capacity = capacity
+        return new
+
     cache = DynamicCache()
-    cache.layer_class_to_replicate = SlabLayer
+    cache.layer_class_to_replicate = layer
     return cache
+
+
+def _keep_rows(layer, rows: list[int]) -> bool:
+    """Move the kept rows of a ``SlabLayer`` that holds its own slice to the front of its buffer,
+    in place (row by row, only the live slots), and narrow the buffer to them: no second copy of
+    the cache while the first lives, and no regrowth after. False (nothing done) for a layer
+    whose keys and values were set from outside."""
+    span = getattr(layer, "_span", None)
+    if span is None or any(b <= a for a, b in zip(rows, rows[1:])):
+        return False
+    off, L = span
+    for i, r in enumerate(rows):  # i <= r, rows ascending: a row is read before anything overwrites it
+        if i != r:
+            layer._k[i, :, off:off + L].copy_(layer._k[r, :, off:off + L])
+            layer._v[i, :, off:off + L].copy_(layer._v[r, :, off:off + L])
+    layer._k, layer._v, layer._views = layer._k[:len(rows)], layer._v[:len(rows)], None
+    return True
 
 
 class _RowInts:
@@ -232,9 +256,11 @@ class RaggedCache:
             self._kw = cache_kwarg(self.model)
         return self._kw
 
-    def prefill(self, prompts: list[list[int]], **model_kwargs):
+    def prefill(self, prompts: list[list[int]], room: int = 0, **model_kwargs):
         """Left-padded forward over whole prompts. Returns the model output (logits of the
-        last position only)."""
+        last position only). ``room``: slots the batch will add past the longest prompt at
+        most (new tokens and the widest draft); the cache's buffers are made that large at once,
+        so they never grow (and copy) mid-batch."""
         B = len(prompts)
         P = max(len(p) for p in prompts)
         pad = 0
@@ -244,7 +270,7 @@ class RaggedCache:
             ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
         ids = ids.to(self.device)
         lens = lens.to(self.device)
-        self.cache = _slab_cache()
+        self.cache = _slab_cache(P + room if room else 0)
         self.start = P - lens
         self.length = torch.zeros_like(lens)
         self.C = 0
@@ -368,12 +394,14 @@ class RaggedCache:
         return int(layers[0].keys.shape[2])
 
     def select_rows(self, keep: torch.Tensor) -> None:
-        """Keep only the rows ``keep`` (finished rows leave the batch)."""
+        """Keep only the rows ``keep`` (finished rows leave the batch), compacted in place."""
+        rows = (keep.nonzero().flatten() if keep.dtype == torch.bool else keep).tolist()
         for layer in self.cache.layers:
+            if _keep_rows(layer, rows):
+                continue
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys = layer.keys[keep]
                 layer.values = layer.values[keep]
-        rows = (keep.nonzero().flatten() if keep.dtype == torch.bool else keep).tolist()
         self.start = [self._start[r] for r in rows]
         self.length = [self._length[r] for r in rows]
         if self.batch_size:

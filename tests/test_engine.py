@@ -252,3 +252,37 @@ def test_commit_all_keeps_what_commit_keeps(model, aligned):
         nxt = torch.tensor([[60], [70]])
         outs = [c.forward(nxt, torch.zeros(2, 1, dtype=torch.long), None).logits for c in caches]
         assert torch.allclose(outs[0], outs[1], atol=1e-6)
+
+
+def test_cache_is_sized_once_per_batch_and_rows_leave_in_place(model):
+    """With the batch's room given at prefill, no layer's buffer is ever replaced mid-batch
+    (no doubling, no copy while the old one lives) and rows that leave are compacted inside the
+    same storage; the rows that stay decode exactly as in a cache that never held the others."""
+    from specbench.kv import RaggedCache
+
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [17, 18]]
+    with torch.inference_mode():
+        c = RaggedCache(model, CPU, torch.float32)
+        c.prefill(prompts, room=12 + 4)
+        ptrs = [(la._k.untyped_storage().data_ptr(), la._v.untyped_storage().data_ptr()) for la in c.cache.layers]
+        caps = [la._k.shape[2] for la in c.cache.layers]
+        assert caps == [5 + 16] * len(caps)
+        ref = RaggedCache(model, CPU, torch.float32)  # rows 1 and 3 only, from the start
+        ref.prefill([prompts[1], prompts[3]])
+        kept = {0: 2, 1: 1, 2: 0, 3: 2}  # nodes each row keeps a step
+        live = [0, 1, 2, 3]
+        for step in range(6):
+            for cache, rows in ((c, live), (ref, [1, 3])):
+                toks = torch.tensor([[20 + step, 30 + step, 40 + step]] * len(rows))
+                cache.forward(toks, torch.arange(3)[None].expand(len(rows), 3), None)
+                cache.commit(torch.arange(3)[None].expand(len(rows), 3), torch.tensor([kept[r] for r in rows]))
+            if step == 1:  # rows 0 and 2 finish
+                c.select_rows(torch.tensor([1, 3]))
+                live = [1, 3]
+        assert [(la._k.untyped_storage().data_ptr(), la._v.untyped_storage().data_ptr())
+                for la in c.cache.layers] == ptrs  # the same buffers throughout
+        assert c.length.tolist() == ref.length.tolist()
+        nxt = torch.tensor([[60], [70]])
+        a = c.forward(nxt, torch.zeros(2, 1, dtype=torch.long), None).logits
+        b = ref.forward(nxt, torch.zeros(2, 1, dtype=torch.long), None).logits
+        assert torch.allclose(a, b, atol=1e-5)
