@@ -52,8 +52,27 @@ class Sampling:
         return self.temperature <= 0.0
 
 
+# top-p sorts each row (values in fp32, indices in int64, the cumulative sum, the scatter back):
+# about 24 bytes a logit in temporaries. Rows are warped in chunks that keep those under this
+# budget, so a [128, 65, 152k] verify needs the output's 5 GB, not 15 GB more.
+WARP_CHUNK_BYTES = 1 << 28
+
+
 def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """Temperature, top-k, top-p applied to logits [..., V] -> probabilities (float32)."""
+    """Temperature, top-k, top-p applied to logits [..., V] -> probabilities (float32). With
+    top-p, rows go through in chunks (``WARP_CHUNK_BYTES`` of temporaries at most)."""
+    V = logits.shape[-1]
+    rows = max(1, WARP_CHUNK_BYTES // (24 * V))
+    if s.top_p < 1.0 and logits.numel() // V > rows:
+        flat = logits.reshape(-1, V)
+        out = torch.empty(flat.shape, dtype=torch.float32, device=logits.device)
+        for i in range(0, flat.shape[0], rows):
+            out[i:i + rows] = _warp(flat[i:i + rows], s)
+        return out.view(logits.shape)
+    return _warp(logits, s)
+
+
+def _warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     x = logits.float() / s.temperature
     if s.top_k and s.top_k > 0 and s.top_k < x.shape[-1]:
         kth = torch.topk(x, s.top_k, dim=-1).values[..., -1:]
@@ -249,12 +268,75 @@ def _sampled_chain(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | Non
     return _verdict(draft, keep, counts, n_acc, sample(resid, gen))
 
 
+def _sampled_tree(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | None) -> Verdict:
+    """The lossless rule on trees of deterministic candidates, with one host sync a step: at a
+    node with residual r (first the target's p there), children are tried in order, child x
+    passing with probability r(x); a rejected x leaves r with x removed and renormalised, so
+    r(x) = p(x) / (1 - mass of the distinct tokens rejected before it). Only p at each node's
+    token under its parent and one uniform per node are needed to walk: they come to the host
+    in one transfer (with the tree), and the extra token is drawn on the device from p at the
+    node the walk stopped at, less what was rejected there."""
+    B, N, V = p_all.shape
+    n = N - 1
+    dev = p_all.device
+    rows = torch.arange(B, device=dev)
+    px = p_all[rows[:, None], draft.parents, draft.tokens]  # [B, n] p(token | parent)
+    u = torch.rand(B, n, generator=gen, device=dev)
+    host = torch.stack([px.double(), u.double(), draft.tokens.double(), draft.parents.double(),
+                        draft.accept_mask().double()]).tolist()  # the one sync
+    pxs, us, toks, pars, oks = host
+    keeps, accepted, stops, zero_r, zero_t = [], [], [], [], []
+    for b in range(B):
+        children: dict[int, list[int]] = {}
+        for i in range(n):
+            if oks[b][i]:
+                children.setdefault(int(pars[b][i]), []).append(i + 1)
+        cur, path, acc = 0, [0], []
+        while True:
+            removed, rejected, chosen = 0.0, set(), None
+            for c in children.get(cur, []):
+                x = int(toks[b][c - 1])
+                if x in rejected:  # already removed from the residual: probability 0
+                    continue
+                r = pxs[b][c - 1] / (1.0 - removed) if removed < 1.0 else 0.0
+                if us[b][c - 1] < r:
+                    chosen = c
+                    break
+                rejected.add(x)
+                removed += pxs[b][c - 1]
+            if chosen is None:
+                break
+            path.append(chosen)
+            acc.append(int(toks[b][chosen - 1]))
+            cur = chosen
+        keeps.append(path)
+        accepted.append(acc)
+        stops.append(cur)
+        zero_r += [b] * len(rejected)
+        zero_t += sorted(rejected)
+    p_end = p_all[rows, torch.tensor(stops, dtype=torch.long, device=dev)]  # [B, V]
+    resid = p_end
+    if zero_r:
+        resid = p_end.clone()
+        resid[torch.tensor(zero_r, device=dev), torch.tensor(zero_t, device=dev)] = 0.0
+        tot = resid.sum(1, keepdim=True)
+        resid = torch.where(tot > 0, resid / tot.clamp(min=1e-30), p_end)  # p == rejected mass: cannot happen
+    m = max(len(k) for k in keeps)
+    keep = torch.tensor([k + [0] * (m - len(k)) for k in keeps], dtype=torch.long, device=dev)
+    counts = torch.tensor([len(k) for k in keeps], dtype=torch.long, device=dev)
+    return Verdict(keep=keep, counts=counts, accepted=accepted, extra=sample(resid, gen))
+
+
 def _sampled(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
     B, N, _ = logits.shape
     dev = logits.device
     p_all = warp(logits, s)  # [B, N, V]
     if draft.is_chain:
         return _sampled_chain(p_all, draft, gen)
+    if draft.q is None:
+        return _sampled_tree(p_all, draft, gen)
+    # sampled siblings with q (SpecInfer's recursive rule; no shipped method drafts such trees):
+    # node by node on the host
     tokens = draft.tokens.tolist()
     parents = draft.parents.tolist()
     amask = draft.accept_mask().tolist()

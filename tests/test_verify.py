@@ -231,6 +231,44 @@ def test_tree_deterministic_candidates_lossless(pq):
     assert chi2_pvalue(counts, torch.softmax(p_logits, -1)) > 1e-3
 
 
+def test_two_level_tree_of_candidates_is_lossless_with_one_host_sync(pq, monkeypatch):
+    """Root children [a, c, a(again), b] (a repeated sibling can never pass twice), a's children
+    [a2, d] one level down, one row in four with b invalid: the first token follows p at the
+    root and, where a was accepted, the second follows p at a. The walk reads the device once."""
+    p_logits, q_logits = pq
+    g0 = torch.Generator().manual_seed(5)
+    pa_logits = torch.randn(V, generator=g0) * 1.5
+    top = torch.topk(p_logits, 3).indices.tolist()
+    a, b, c = top[0], top[1], 3 if 3 not in top else 4
+    ta = torch.topk(pa_logits, 2).indices.tolist()
+    n = 12000
+    toks = torch.tensor([[a, c, a, b, ta[0], ta[1]]] * n)
+    parents = torch.tensor([[0, 0, 0, 0, 1, 1]] * n)
+    valid = torch.ones(n, 6, dtype=torch.bool)
+    valid[: n // 4, 3] = False
+    d = Draft(tokens=toks, parents=parents, valid=valid)
+    logits = torch.stack([p_logits, pa_logits, p_logits, p_logits, p_logits, p_logits, p_logits])
+    logits = logits[None].expand(n, 7, V).clone()
+    g = torch.Generator().manual_seed(2)
+    p_all = __import__("specbench.verify", fromlist=["warp"]).warp(logits, S)
+    syncs = []
+    for name in ("tolist", "item", "__float__", "__int__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *x, _r=real, _n=name: syncs.append(_n) or _r(self, *x))
+    from specbench.verify import _sampled_tree
+
+    v = _sampled_tree(p_all, d, g)
+    assert syncs == ["tolist"]
+    monkeypatch.undo()
+    ex = v.extra.tolist()
+    first = torch.tensor([x[0] if x else e for x, e in zip(v.accepted, ex)])
+    assert chi2_pvalue(torch.bincount(first, minlength=V), torch.softmax(p_logits, -1)) > 1e-3
+    second = torch.tensor([x[1] if len(x) > 1 else e for x, e in zip(v.accepted, ex) if x and x[0] == a])
+    assert len(second) > 2000
+    assert chi2_pvalue(torch.bincount(second, minlength=V), torch.softmax(pa_logits, -1)) > 1e-3
+    assert all(x[:1] != [b] for x in v.accepted[: n // 4])  # an invalid node is never accepted
+
+
 def test_tree_sampled_siblings_without_replacement_lossless(pq):
     p_logits, q_logits = pq
     q = torch.softmax(q_logits, -1)
@@ -252,6 +290,23 @@ def test_tree_sampled_siblings_without_replacement_lossless(pq):
 
     counts = first_token_counts(p_logits[None, None], fn, n=4000)
     assert chi2_pvalue(counts, torch.softmax(p_logits, -1)) > 1e-3
+
+
+def test_warp_chunks_top_p_rows_and_gives_the_same_probabilities(monkeypatch):
+    """top-p over many rows goes through in chunks (bounded temporaries), with the result of
+    one pass over all rows."""
+    import specbench.verify as V
+
+    logits = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(0)) * 3
+    s = Sampling(0.8, top_k=0, top_p=0.6)
+    whole = V.warp(logits, s)
+    calls = []
+    real = V._warp
+    monkeypatch.setattr(V, "_warp", lambda x, s_: calls.append(x.shape[0]) or real(x, s_))
+    monkeypatch.setattr(V, "WARP_CHUNK_BYTES", 24 * 50 * 4)  # 4 rows a chunk
+    chunked = V.warp(logits, s)
+    assert calls == [4, 4, 4, 4, 4, 1] and chunked.shape == whole.shape
+    assert torch.equal(chunked, whole)
 
 
 def test_warp_top_k_top_p():
