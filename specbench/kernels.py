@@ -164,11 +164,12 @@ def few_rows_linear(x: torch.Tensor, wp: torch.Tensor, out_features: int) -> tor
 
 def apply(model: torch.nn.Module, kernel: str) -> int:
     """Switch ``model``'s linear layers to ``kernel`` (a resolved name); returns how many
-    layers changed. Idempotent. With ``avx2``, Llama decoder layers also take the fused layer
+    layers changed. Idempotent. On every path a GQA model's ``sdpa`` attention folds query
+    groups (``_gqa_sdpa``) instead of repeating the cache per head where a mask is given. With ``avx2``, Llama decoder layers also take the fused layer
     forward (``_fused_llama_forward``), and the projections it fuses are packed only there."""
+    _fold_gqa(model)  # every path, torch's (the GPU default) included: AR and SD attend alike
     if kernel == "torch":
         return 0
-    _fold_gqa(model)
     fused = set()
     if kernel == "avx2":
         for mod in model.modules():
@@ -331,15 +332,17 @@ _last_mask: list = [None, None, None]  # (weakref to the mask, groups, folded ma
 def _folded_mask(mask: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
     """The mask repeated g times along the queries, additive (flash attention on CPU is faster
     with a float mask); every layer of a forward gets the same mask object, so it is built once."""
+    compiling = torch.compiler.is_compiling()
     ref, groups, folded = _last_mask
-    if ref is not None and ref() is mask and groups == g and folded.dtype == dtype:
+    if not compiling and ref is not None and ref() is mask and groups == g and folded.dtype == dtype:
         return folded
     add = mask
     if mask.dtype == torch.bool:
         add = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
                           torch.full((), torch.finfo(dtype).min, dtype=dtype, device=mask.device))
     folded = add if g == 1 else add.repeat(1, 1, g, 1)
-    _last_mask[:] = [weakref.ref(mask), g, folded]
+    if not compiling:
+        _last_mask[:] = [weakref.ref(mask), g, folded]
     return folded
 
 

@@ -299,12 +299,20 @@ def test_avx2_kernel_refuses_a_wrong_packing():
             kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w, 48), 32)
 
 
-@pytest.mark.parametrize("kernel", PACKED)
-def test_gqa_attention_folds_queries_without_changing_the_forward(kernel):
+@pytest.mark.parametrize("kernel", ["torch", *PACKED])
+def test_gqa_attention_folds_queries_without_changing_the_forward(kernel, monkeypatch):
     """A tree verify forward on ragged rows (4D mask, several queries, 4 heads on 2 KV heads):
-    the packed paths fold each KV group's queries into one (no repeat_kv); logits as torch's."""
+    every path, torch's (the GPU default) included, folds each KV group's queries into one
+    instead of repeating the cache per head (Hugging Face's sdpa with a mask), so SD verifies
+    pay no attention cost plain AR does not; logits as Hugging Face's."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
     from specbench.draft import tree_geometry
     from specbench.kv import RaggedCache
+
+    repeats = []
+    real_repeat = hf_sdpa.repeat_kv
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda h, n: repeats.append(n) or real_repeat(h, n))
 
     m, ref = tiny_llama(seed=2), tiny_llama(seed=2)
     kernels.apply(m, kernel)
@@ -313,13 +321,16 @@ def test_gqa_attention_folds_queries_without_changing_the_forward(kernel):
     parents = torch.tensor([[0, 1, 1], [0, 0, 2]])  # a tree per row over the root and 3 drafts
     depth, anc = tree_geometry(parents)
     toks = torch.tensor([[20, 21, 22, 23], [30, 31, 32, 33]])
-    outs = []
+    outs, repeated = [], []
     with torch.inference_mode():
         for model in (m, ref):
             cache = RaggedCache(model, CPU, torch.float32)
             cache.prefill(prompts)
+            repeats.clear()
             outs.append(cache.forward(toks, depth, anc).logits)
+            repeated.append(len(repeats))
     assert (outs[0] - outs[1]).abs().max() < 1e-4
+    assert repeated[0] == 0 and repeated[1] > 0  # ours never repeats K/V; Hugging Face's sdpa did
 
 
 @avx2
