@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 
 import torch
 
-from analysis.kv_memory import _rss
+from analysis.kv_memory import PeakRss
 
 
 def main(argv=None) -> int:
@@ -33,26 +32,15 @@ def main(argv=None) -> int:
     if a.one_pass:
         verify.WARP_CHUNK_BYTES = 1 << 62
     logits = torch.randn(a.bs, a.nodes, a.vocab)
-    base = peak = _rss()
-    stop = threading.Event()
-
-    def sample():
-        nonlocal peak
-        while not stop.wait(0.005):
-            peak = max(peak, _rss())
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
     t = time.perf_counter()
-    p = warp(logits, Sampling(1.0, top_p=a.top_p))
+    with PeakRss() as mem:
+        p = warp(logits, Sampling(1.0, top_p=a.top_p))
     dt = time.perf_counter() - t
-    stop.set()
-    th.join()
     out = p.numel() * 4
-    row = {"bs": a.bs, "nodes": a.nodes, "vocab": a.vocab, "one_pass": a.one_pass, "peak_bytes": peak - base,
+    row = {"bs": a.bs, "nodes": a.nodes, "vocab": a.vocab, "one_pass": a.one_pass, "peak_bytes": mem.bytes,
            "output_bytes": out, "seconds": round(dt, 2)}
     print(f"warp top_p={a.top_p} [{a.bs}, {a.nodes}, {a.vocab}] {'one pass' if a.one_pass else 'chunked'}: peak "
-          f"{(peak - base) / 2**30:.2f} GiB above the logits (output {out / 2**30:.2f} GiB), {dt:.1f} s")
+          f"{mem.bytes / 2**30:.2f} GiB above the logits (output {out / 2**30:.2f} GiB), {dt:.1f} s")
     print(json.dumps({"bench": "warp_memory", **row}))
     return 0
 
