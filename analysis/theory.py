@@ -1,4 +1,4 @@
-"""The bounds measured speedups are compared against (DESIGN.md section 5).
+"""The bounds measured speedups are compared against (docs/design.md section 5).
 
 - Leviathan et al. 2023 (arXiv 2211.17192), i.i.d. acceptance alpha, draft length gamma,
   cost ratio c = draft step time / target step time:

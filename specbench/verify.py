@@ -1,4 +1,4 @@
-"""Verification rules (DESIGN.md section 3): walk each row's draft tree against the
+"""Verification rules (docs/design.md section 3): walk each row's draft tree against the
 target's outputs and return the accepted path plus one extra token.
 
 One rule covers every lossless sampling case. At a node whose target distribution is p,
