@@ -465,6 +465,42 @@ def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
                          na_position="first").reset_index(drop=True)
 
 
+SETTINGS = ("model", "dataset", "dtype", "kernel", "T", "bs", "K", "ctx")
+PAPER_COLUMNS = 8  # a sweep table a paper can use as it is; the full table goes to CSV beside it
+
+
+def _fixed(t: pd.DataFrame, cols) -> tuple[list[str], str]:
+    """(the settings that vary between rows, 'key=value' of those that do not)."""
+    varying = [c for c in cols if c in t and t[c].astype(str).nunique() > 1]
+    fixed = ", ".join(f"{c}={fmt(t[c].iloc[0])}" for c in cols if c in t and c not in varying and len(t))
+    return varying, fixed
+
+
+def paper_sweep(full: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The sweep table in at most ``PAPER_COLUMNS`` columns: the method, the settings that vary,
+    tau, the speedup with its 95% CI, and (room permitting) the share of the batch-aware bound,
+    the task score and token identity with AR; plus the settings every row shares."""
+    varying, fixed = _fixed(full, SETTINGS)
+    t = full[["method", *varying]].copy()
+    t["tau"] = full["tau"]
+    t["speedup (95% CI)"] = [("-" if not (s == s) else f"{s:.2f}x" + (f" ({ci})" if isinstance(ci, str) else ""))
+                             for s, ci in zip(full["speedup"], full["95% CI"])]
+    for col in ("% of batch bound", "score %", "match AR %"):
+        if len(t.columns) < PAPER_COLUMNS and col in full and full[col].notna().any():
+            t[col] = full[col]
+    return t, fixed
+
+
+def paper_per_category(wide: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """Per category: the speedup in each, overall, and the overall tau (Spec-Bench's layout); the
+    index keeps only the settings that vary."""
+    sp = wide["speedup"].copy()
+    sp["tau"] = wide[("tau", "overall")]
+    sp = sp.reset_index()
+    varying, fixed = _fixed(sp, ("T", "K", "bs"))
+    return sp[["method", *varying, *[c for c in sp.columns if c not in ("method", "T", "K", "bs")]]], fixed
+
+
 def identity_table(df: pd.DataFrame) -> pd.DataFrame:
     """Greedy jobs against AR at the smallest batch size of the same model, data, dtype and
     length (from the recorded tokens): the share of outputs identical to AR's and where the
@@ -566,8 +602,20 @@ def build(records, out: Path, **filters) -> list[Path]:
     fig_quality(df, out, written)
     sim = simulated(df, curves)
     fig_simulator(sim, df, out, written)
-    tables = {"sweep": (sweep_table(df), "Sweep: tokens/s, speedup over AR, mean accepted length, bound"),
-              "per_category": (per_category(df), "Speedup and mean accepted length per category")}
+    full = sweep_table(df)
+    full.to_csv(out / "sweep.csv", index=False)  # every column; the Markdown/LaTeX table is the paper's
+    sweep, fixed = paper_sweep(full)
+    tables = {"sweep": (sweep, "Speedup over AR (95% CI over batches) and mean accepted length tau"
+                        + (f"; {fixed}" if fixed else ""))}
+    cat = per_category(df)
+    if not cat.empty:
+        flat = cat.copy()
+        flat.columns = [f"{a} {b}" for a, b in flat.columns]
+        flat.reset_index().to_csv(out / "per_category.csv", index=False)
+        compact, fixed_c = paper_per_category(cat)
+        tables["per_category"] = (compact, "Speedup over AR per category, overall, and overall tau"
+                                  + (f"; {fixed_c}" if fixed_c else ""))
+    written += [out / "sweep.csv"] + ([out / "per_category.csv"] if not cat.empty else [])
     ident = identity_table(df)
     if not ident.empty:
         tables["identity"] = (ident, "Greedy outputs identical to AR's, and the first divergence (floor: AR at "
@@ -577,7 +625,7 @@ def build(records, out: Path, **filters) -> list[Path]:
     for name, (t, cap) in tables.items():
         if t.empty:
             continue
-        (out / f"{name}.md").write_text(to_markdown(t))
+        (out / f"{name}.md").write_text(f"{cap}\n\n" + to_markdown(t))
         (out / f"{name}.tex").write_text(to_latex(t, cap, f"tab:{name}"))
         written += [out / f"{name}.md", out / f"{name}.tex"]
     return written

@@ -103,7 +103,7 @@ def test_report_says_when_a_bound_reads_another_host_state(tmp_path, capsys):
     report.build(tmp_path / "recs", tmp_path / "rep")
     warned = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[report]")]
     assert len(warned) == 12 and all("another host state" in x for x in warned)
-    assert "curve / AR step" in (tmp_path / "rep" / "sweep.md").read_text()
+    assert "curve / AR step" in (tmp_path / "rep" / "sweep.csv").read_text()  # the full table
     report.build(FIX, tmp_path / "rep2")  # the fixture's own curves: nothing to say
     assert "[report]" not in capsys.readouterr().err
 
@@ -149,6 +149,28 @@ def test_report_from_fixture(tmp_path):
     assert "overall" in md and "writing" in md and "coding" in md
     tex = (tmp_path / "rep" / "sweep.tex").read_text()
     assert tex.startswith(r"\begin{table}") and r"\bottomrule" in tex
+
+
+def test_report_tables_fit_a_page_and_the_csv_keeps_every_column(tmp_path):
+    """The sweep table a paper uses has at most 8 columns (the method, the settings that vary,
+    tau, the speedup with its CI, ...) and names the settings all rows share; the per-category
+    table has a speedup per category, overall and tau; the CSVs beside them keep everything."""
+    import pandas as pd
+
+    report.build(FIX, tmp_path / "rep")
+    md = (tmp_path / "rep" / "sweep.md").read_text().splitlines()
+    head = next(x for x in md if x.startswith("| method"))
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    assert len(cols) <= report.PAPER_COLUMNS and {"tau", "speedup (95% CI)"} <= set(cols)
+    assert "model=" in md[0] and "model" not in cols  # one model in the fixture: said once, above
+    assert all(len(r.strip("|").split("|")) == len(cols) for r in md if r.startswith("| "))
+    full = pd.read_csv(tmp_path / "rep" / "sweep.csv")
+    assert {"tok/s", "95% CI", "bound", "batch bound", "verify %", "match AR %", "peak MiB"} <= set(full.columns)
+    assert len(full) == len([r for r in md if r.startswith("| ")]) - 1
+    cat = (tmp_path / "rep" / "per_category.md").read_text().splitlines()
+    ccols = [c.strip() for c in next(x for x in cat if x.startswith("| method")).strip("|").split("|")]
+    assert ccols[-2:] == ["overall", "tau"] and "writing" in ccols
+    assert "speedup overall" in pd.read_csv(tmp_path / "rep" / "per_category.csv").columns
 
 
 def test_report_numbers_match_records():
