@@ -210,7 +210,22 @@ def load_questions(dcfg, limit: int | None) -> list[Question]:
     max_turns = dcfg.get("max_turns")
     if max_turns:
         qs = [Question(q.id, q.category, q.turns[: int(max_turns)], q.reference) for q in qs]
+    if dcfg.get("order", "file") == "categories":
+        qs = by_category(qs)
     return qs[:limit] if limit else qs
+
+
+def by_category(qs: list[Question]) -> list[Question]:
+    """Round-robin over categories (in the order they first appear): the first question of each,
+    then the second of each, ... so that ``limit=N`` covers every category before repeating one
+    (MT-Bench's file is sorted by category: its first ten are all *writing*)."""
+    groups: dict[str, list[Question]] = {}
+    for q in qs:
+        groups.setdefault(q.category, []).append(q)
+    out = []
+    for i in range(max((len(g) for g in groups.values()), default=0)):
+        out += [g[i] for g in groups.values() if i < len(g)]
+    return out
 
 
 # ---------------------------------------------------------------------------- prompts

@@ -40,6 +40,7 @@ class Dataset:
     name: str = ""
     path: Optional[str] = setting(required_by=("jsonl",), doc="a .jsonl file of questions")
     max_turns: Optional[int] = setting(lo=1)
+    order: Literal["file", "categories"] = "file"
     language: Optional[str] = None
 
 

@@ -51,7 +51,7 @@ def test_every_registered_method_has_a_config():
 def test_default_sweep_and_multirun_mode():
     raw = OmegaConf.load(REPO / "conf" / "config.yaml")
     assert raw.hydra.mode == "MULTIRUN"
-    assert set(raw.hydra.sweeper.params.method.split(",")) == {"ar", "pld", "leviathan"}
+    assert set(raw.hydra.sweeper.params.method.split(",")) == {"ar", "pld", "lookahead"}
 
 
 def test_preprocess_rejects_unknown_choices_and_rewrites_draft():
@@ -810,3 +810,18 @@ def test_bad_jsonl_lines_fail_in_one_line_with_a_record(tiny_dirs, tmp_path, lin
     (rec,) = runner.job(cfg, "s1")  # recorded, no traceback, the sweep goes on
     assert rec["status"] == "error" and "q.jsonl" in rec["error"]
     assert [r["status"] for r in R.read(cfg.records)] == ["error"]
+
+
+def test_mt_bench_default_order_covers_every_category_first():
+    """`dataset.order=categories` (MT-Bench's default) takes questions round-robin over the
+    categories, so the default limit=8 asks one of each (the file's first ten are all writing)."""
+    from specbench import data as D
+
+    cfg = composed([])
+    assert cfg.dataset.order == "categories" and cfg.limit == 8
+    qs = D.load_questions(cfg.dataset, cfg.limit)
+    assert len({q.category for q in qs}) == 8 == len(qs)
+    in_file = D.load_questions(OmegaConf.merge(cfg.dataset, {"order": "file"}), 8)
+    assert {q.category for q in in_file} == {"writing"}
+    qs = [D.Question(str(i), c, ["t"]) for i, c in enumerate("aaabbc")]
+    assert [q.id for q in D.by_category(qs)] == ["0", "3", "5", "1", "4", "2"]
