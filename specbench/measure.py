@@ -1,0 +1,296 @@
+"""Measuring one method over a prompt set: the engine run batch by batch (``MethodRun``, which
+two runs can take in turns), its timers, memory and energy, the compile warm-up, and the
+metrics of a record."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+import time
+from collections import Counter
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import methods
+from specbench import data as D
+from specbench.models import CONF_DIR, ConfigError, compiled_graphs, eos_ids, is_compiled
+from specbench.monitor import NvmlMonitor
+from specbench.timing import PHASES, PhaseTimer, sync
+from specbench.verify import Sampling
+
+
+class PeakMemory:
+    """Peak GPU allocator memory, or peak process RSS sampled every 20 ms on the CPU: the
+    highest over every block it has been entered for."""
+
+    def __init__(self, device):
+        self.device = device
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    @staticmethod
+    def rss() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096
+        except OSError:
+            return 0
+
+    def __enter__(self):
+        self._stop.clear()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.peak = max(self.peak, self.rss())
+
+            def loop():
+                while not self._stop.wait(0.02):
+                    self.peak = max(self.peak, self.rss())
+
+            self._thread = threading.Thread(target=loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.peak = max(self.peak, int(torch.cuda.max_memory_allocated(self.device)))
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self.rss())
+
+
+def encode_accepts(lens: list[int]) -> str:
+    """Per-step accepted draft counts, one base-36 digit a step."""
+    return "".join("0123456789abcdefghijklmnopqrstuvwxyz"[min(x, 35)] for x in lens)
+
+
+def build_requests(cfg, tokenizer):
+    qs = D.load_questions(cfg.dataset, cfg.limit)
+    if cfg.ctx is not None:
+        filler = tokenizer("\n\n".join(D.long_texts()[:8]), add_special_tokens=False)["input_ids"]
+        for i, q in enumerate(qs):
+            q.ctx_ids = D.render_ctx(tokenizer, q.turns[0], bool(cfg.model.get("chat", True)), cfg.ctx,
+                                     filler[(i * 997) % max(1, len(filler) // 2):])
+            q.turns = q.turns[:1]
+    return qs
+
+
+class MethodRun:
+    """One method over the prompt set, a unit (one batch of prompts, every turn, one repeat) at
+    a time, so that two runs can take turns on the same units (``ar_baseline=paired``). Each
+    run keeps its own generator, torch's global RNG state, timer and monitors between units:
+    its tokens and measurements do not depend on what ran in between."""
+
+    def __init__(self, cfg: DictConfig, method_name: str, model, tokenizer, device, dtype, questions):
+        from specbench.engine import Engine
+
+        self.cfg, self.name, self.model, self.tokenizer, self.device = cfg, method_name, model, tokenizer, device
+        self.questions = questions
+        mcfg = OmegaConf.merge(cfg, {"method": OmegaConf.load(CONF_DIR / "method" / f"{method_name}.yaml")}) \
+            if method_name != cfg.method.name else cfg
+        self.proposer = methods.get(method_name)(mcfg, model, tokenizer, device, dtype)
+        self.K = _spec_len(mcfg, method_name, device) or 0  # positions of the per-position acceptance
+        sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
+        self.chat = bool(cfg.model.get("chat", True))
+        eos = eos_ids(model, tokenizer)
+        method = methods.get(method_name)
+        self.npos = method.positions(mcfg, model.config)
+        self.reach = method.reach(mcfg, device)
+
+        def engine(timer):
+            return Engine(model, self.proposer, sampling, device, dtype, eos, timer)
+
+        self.compiled = is_compiled(model)
+        if cfg.warmup:  # the job's own shapes: a full batch of its ragged prompts (padding masks, tree masks)
+            qs = questions[:int(cfg.bs)]  # the first batch, as the timed job will see it
+            ids = [q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], self.chat) for q in qs]
+            if self.compiled:  # every graph the timed job can need, with the method's taps in place
+                warm_compiled(model, len(ids), device, dtype, self.proposer.hidden_layers)
+            engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
+        self.timer = PhaseTimer(device)
+        self.eng = engine(self.timer)
+        self.gen = torch.Generator(device).manual_seed(int(cfg.seed))
+        torch.manual_seed(int(cfg.seed))
+        self._rng = _rng_state(device)
+        self.repeats = int(cfg.get("repeats") or 1)
+        self.requests: list[dict] = []
+        self.wall, self.n_batches = 0.0, 0
+        self.rep_tokens, self.rep_wall = [0] * self.repeats, [0.0] * self.repeats
+        self.mem, self.nvml = PeakMemory(device), NvmlMonitor(device)
+        self.graphs_timed = 0  # graphs torch.compile made inside the timing (shapes the warm-up did not meet)
+
+    def units(self) -> list[tuple[int, int]]:
+        """(repeat, first question) of every batch, in order; repeats=N measures the set N times."""
+        return [(rep, start) for rep in range(self.repeats) for start in range(0, len(self.questions), self.cfg.bs)]
+
+    def run_unit(self, unit: tuple[int, int], progress=None) -> None:
+        cfg, device, tokenizer = self.cfg, self.device, self.tokenizer
+        rep, start = unit
+        batch = self.questions[start:start + cfg.bs]
+        n_batches_q = start // cfg.bs  # the batch a request belongs to: the unit error bars resample
+        history = [[] for _ in batch]
+        _set_rng_state(device, self._rng)
+        with self.timer.watching([self.model, *self.proposer.modules()]), self.mem, self.nvml:
+            for turn in range(max(len(q.turns) for q in batch)):
+                rows = [i for i, q in enumerate(batch) if turn < len(q.turns)]
+                if cfg.ctx is not None:
+                    prompts = [batch[i].ctx_ids for i in rows]
+                else:
+                    prompts = [D.render(tokenizer, history[i], batch[i].turns[turn], self.chat) for i in rows]
+                longest = max(len(p) for p in prompts)
+                if longest + cfg.max_new_tokens + self.reach + 1 > self.npos:
+                    raise ConfigError(f"a prompt of {longest} tokens + max_new_tokens={cfg.max_new_tokens} + "
+                                      f"{self.reach} draft positions exceeds the {self.npos} positions of the "
+                                      "job's models")
+                graphs = compiled_graphs() if self.compiled else 0
+                sync(device)
+                t = time.perf_counter()
+                out = self.eng.generate(prompts, int(cfg.max_new_tokens), self.gen)
+                sync(device)
+                dt = time.perf_counter() - t
+                if self.compiled:
+                    self.graphs_timed += compiled_graphs() - graphs
+                self.wall += dt
+                self.rep_wall[rep] += dt
+                self.n_batches += 1
+                for i, r in zip(rows, out):
+                    q = batch[i]
+                    toks = r.tokens
+                    text = tokenizer.decode(toks, skip_special_tokens=True)
+                    history[i].append((q.turns[turn], text))
+                    n = len(toks)
+                    self.rep_tokens[rep] += n
+                    prompt = prompts[rows.index(i)]
+                    self.requests.append({
+                        "id": q.id, "turn": turn + 1, "batch": n_batches_q,
+                        **({"repeat": rep} if self.repeats > 1 else {}),
+                        "category": q.category, "prompt_tokens": len(prompt),
+                        "new_tokens": n, "steps": r.steps, "wall_s": r.t_done, "ttft_s": r.t_first,
+                        "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
+                        "accepted": sum(r.accept_lens), "accepts": encode_accepts(r.accept_lens),
+                        "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
+                        "prompt_sha": hashlib.sha1(str(prompt).encode()).hexdigest()[:16],
+                        "tokens": toks,
+                        "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_text": text,
+                    })
+                if progress is not None:
+                    progress.update(len(rows))
+        self._rng = _rng_state(device)
+
+    def metrics(self) -> tuple[dict, list[dict]]:
+        """The job's metrics and its requests, once, after its last unit (it takes the
+        requests' scratch fields)."""
+        requests, wall = self.requests, self.wall
+        times = self.timer.totals()
+        all_lens = [x for rq in requests for x in rq.pop("_lens")]
+        all_nodes = sum(rq.pop("_nodes") for rq in requests)
+        fwd_nodes = sum(rq.pop("_fnodes") for rq in requests)
+        row_steps = len(all_lens)
+        depth = max([self.K] + all_lens)
+        hist = Counter(all_lens)
+        new_tokens = sum(rq["new_tokens"] for rq in requests)
+        time_s = {p: times.get(p, 0.0) for p in PHASES}
+        time_s["other"] = max(0.0, wall - sum(time_s.values()))
+        time_s["forward"] = times.get("forward", 0.0)
+        ttfts = [rq["ttft_s"] for rq in requests]
+        tpots = [rq["tpot_s"] for rq in requests if rq["tpot_s"] is not None]
+        metrics = {
+            "new_tokens": new_tokens,
+            "wall_s": wall,
+            "tokens_per_s": new_tokens / wall if wall > 0 else None,
+            "steps": row_steps,
+            "iterations": self.eng.iterations,
+            "batches": self.n_batches,
+            "tau": 1.0 + sum(all_lens) / row_steps if row_steps else 1.0,
+            "draft_nodes": all_nodes / row_steps if row_steps else 0.0,  # candidates verified per row per step
+            "forward_nodes": fwd_nodes / row_steps if row_steps else 0.0,  # + non-candidate nodes (Lookahead's window)
+            "accept_rate_per_pos": [sum(1 for x in all_lens if x >= i) / row_steps for i in range(1, depth + 1)]
+            if row_steps else [],
+            "accept_len_hist": [hist.get(i, 0) for i in range(depth + 1)],
+            "time_s": time_s,
+            "verify_share": time_s["verify"] / wall if wall > 0 else None,
+            "engine_overhead": (wall - time_s["forward"]) / wall if wall > 0 else None,
+            "ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
+            "tpot_s": sum(tpots) / len(tpots) if tpots else None,
+            "peak_mem_bytes": self.mem.peak,
+            "energy_j": self.nvml.energy_j,
+            "nvml": self.nvml.result,
+            "speedup": None,
+            "match_ar": None,
+        }
+        if self.compiled:
+            metrics["compile"] = {"graphs_in_timing": self.graphs_timed}
+            if self.graphs_timed:
+                print(f"[specbench] warning: {self.name}: torch.compile made {self.graphs_timed} graph(s) inside the "
+                      "timing (shapes its warm-up did not meet): its speed includes compiling; rerun with repeats=2 "
+                      "and read the second pass (metrics.repeat_tokens_per_s)", file=sys.stderr)
+        if self.repeats > 1:  # each pass over the prompt set on its own: the spread between repeats
+            metrics["repeat_tokens_per_s"] = [t / w if w > 0 else None for t, w in zip(self.rep_tokens, self.rep_wall)]
+        return metrics, requests
+
+
+@torch.inference_mode()
+def warm_compiled(model, bs: int, device, dtype, taps=()) -> None:
+    """Compile, outside the timing, the graphs a job's forwards can need: torch.compile with
+    dynamic shapes still makes one graph per kind of call, and specialises a size of 1. So:
+    prefill and decode forwards at the job's batch size and at one row (rows leave the batch as
+    they finish), dense and ragged (padding masks), one new token and several, chain and tree
+    (a tree always takes a mask), with the method's hidden-state taps (``taps``) hooked."""
+    from specbench.hidden import Tap
+    from specbench.kv import RaggedCache
+
+    def steps(cache):
+        B = cache.batch_size
+        for n in (1, 2, 3):
+            for anc in (None, torch.ones(n, n, dtype=torch.bool, device=device).tril()[None].expand(B, n, n)):
+                cache.forward(torch.ones(B, n, dtype=torch.long, device=device),
+                              torch.arange(n, device=device)[None].expand(B, n), anc)
+                cache.commit(torch.zeros(B, 1, dtype=torch.long, device=device),
+                             torch.zeros(B, dtype=torch.long, device=device))
+
+    with Tap(model, taps):
+        for B in sorted({1, bs}):
+            for ragged in (False, True) if B > 1 else (False,):
+                cache = RaggedCache(model, device, dtype)
+                cache.prefill([[1 + i % 7] * (8 + (i if ragged else 0)) for i in range(B)])
+                steps(cache)
+                # finished rows leave (the cache's layers then hold selected rows, another code path):
+                # down to B - 1 rows (a size that stays dynamic) and to one row (a specialised size)
+                for rows in sorted({B - 1, 1} - {0, B}, reverse=True):
+                    cache.select_rows(torch.arange(rows, device=device))
+                    steps(cache)
+
+
+def _rng_state(device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def run_methods(cfg: DictConfig, names: list[str], model, tokenizer, device, dtype, questions, progress=None):
+    """Run methods over all questions, taking turns unit by unit (ABBA: the first method runs
+    first in even units, last in odd ones, so a drift of the host's speed hits them alike);
+    returns one (metrics, requests, proposer) per method."""
+    runs = [MethodRun(cfg, n, model, tokenizer, device, dtype, questions) for n in names]
+    for i, unit in enumerate(runs[0].units()):
+        for run in (runs if i % 2 == 0 else runs[::-1]):
+            if progress is not None:
+                progress.set_postfix_str(run.name)
+            run.run_unit(unit, progress)
+    return [(*run.metrics(), run.proposer) for run in runs]
+
+
+def _spec_len(cfg, method_name, device) -> int | None:
+    """The job's recorded K: the method's speculation length (None: it has no fixed one)."""
+    try:
+        return methods.get(method_name).spec_len(cfg, device)
+    except Exception:  # noqa: BLE001 - as _draft_label
+        return None

@@ -1,0 +1,64 @@
+"""The table printed when a sweep ends (a Hydra callback), from the sweep's records."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from specbench import records as R
+
+
+def summary_table(recs: list[dict]) -> str:
+    cols = ["method", "model", "dataset", "bs", "K", "ctx", "tok/s", "speedup", "tau", "verify", "match_ar", "score",
+            "status"]
+    rows = []
+    for r in recs:
+        m = r.get("metrics") or {}
+
+        def f(x, fmt):
+            return "-" if x is None else format(x, fmt)
+
+        rows.append([r.get("method"), str(r.get("model")).split("/")[-1], r.get("dataset"), str(r.get("bs")),
+                     f(r.get("K"), "d"), f(r.get("ctx"), "d"), f(m.get("tokens_per_s"), ".1f"),
+                     f(m.get("speedup"), ".2f") + ("x" if m.get("speedup") is not None else ""),
+                     f(m.get("tau"), ".2f"), f(m.get("verify_share"), ".0%"), f(m.get("match_ar"), ".0%"),
+                     f((m.get("quality") or {}).get("value"), ".0%"),
+                     r.get("status") if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error')}"[:60]])
+    widths = [max(len(c), *(len(str(row[i])) for row in rows)) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in rows]
+    return "\n".join(out)
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover
+    Callback = object
+
+
+class SummaryCallback(Callback):
+    """Prints the sweep's table when a sweep (or single run) ends."""
+
+    def _print(self, config) -> None:
+        records = OmegaConf.select(config, "records") or "results/records.jsonl"
+        sid = Path(str(config.hydra.sweep.dir)).name
+        recs = [R.load(records, e) for e in R.index(records) if e.get("sweep_id") == sid]
+        if not recs:
+            print("\n[specbench] no records written by this sweep", file=sys.stderr)
+            return
+        print(f"\nspecbench sweep {sid}: {len(recs)} records in {records}\n")
+        print(summary_table(recs), flush=True)
+        # jobs that ran in other processes (a parallel launcher's workers) set the exit code too
+        from specbench.runner import FAILED
+
+        FAILED.extend(r.get("error") or r.get("status") for r in recs
+                      if r.get("status") != "ok" and (r.get("error") or r.get("status")) not in FAILED)
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        self._print(config)
+
+    def on_run_end(self, config, **kwargs) -> None:
+        self._print(config)

@@ -1,0 +1,56 @@
+"""Checking a job before anything loads: every setting against the schema, the method's own
+checks, and the positions a job needs (the context, each first-turn prompt, max_new_tokens and
+the method's deepest draft node) against what its models can take. One ConfigError line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+import methods
+from specbench import data as D
+from specbench import kernels, loggers, schema
+from specbench.models import (ConfigError, check_compile, check_rollback, load_config, resolve_device,
+                              resolve_dtype)
+
+
+def validate(cfg: DictConfig) -> int:
+    """Every check that needs no model weights (and no conversion, no kernel build), cheapest
+    first; raises ConfigError with one line. Returns the positions the job's models can take."""
+    if cfg.method.name not in methods.REGISTRY:
+        raise ConfigError(f"unknown method '{cfg.method.name}'; choices: {', '.join(methods.names())}")
+    schema.check(cfg)  # types and ranges of every setting but the method's own
+    loggers.check(cfg)
+    if cfg.dataset.name == "jsonl":
+        if not Path(str(cfg.dataset.path)).expanduser().exists():
+            raise ConfigError(f"dataset path '{cfg.dataset.path}' does not exist")
+    device = resolve_device(cfg.device)
+    resolve_dtype(cfg.dtype, device)
+    compile_ = cfg.get("compile", False)  # the kernel resolved only when it matters (auto may build the extension)
+    check_compile(compile_, kernels.resolve(cfg.get("kernel", "torch"), device) if compile_ is True else None)
+    mconf = load_config(cfg.model)
+    check_rollback(mconf)
+    method = methods.get(cfg.method.name)
+    method.check(cfg, mconf)  # a method owns its own config checks
+    npos = method.positions(cfg, mconf)
+    if cfg.ctx is not None:
+        reach = method.reach(cfg, device)
+        if cfg.ctx + cfg.max_new_tokens + reach + 1 > npos:
+            raise ConfigError(f"ctx={cfg.ctx} + max_new_tokens={cfg.max_new_tokens} + {reach} draft positions "
+                              f"exceeds the {npos} positions of the job's models")
+    return npos
+
+
+def check_prompts(cfg, questions, tokenizer, npos: int, device) -> None:
+    """Refuse, before any weights load, a first-turn prompt too long for the models' positions
+    with max_new_tokens and the method's deepest draft node (later turns, which hold the
+    answers, are checked as they come)."""
+    reach = methods.get(cfg.method.name).reach(cfg, device)
+    chat = bool(cfg.model.get("chat", True))
+    for q in questions:
+        n = len(q.ctx_ids) if cfg.ctx is not None else len(D.render(tokenizer, [], q.turns[0], chat))
+        if n + cfg.max_new_tokens + reach + 1 > npos:
+            raise ConfigError(f"question {q.id}: a prompt of {n} tokens + max_new_tokens={cfg.max_new_tokens} + "
+                              f"{reach} draft positions exceeds the {npos} positions of the job's models; lower "
+                              "max_new_tokens or drop the question")
