@@ -25,11 +25,12 @@ import gc
 import importlib.util
 import json
 import random
-import threading
 import time
 from types import SimpleNamespace
 
 import torch
+
+from specbench.measure import PeakMemory
 
 # (label, verify nodes a step incl. the root, most drafts a step keeps): AR, PLD K=4, EAGLE's
 # CPU tree (6 nodes) and its GPU tree (60)
@@ -52,39 +53,14 @@ class StandIn(torch.nn.Module):
         return SimpleNamespace(logits=None)
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-class PeakRss:
-    """The process's peak RSS above its RSS on entry (``.bytes``), sampled every 5 ms."""
-
-    def __enter__(self):
-        gc.collect()
-        self.base = self.peak = _rss()
-        self._stop = threading.Event()
-        self._th = threading.Thread(target=self._sample, daemon=True)
-        self._th.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._th.join()
-        self.peak = max(self.peak, _rss())
-        self.bytes = self.peak - self.base
-
-
 def run(kv, bs: int, ctx: int, new: int, nodes: int, keep: int, geom, dtype, seed=0) -> dict:
     model = StandIn(*geom, dtype)
     per_token = 2 * geom[0] * geom[1] * geom[2] * torch.finfo(dtype).bits // 8
     rng = random.Random(seed)
     t0 = time.perf_counter()
-    with PeakRss() as mem, torch.inference_mode():
+    gc.collect()
+    base = PeakMemory.rss()
+    with PeakMemory(torch.device("cpu"), interval=0.005) as mem, torch.inference_mode():
         c = kv.RaggedCache(model, torch.device("cpu"), dtype)
         c._kw = "cache"
         try:
@@ -109,8 +85,8 @@ def run(kv, bs: int, ctx: int, new: int, nodes: int, keep: int, geom, dtype, see
                 live = [live[i] for i in stay]
         del c
     live_kv = bs * (ctx + new) * per_token  # what the batch must hold at most
-    return {"bs": bs, "ctx": ctx, "nodes": nodes, "peak_bytes": mem.bytes, "kv_bytes": live_kv,
-            "peak_over_kv": round(mem.bytes / live_kv, 2), "seconds": round(time.perf_counter() - t0, 1)}
+    return {"bs": bs, "ctx": ctx, "nodes": nodes, "peak_bytes": mem.peak - base, "kv_bytes": live_kv,
+            "peak_over_kv": round((mem.peak - base) / live_kv, 2), "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def main(argv=None) -> int:

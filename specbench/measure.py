@@ -22,11 +22,11 @@ from specbench.verify import Sampling
 
 
 class PeakMemory:
-    """Peak GPU allocator memory, or peak process RSS sampled every 20 ms on the CPU: the
-    highest over every block it has been entered for."""
+    """Peak GPU allocator memory, or peak process RSS sampled every ``interval`` s on the CPU:
+    the highest over every block it has been entered for."""
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, interval: float = 0.02):
+        self.device, self.interval = device, interval
         self.peak = 0
         self._stop = threading.Event()
         self._thread = None
@@ -47,7 +47,7 @@ class PeakMemory:
             self.peak = max(self.peak, self.rss())
 
             def loop():
-                while not self._stop.wait(0.02):
+                while not self._stop.wait(self.interval):
                     self.peak = max(self.peak, self.rss())
 
             self._thread = threading.Thread(target=loop, daemon=True)

@@ -2,7 +2,8 @@
 groups, with its type and range, declared once as dataclasses. ``check`` holds a composed config
 to it before anything loads, strictly (Hydra reads ``K=true`` as a boolean and ``K=1.5`` as a
 float; neither is an integer here), and says what is wrong in one line. A method's own settings
-(``cfg.method``) are checked by the method (``Proposer.check``)."""
+(``cfg.method``) are checked by the method (``Proposer.check``). The defaults are the configs'
+(conf/); the dataclasses hold types and ranges only and are never instantiated."""
 
 from __future__ import annotations
 
@@ -13,72 +14,69 @@ from typing import Any, Literal, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from specbench.kernels import KERNELS
 from specbench.models import DTYPES, ConfigError
 
-REQUIRED = object()  # a group option that needs the setting (its yaml says ???)
-
-
-def setting(default=None, *, lo=None, hi=None, above=None, required_by: tuple = (), doc: str = ""):
+def setting(*, lo=None, hi=None, above=None, required_by: tuple = (), doc: str = ""):
     """A field with its range: ``lo`` <= v <= ``hi``, v > ``above``; ``required_by``: the
     group options (``name``) for which it must be given."""
-    return field(default=default, metadata={"lo": lo, "hi": hi, "above": above, "required_by": required_by,
-                                            "doc": doc})
+    return field(metadata={"lo": lo, "hi": hi, "above": above, "required_by": required_by, "doc": doc})
 
 
 @dataclass
 class Model:
-    name: str = ""
-    package: Optional[str] = None
-    file: Optional[str] = None
+    name: str
+    package: Optional[str]
+    file: Optional[str]
     path: Optional[str] = setting(required_by=("hf",), doc="a hub id or a local folder")
-    chat: bool = True
-    attn_implementation: Optional[str] = None
+    chat: bool
+    attn_implementation: Optional[str]
 
 
 @dataclass
 class Dataset:
-    name: str = ""
+    name: str
     path: Optional[str] = setting(required_by=("jsonl",), doc="a .jsonl file of questions")
     max_turns: Optional[int] = setting(lo=1)
-    order: Literal["file", "categories"] = "file"
-    language: Optional[str] = None
+    order: Literal["file", "categories"]
+    language: Optional[str]
 
 
 @dataclass
 class Draft:
-    name: str = ""
-    label: Optional[str] = None
+    name: str
+    label: Optional[str]
     path: Optional[str] = setting(required_by=("hf",), doc="a hub id, a local folder or a trained checkpoint")
     layers: Optional[int] = setting(lo=1)
 
 
 @dataclass
 class Run:
-    model: Model = field(default_factory=Model)
-    dataset: Dataset = field(default_factory=Dataset)
-    draft: Draft = field(default_factory=Draft)
-    method: Any = None  # checked by the method
-    logger: Any = None
-    K: int = setting(4, lo=1)
-    bs: int = setting(1, lo=1)
+    model: Model
+    dataset: Dataset
+    draft: Draft
+    method: Any  # checked by the method
+    logger: Any
+    K: int = setting(lo=1)
+    bs: int = setting(lo=1)
     ctx: Optional[int] = setting(lo=1)
-    limit: Optional[int] = setting(10, lo=1)
-    max_new_tokens: int = setting(64, lo=1)
-    temperature: float = setting(0.0, lo=0)
-    top_k: int = setting(0, lo=0)
-    top_p: float = setting(1.0, above=0, hi=1)
-    seed: int = 0
-    dtype: Literal[("auto",) + tuple(DTYPES)] = "auto"
-    device: str = "auto"
-    kernel: Literal["auto", "torch", "onednn", "avx2"] = "auto"
-    compile: bool = False
-    warmup: bool = True
-    repeats: int = setting(1, lo=1)
-    resume: bool = False
-    ar_baseline: Literal["sweep", "any", "paired"] = "sweep"
-    results_dir: str = "results"
-    records: str = "results/records.jsonl"
-    progress: bool = True
+    limit: Optional[int] = setting(lo=1)
+    max_new_tokens: int = setting(lo=1)
+    temperature: float = setting(lo=0)
+    top_k: int = setting(lo=0)
+    top_p: float = setting(above=0, hi=1)
+    seed: int
+    dtype: Literal[("auto",) + tuple(DTYPES)]
+    device: str
+    kernel: Literal[tuple(KERNELS)]
+    compile: bool
+    warmup: bool
+    repeats: int = setting(lo=1)
+    resume: bool
+    ar_baseline: Literal["sweep", "any", "paired"]
+    results_dir: str
+    records: str
+    progress: bool
 
 
 def _is(v, tp) -> bool:
@@ -121,20 +119,19 @@ def _check_node(node: DictConfig, schema, prefix: str, group: str | None) -> Non
         if f.name not in present:
             continue
         tp, meta = hints[f.name], f.metadata
-        if OmegaConf.is_missing(node, f.name):
+        missing = OmegaConf.is_missing(node, f.name)
+        v = None if missing else node[f.name]
+        if missing or (v is None and group and option in meta.get("required_by", ())):
             if group and option in meta.get("required_by", ()):
                 doc = f" ({meta['doc']})" if meta.get("doc") else ""
                 raise ConfigError(f"{group}={option} needs {key}=<...>{doc}")
             raise ConfigError(f"{key} is required: add {key}=<...>")
         if dataclasses.is_dataclass(tp):
-            _check_node(node[f.name], tp, key + ".", f.name)
+            _check_node(v, tp, key + ".", f.name)
             continue
-        v = node[f.name]
         optional = typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)
         if optional:
             if v is None:
-                if group and option in meta.get("required_by", ()):
-                    raise ConfigError(f"{group}={option} needs {key}=<...> ({meta['doc']})")
                 continue
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
         if typing.get_origin(tp) is Literal:
@@ -153,18 +150,3 @@ def check(cfg: DictConfig) -> None:
     does not fit (its name, what it must be, what it got)."""
     _check_node(cfg, Run, "", None)
 
-
-def describe() -> list[tuple[str, str, str]]:
-    """(setting, type and range, default) of every top-level setting, for help texts and docs."""
-    hints = typing.get_type_hints(Run)
-    out = []
-    for f in dataclasses.fields(Run):
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp) or tp is Any:
-            continue
-        optional = typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)
-        base = next(a for a in typing.get_args(tp) if a is not type(None)) if optional else tp
-        what = (" | ".join(map(str, typing.get_args(base))) if typing.get_origin(base) is Literal
-                else _what(base, f.metadata, optional))
-        out.append((f.name, what, repr(f.default)))
-    return out

@@ -207,10 +207,15 @@ def _walk_lists(ok: torch.Tensor, draft: Draft):
         while path[-1]:
             path.append(par[b][path[-1] - 1])
         paths.append(path[::-1])
-    m = max(len(x) for x in paths)
-    keep = torch.tensor([x + [0] * (m - len(x)) for x in paths], dtype=torch.long)
-    counts = torch.tensor([len(x) for x in paths], dtype=torch.long)
+    keep, counts = _path_tensors(paths, ok.device)
     return keep, counts, torch.tensor([x[-1] for x in paths], dtype=torch.long)
+
+
+def _path_tensors(paths: list[list[int]], dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept paths (node indices, root first) as ``keep`` [B, m] padded with 0, and ``counts`` [B]."""
+    m = max(len(x) for x in paths)
+    keep = torch.tensor([x + [0] * (m - len(x)) for x in paths], dtype=torch.long, device=dev)
+    return keep, torch.tensor([len(x) for x in paths], dtype=torch.long, device=dev)
 
 
 def _verdict(draft: Draft, keep, counts, n_acc, extra) -> Verdict:
@@ -321,9 +326,7 @@ def _sampled_tree(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | None
         resid[torch.tensor(zero_r, device=dev), torch.tensor(zero_t, device=dev)] = 0.0
         tot = resid.sum(1, keepdim=True)
         resid = torch.where(tot > 0, resid / tot.clamp(min=1e-30), p_end)  # p == rejected mass: cannot happen
-    m = max(len(k) for k in keeps)
-    keep = torch.tensor([k + [0] * (m - len(k)) for k in keeps], dtype=torch.long, device=dev)
-    counts = torch.tensor([len(k) for k in keeps], dtype=torch.long, device=dev)
+    keep, counts = _path_tensors(keeps, dev)
     return Verdict(keep=keep, counts=counts, accepted=accepted, extra=sample(resid, gen))
 
 
@@ -382,9 +385,5 @@ def _sampled(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generat
         keeps.append(path)
         accepted.append(acc)
         extras.append(extra)
-    m = max(len(k) for k in keeps)
-    keep = torch.zeros(B, m, dtype=torch.long, device=dev)
-    for b, k in enumerate(keeps):
-        keep[b, : len(k)] = torch.tensor(k, dtype=torch.long)
-    counts = torch.tensor([len(k) for k in keeps], dtype=torch.long, device=dev)
+    keep, counts = _path_tensors(keeps, dev)
     return Verdict(keep=keep, counts=counts, accepted=accepted, extra=torch.stack(extras).to(dev))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import re
 import shlex
 import sys
@@ -96,8 +97,6 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
         def expected(n):
             if not acc:
                 return ""
-            import math
-
             e = sum(math.prod(acc[d][i] for d, i in enumerate(p)) for p in sparse_tree(acc, n))
             return f" (expected accepted drafts by the heads' held-out accuracies: {e:.2f})"
 
