@@ -49,7 +49,7 @@ BENCH_HEADS_DIR := results/bench-heads
 bench-heads: setup
 	$(BIN)/python -m specbench method=eagle,medusa dataset=mt_bench,humaneval dtype=fp32,bf16 limit=10 \
 		max_new_tokens=128 progress=false results_dir=$(BENCH_HEADS_DIR) $(ARGS)
-	$(BIN)/python -m specbench method=eagle,medusa,leviathan,pld bs=1,8,32 limit=32 dataset.max_turns=1 \
+	$(BIN)/python -m specbench method=eagle,medusa,leviathan,pld bs=1,8,32 limit=32 dataset.order=file dataset.max_turns=1 \
 		max_new_tokens=32 dtype=fp32 progress=false results_dir=$(BENCH_HEADS_DIR) $(ARGS)
 	$(BIN)/python -m analysis.profile --bs 1,8,32 --n 1,2,5,9,17,33 --draft-layers 0 --results-dir $(BENCH_HEADS_DIR)
 	$(BIN)/python -m analysis.profile --bs 1 --n 1,2,5,9,17,33 --draft-layers 0 --dtype bf16 --results-dir $(BENCH_HEADS_DIR)
@@ -60,13 +60,13 @@ bench-heads: setup
 # scores); then every method at bs = 1, 8, 32 (32 MT-Bench first turns, 24 tokens); a report (~55 min).
 BENCH_SEARCH_DIR := results/bench-search
 bench-search: setup
-	$(BIN)/python -m specbench method=lookahead,rest,specdec dataset=mt_bench limit=10 max_new_tokens=128 \
+	$(BIN)/python -m specbench method=lookahead,rest,specdec dataset=mt_bench dataset.order=file limit=10 max_new_tokens=128 \
 		dtype=fp32 progress=false results_dir=$(BENCH_SEARCH_DIR) $(ARGS)
 	$(BIN)/python -m specbench method=rest rest.datastore=python_code dataset=humaneval limit=10 \
 		max_new_tokens=128 dtype=fp32 progress=false results_dir=$(BENCH_SEARCH_DIR) $(ARGS)
 	$(BIN)/python -m specbench method=specdec specdec.beta=1,2,4 specdec.tol=2 dataset=gsm8k limit=10 \
 		max_new_tokens=128 dtype=fp32 progress=false results_dir=$(BENCH_SEARCH_DIR) $(ARGS)
-	$(BIN)/python -m specbench method=lookahead,rest,specdec,pld bs=1,8,32 limit=32 dataset.max_turns=1 \
+	$(BIN)/python -m specbench method=lookahead,rest,specdec,pld bs=1,8,32 limit=32 dataset.order=file dataset.max_turns=1 \
 		max_new_tokens=24 dtype=fp32 progress=false results_dir=$(BENCH_SEARCH_DIR) $(ARGS)
 	$(BIN)/python -m analysis.profile --bs 1,8,32 --n 1,5,9,17,33 --draft-layers 0 --results-dir $(BENCH_SEARCH_DIR)
 	$(BIN)/python -m analysis.report $(BENCH_SEARCH_DIR) --out $(BENCH_SEARCH_DIR)/report
@@ -108,7 +108,7 @@ clean-cache:
 # in fp32 (all must be identical) and bf16 (rounding: a method should diverge no more than the
 # floor). 10 MT-Bench first turns, 96 tokens; the report's identity table holds the numbers.
 BENCH_FLOOR_DIR := results/bench-floor
-FLOOR_ARGS := dataset=mt_bench limit=10 dataset.max_turns=1 max_new_tokens=96 progress=false results_dir=$(BENCH_FLOOR_DIR)
+FLOOR_ARGS := dataset=mt_bench dataset.order=file limit=10 dataset.max_turns=1 max_new_tokens=96 progress=false results_dir=$(BENCH_FLOOR_DIR)
 bench-floor: setup
 	$(BIN)/python -m specbench method=ar bs=1,8 dtype=fp32,bf16 $(FLOOR_ARGS) $(ARGS)
 	$(BIN)/python -m specbench method=reject K=1 dtype=fp32,bf16 $(FLOOR_ARGS) $(ARGS)
@@ -118,24 +118,24 @@ bench-floor: setup
 
 # The CPU engine at the hardware's limit (issue 10): the cost curves of the three linear-layer
 # paths, interleaved, with the roofline (3 repeats: medians and spread); PLD on MT-Bench (10
-# questions, both turns, 128 tokens) on torch's path and on avx2 (the default); every method at
-# bs=1 on avx2 (5 questions) for the batch-aware bound; a report. Every method job runs its own
+# questions, both turns, 128 tokens) on torch's path and on native (the default); every method at
+# bs=1 on native (5 questions) for the batch-aware bound; a report. Every method job runs its own
 # AR baseline batch by batch beside it (ar_baseline=paired): this host's speed drifts by up to
 # 50% over minutes, so jobs minutes apart do not compare. Quiet machine only (~65 min on 2 cores).
 BENCH_CPU_DIR := results/bench-cpu
 bench-cpu: setup
-	$(BIN)/python -m analysis.profile --bs 1,8 --n 1,2,3,4,5,6,7,8,9,12,13,16,24,32 --draft-layers 0 --kernel torch,onednn,avx2 --repeats 3 \
+	$(BIN)/python -m analysis.profile --bs 1,8 --n 1,2,3,4,5,6,7,8,9,12,13,16,24,32 --draft-layers 0 --kernel torch,onednn,native --repeats 3 \
 		--dtype fp32 --results-dir $(BENCH_CPU_DIR)
-	$(BIN)/python -m specbench method=pld kernel=torch,avx2 dataset=mt_bench limit=10 max_new_tokens=128 \
+	$(BIN)/python -m specbench method=pld kernel=torch,native dataset=mt_bench dataset.order=file limit=10 max_new_tokens=128 \
 		dtype=fp32 ar_baseline=paired progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS)
-# each method after a bs=1 avx2 curve of its own: its bound reads the curve nearest its host state
+# each method after a bs=1 native curve of its own: its bound reads the curve nearest its host state
 	for m in leviathan eagle medusa lookahead rest specdec; do \
-		$(BIN)/python -m analysis.profile --bs 1 --n 1,2,3,4,5,6,7,8,9,12,13,16 --draft-layers 0 --kernel avx2 \
+		$(BIN)/python -m analysis.profile --bs 1 --n 1,2,3,4,5,6,7,8,9,12,13,16 --draft-layers 0 --kernel native \
 			--repeats 3 --dtype fp32 --results-dir $(BENCH_CPU_DIR) && \
-		$(BIN)/python -m specbench method=$$m kernel=avx2 dataset=mt_bench limit=5 max_new_tokens=128 dtype=fp32 \
+		$(BIN)/python -m specbench method=$$m kernel=native dataset=mt_bench dataset.order=file limit=5 max_new_tokens=128 dtype=fp32 \
 			ar_baseline=paired progress=false results_dir=$(BENCH_CPU_DIR) $(ARGS) || exit 1; \
 	done
-# the avx2 curve again after the jobs
-	$(BIN)/python -m analysis.profile --bs 1,8 --n 1,2,3,4,5,6,7,8,9,12,13,16,24,32 --draft-layers 0 --kernel avx2 --repeats 3 \
+# the native curve again after the jobs
+	$(BIN)/python -m analysis.profile --bs 1,8 --n 1,2,3,4,5,6,7,8,9,12,13,16,24,32 --draft-layers 0 --kernel native --repeats 3 \
 		--dtype fp32 --results-dir $(BENCH_CPU_DIR)
 	$(BIN)/python -m analysis.report $(BENCH_CPU_DIR) --out $(BENCH_CPU_DIR)/report

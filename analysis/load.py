@@ -24,8 +24,8 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         row = {k: r.get(k) for k in ("sweep_id", "job_id", "ar_job_id", "method", "model", "draft", "K", "bs", "ctx", "dataset", "limit",
                                      "temperature", "top_k", "top_p", "max_new_tokens", "dtype", "device", "seed",
                                      "status", "error", "lossless")}
-        row["kernel"] = r.get("kernel") or "torch"  # records before kernels ran torch's path
-        row["kernel_isa"] = r.get("kernel_isa")  # avx2's tiles: AVX2 or AVX-512 (None: records before it was kept)
+        row["kernel"] = R.current(r, "kernel") or "torch"  # records before kernels ran torch's path
+        row["kernel_isa"] = r.get("kernel_isa")  # native tiles: AVX2 or AVX-512 (None: records before it was kept)
         row["compile"] = bool(r.get("compile", False))  # the target's forward through torch.compile
         row.update({k: m.get(k) for k in ("new_tokens", "wall_s", "tokens_per_s", "steps", "iterations", "tau",
                                           "draft_nodes", "forward_nodes",
@@ -39,7 +39,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         row["alphas"] = m.get("accept_rate_per_pos") or []
         row["hist"] = m.get("accept_len_hist") or []
         row["requests"] = r.get("requests") or []
-        row["_key"] = json.dumps([r.get(k) for k in KEY], default=str, sort_keys=True)
+        row["_key"] = json.dumps([R.current(r, k) for k in KEY], default=str, sort_keys=True)
         rows.append(row)
     df = pd.DataFrame(rows)
     if df.empty:
@@ -142,4 +142,7 @@ def load_cost_curves(path: str | Path) -> list[dict]:
         if f.exists():  # a line cut by a crash, or null, is skipped and reported, never fatal
             out += R.parse_lines(f, skipped)
     skipped.report("cost-curve")
+    for c in out:  # curves profiled under an old kernel name pair with today's records
+        if "kernel" in c:
+            c["kernel"] = R.current(c, "kernel")
     return out

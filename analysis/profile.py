@@ -24,19 +24,12 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from specbench import kernels
+from specbench import backends
 from specbench import records as R
 from specbench.kv import RaggedCache
-from specbench.models import (
-    CONF_DIR,
-    ConfigError,
-    check_compile,
-    compile_forward,
-    load_model,
-    resolve_device,
-    resolve_dtype,
-    self_layers_draft,
-)
+from specbench.errors import ConfigError
+from specbench.models import (check_compile, compile_forward, load_model, resolve_device, resolve_dtype, self_layers_draft)
+from specbench.paths import CONF_DIR
 from specbench.timing import sync
 
 
@@ -85,13 +78,13 @@ def memory_bandwidth(device, mb: int = 256, reps: int = 9) -> float:
 
 def compute_rate(device, dtype, reps: int = 9) -> float:
     """The arithmetic rate in FLOP/s that a forward can reach at best here: the faster of a
-    1024^3 matrix product through torch (MKL, cuBLAS) and, for fp32 on a CPU with the avx2 kernel,
+    1024^3 matrix product through torch (MKL, cuBLAS) and, for fp32 on a CPU with the native kernel,
     that kernel over 16 rows of an in-cache weight (its decode tile; faster than MKL here)."""
     a = torch.randn(1024, 1024, device=device, dtype=dtype)
     best = 2 * 1024 ** 3 / _median_seconds(lambda: a @ a, device, reps)
-    if device.type == "cpu" and dtype == torch.float32 and not kernels.avx2_unavailable():
-        w, x = kernels.pack(torch.randn(3072, 576)), torch.randn(16, 576)  # 7 MB: in L2/L3
-        best = max(best, 2 * 16 * 3072 * 576 / _median_seconds(lambda: kernels.few_rows_linear(x, w, 3072), device,
+    if device.type == "cpu" and dtype == torch.float32 and not backends.extension.unavailable():
+        w, x = backends.extension.pack(torch.randn(3072, 576)), torch.randn(16, 576)  # 7 MB: in L2/L3
+        best = max(best, 2 * 16 * 3072 * 576 / _median_seconds(lambda: backends.extension.few_rows_linear(x, w, 3072), device,
                                                                  reps))
     return best
 
@@ -101,7 +94,7 @@ def forward_flops(model, bs: int, n: int, ctx: int) -> int:
     linear layer (the output layer included) once per row, and attention's two products of
     each new token with the whole prefix (an upper bound: the new tokens see only part of each
     other)."""
-    from specbench.models import text_config
+    from specbench.hf import text_config
 
     lin = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     c = text_config(model.config)
@@ -113,7 +106,7 @@ def forward_flops(model, bs: int, n: int, ctx: int) -> int:
 def forward_bytes(model, bs: int, ctx: int, dtype) -> int:
     """Bytes one forward must read at least: every weight once (tied weights once) and the
     KV cache of every row (``ctx`` positions)."""
-    from specbench.models import text_config
+    from specbench.hf import text_config
 
     w = sum(p.numel() * p.element_size() for p in model.parameters())
     c = text_config(model.config)
@@ -219,7 +212,7 @@ def main(argv=None) -> int:
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, device)
     try:
-        kerns = [kernels.resolve(k, device) for k in a.kernel.split(",")]
+        kerns = [backends.resolve(k, device) for k in a.kernel.split(",")]
         for k in kerns if a.compile else ():
             check_compile(True, k)
     except ConfigError as e:
@@ -230,7 +223,7 @@ def main(argv=None) -> int:
     models = {}
     for k in dict.fromkeys(kerns):  # one copy of the model per kernel path
         models[k] = load_model(mcfg, device, dtype)
-        kernels.apply(models[k], k)
+        backends.apply(models[k], k)
         if a.compile:
             compile_forward(models[k])
     draft = self_layers_draft(next(iter(models.values())), a.draft_layers) if a.draft_layers else None
@@ -240,12 +233,12 @@ def main(argv=None) -> int:
     out = Path(a.results_dir) / "cost_curves.jsonl"
     for k, curves in all_curves.items():
         rec = {"kind": "cost_curve", "model": a.model_path or a.model, "device": device.type,
-               "dtype": str(dtype).replace("torch.", ""), "kernel": k, "kernel_isa": kernels.kernel_isa(k), "ctx": a.ctx,
+               "dtype": str(dtype).replace("torch.", ""), "kernel": k, "kernel_isa": backends.kernel_isa(k), "ctx": a.ctx,
                **({"compile": True} if a.compile else {}),
                "draft": f"self_layers:{a.draft_layers}" if a.draft_layers else None, **curves,
                "env": R.env_info(device), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         R.append(out, rec)
-        print(f"kernel={k}" + (f" ({kernels.kernel_isa(k)} tiles)" if kernels.kernel_isa(k) else ""))
+        print(f"kernel={k}" + (f" ({backends.kernel_isa(k)} tiles)" if backends.kernel_isa(k) else ""))
         print_curves(curves, bs_list, n_list)
     if len(all_curves) > 1:
         ks = list(all_curves)

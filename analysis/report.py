@@ -189,7 +189,7 @@ def fig_time_split(df, out, written):
 def curves_for(curves, model, device, dtype, kernel=None, isa=None, compiled=False) -> list[dict]:
     """The profiled cost curves of this model, device, dtype and linear-layer kernel path
     (curves and records from before kernels existed ran torch's), of the same vector
-    instructions where both say which (avx2's tiles are AVX2 or AVX-512 by CPU), and compiled
+    instructions where both say which (native tiles are AVX2 or AVX-512 by CPU), and compiled
     (``analysis.profile --compile``) exactly when the job was."""
     return [c for c in curves if str(c.get("model")) == str(model) and c.get("device") == device
             and c.get("dtype") == dtype and (c.get("kernel") or "torch") == (kernel or "torch")

@@ -65,7 +65,7 @@ class Proposer:
     def positions(cls, cfg, target_config) -> int:
         """The positions every model the method runs can take (the target's; a method with a
         draft model of its own also bounds it by the draft's)."""
-        from specbench.models import max_positions
+        from specbench.hf import max_positions
 
         return max_positions(target_config)
 

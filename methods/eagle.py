@@ -22,10 +22,11 @@ import torch
 from methods.base import BatchState, Proposer
 from specbench import drafters
 from specbench.draft import Draft
-from specbench.models import ConfigError, resolve_path
+from specbench.errors import ConfigError
+from specbench.paths import resolve_path
 
 # The tree shape by device (`auto`): on a GPU a 60-node verify costs about what one token
-# does (EAGLE-2's defaults); on a CPU it does not (fp32, avx2 path: a 7-node forward ~1.3x a
+# does (EAGLE-2's defaults); on a CPU it does not (fp32, native path: a 7-node forward ~1.3x a
 # 1-token one, 9 nodes ~1.6x), and each drafter level costs a drafter step and a draft-vocabulary
 # head (~0.2 of a target step), so the tree stays small and shallow there. Measured on
 # SmolLM2-135M, 2-core CPU, 5 MT-Bench questions x 128 tokens, each job paired with its own AR

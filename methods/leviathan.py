@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 
 from methods.base import BatchState, Proposer
-from specbench import drafters, kernels
+from specbench import backends, drafters
 from specbench.draft import Draft
 from specbench.kv import RaggedCache
-from specbench.models import (ConfigError, cached_model, load_config, load_tokenizer, max_positions, model_cfg,
-                              resolve_path, self_layers_draft, text_config)
+from specbench.errors import ConfigError
+from specbench.hf import max_positions, text_config
+from specbench.models import cached_model, load_config, load_tokenizer, model_cfg, self_layers_draft
+from specbench.paths import resolve_path
 from specbench.verify import greedy_pick, sample, warp
 
 
@@ -76,7 +78,7 @@ class Leviathan(Proposer):
         dm = hf_draft_cfg(cfg)
         if dm is None:
             return self_layers_draft(target, int(cfg.draft.layers))
-        return cached_model(dm, device, dtype, kernels.kernel_of(target))[0]  # on the target's kernel path
+        return cached_model(dm, device, dtype, backends.kernel_of(target))[0]  # on the target's kernel path
 
     def __init__(self, cfg, target, tokenizer, device, dtype, draft_model=None):
         super().__init__(cfg, target, tokenizer, device, dtype)

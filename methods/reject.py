@@ -17,7 +17,7 @@ import torch
 
 from methods.base import BatchState, Proposer
 from specbench.draft import Draft
-from specbench.models import ConfigError
+from specbench.errors import ConfigError
 
 
 class Reject(Proposer):

@@ -17,7 +17,8 @@ from methods.base import BatchState, Proposer
 from specbench import drafters
 from specbench.draft import Draft
 from specbench.kv import RaggedCache
-from specbench.models import ConfigError, resolve_path
+from specbench.errors import ConfigError
+from specbench.paths import resolve_path
 from specbench.verify import greedy_pick, sample, warp
 
 

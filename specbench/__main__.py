@@ -12,8 +12,8 @@ GROUPS = ("method", "model", "dataset", "draft", "logger")
 
 
 def preprocess(argv: list[str]) -> list[str]:
-    from specbench.models import ConfigError
-    from specbench.models import group_options
+    from specbench.errors import ConfigError
+    from specbench.paths import group_options
 
     import methods
 
@@ -46,7 +46,7 @@ def preprocess(argv: list[str]) -> list[str]:
 
 
 def main() -> int:
-    from specbench.models import ConfigError
+    from specbench.errors import ConfigError
 
     try:
         sys.argv[1:] = preprocess(sys.argv[1:])

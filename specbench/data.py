@@ -14,7 +14,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from specbench.models import ConfigError, cache_dir, file_lock
+from specbench.errors import ConfigError
+from specbench.paths import cache_dir, file_lock
 
 DATASETS = ("mt_bench", "humaneval", "gsm8k", "sharegpt", "jsonl")
 

@@ -21,7 +21,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specbench.models import cache_kwarg, text_config
+from specbench import accel
+from specbench.hf import cache_kwarg, text_config
 
 
 class SlabLayer(DynamicLayer):
@@ -115,7 +116,7 @@ class SlabLayer(DynamicLayer):
         return self._span is not None or (self.is_initialized and self._k is not None and self.keys.dim() == 4)
 
     def append(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-        """Room for ``n`` new slots that the caller writes itself (the avx2 fused layer writes
+        """Room for ``n`` new slots that the caller writes itself (the native fused layer writes
         them from its kernel, then attends; nobody reads them in between): (key buffer, value
         buffer, offset of the views in them, slots before the new ones). None before the first
         ``update`` (a prefill) made the buffers."""
@@ -141,14 +142,11 @@ def _narrow(layer, lo: int, hi: int | None) -> None:
 
 
 def _slot_mover(tensors: list[torch.Tensor]):
-    """The extension's ``move_slots`` when it is loaded (the avx2 kernel path) and the cache is
-    fp32 on the CPU (one call for all layers; it checks every tensor), else None (torch's
+    """The native extension's ``move_slots`` when it is loaded (``specbench.accel``) and the cache
+    is fp32 on the CPU (one call for all layers; it checks every tensor), else None (torch's
     indexing, per layer)."""
-    from specbench import kernels
-
-    ext = kernels.loaded_extension()
     t = tensors[0]
-    return ext.move_slots if ext is not None and t.dtype == torch.float32 and t.device.type == "cpu" else None
+    return accel.move_slots if t.dtype == torch.float32 and t.device.type == "cpu" else None
 
 
 def _slab_cache(capacity: int = 0) -> DynamicCache:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from specbench.models import ConfigError
+from specbench.errors import ConfigError
 
 
 def check(cfg) -> None:

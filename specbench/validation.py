@@ -10,9 +10,10 @@ from omegaconf import DictConfig
 
 import methods
 from specbench import data as D
-from specbench import kernels, loggers, schema
-from specbench.models import (ConfigError, check_compile, check_rollback, load_config, resolve_device,
-                              resolve_dtype)
+from specbench import backends, loggers, schema
+from specbench.errors import ConfigError
+from specbench.hf import check_rollback
+from specbench.models import check_compile, load_config, resolve_device, resolve_dtype
 
 
 def validate(cfg: DictConfig) -> int:
@@ -28,7 +29,7 @@ def validate(cfg: DictConfig) -> int:
     device = resolve_device(cfg.device)
     resolve_dtype(cfg.dtype, device)
     compile_ = cfg.get("compile", False)  # the kernel resolved only when it matters (auto may build the extension)
-    check_compile(compile_, kernels.resolve(cfg.get("kernel", "torch"), device) if compile_ is True else None)
+    check_compile(compile_, backends.resolve(cfg.get("kernel", "torch"), device) if compile_ is True else None)
     mconf = load_config(cfg.model)
     check_rollback(mconf)
     method = methods.get(cfg.method.name)

@@ -20,24 +20,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specbench import accel
 from specbench.draft import Draft
 
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` (the first index on ties, as torch's). For fp32 CPU logits: through
-    the avx2 extension where this process has loaded it (each thread scans the share of the
+    the native extension where this process has loaded it (each thread scans the share of the
     columns its core's output layer wrote: 10 us for a 49K row in cache against numpy's 17, and
     Leviathan's time outside its forwards 2.22 -> 1.97 ms a step), else numpy's (torch's CPU
     argmax reads a 49K vocabulary at ~1.3 floats a nanosecond here, numpy's at ~6). A decode
     step takes one argmax per row per forward."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
         return logits.argmax(-1)
-    from specbench import kernels
-
-    ext = kernels.loaded_extension()
-    if ext is not None and logits.dim() >= 1 and logits.shape[-1] > 0 and logits.stride(-1) == 1 \
+    argmax_rows = accel.argmax_rows
+    if argmax_rows is not None and logits.dim() >= 1 and logits.shape[-1] > 0 and logits.stride(-1) == 1 \
             and (logits.dim() <= 2 or logits.is_contiguous()):
-        return ext.argmax_rows(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
+        return argmax_rows(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
     return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), axis=-1)))
 
 

@@ -15,9 +15,9 @@ from omegaconf import OmegaConf, open_dict
 
 import methods
 from specbench import records as R
-from specbench import models, runner
+from specbench import hf, models, paths, runner
 from specbench.__main__ import preprocess
-from specbench.models import ConfigError
+from specbench.errors import ConfigError
 
 from conftest import REPO
 
@@ -32,7 +32,7 @@ def composed(overrides=()):
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_option_composes(group):
-    opts = models.group_options(group)
+    opts = paths.group_options(group)
     assert opts
     for opt in opts:
         cfg = composed([f"{group}={opt}"])
@@ -45,7 +45,7 @@ def test_every_option_composes(group):
 
 
 def test_every_registered_method_has_a_config():
-    assert set(methods.names()) == set(models.group_options("method"))
+    assert set(methods.names()) == set(paths.group_options("method"))
 
 
 def test_default_sweep_and_multirun_mode():
@@ -115,7 +115,7 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
     ({"dataset.path": "/no/such/file.jsonl"}, "does not exist"),
     ({"model.path": "/no/such/model"}, "model path '/no/such/model' does not exist"),
     ({"temperature": -1.0}, "temperature must be a number >= 0, got -1.0"),
-    ({"kernel": "triton"}, "unknown kernel 'triton'; choices: auto, torch, onednn, avx2"),
+    ({"kernel": "triton"}, "unknown kernel 'triton'; choices: auto, torch, onednn, native"),
     ({"compile": "yes"}, "compile must be true or false, got 'yes'"),
     ({"compile": True, "kernel": "onednn"}, "compile=true compiles torch's kernels, not kernel=onednn"),
     ({"ar_baseline": "nearest"}, "unknown ar_baseline 'nearest'; choices: sweep, any, paired"),
@@ -210,11 +210,11 @@ def test_a_draft_model_with_fewer_positions_bounds_the_job(tiny_dirs, tmp_path):
 
 def test_a_refusal_on_a_cold_cache_converts_no_model_and_builds_no_kernel(tmp_path, monkeypatch):
     """On an empty cache a refused job must answer at once: no GGUF conversion (~30 s) to read
-    the target's config, no avx2 build (~40 s) to label the error record."""
-    from specbench import kernels
+    the target's config, no native kernel build (~40 s) to label the error record."""
+    from specbench.backends import extension
 
     monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("converted the GGUF to refuse a job"))
-    monkeypatch.setattr(kernels, "avx2_unavailable", lambda: pytest.fail("built the kernel to refuse a job"))
+    monkeypatch.setattr(extension, "unavailable", lambda: pytest.fail("built the kernel to refuse a job"))
     for over, msg in ((["method=eagle", "method.depth=0"], "eagle.depth must be 'auto' or an integer >= 1"),
                       (["method=pld", "K=true"], "K must be an integer >= 1, got True"),
                       (["method=pld", "ctx=8190"], "ctx=8190 + max_new_tokens=64 + 4 draft positions exceeds the 8192")):
@@ -222,7 +222,7 @@ def test_a_refusal_on_a_cold_cache_converts_no_model_and_builds_no_kernel(tmp_pa
         rec, = runner.job(cfg, sweep_id="cold")
         assert rec["status"] == "error" and rec["error"].startswith(msg), rec["error"]
         assert rec["kernel"] == "auto"  # the setting as given
-    assert not (models.cache_dir() / "models").exists()
+    assert not (paths.cache_dir() / "models").exists()
 
 
 def test_shipped_model_configs_match_the_conversion():
@@ -232,10 +232,10 @@ def test_shipped_model_configs_match_the_conversion():
 
     for d in sorted(models.SHIPPED_CONFIGS.iterdir()):
         c = AutoConfig.from_pretrained(d)
-        assert d.name in models.group_options("model")
-        mcfg = OmegaConf.load(models.CONF_DIR / "model" / f"{d.name}.yaml")
+        assert d.name in paths.group_options("model")
+        mcfg = OmegaConf.load(paths.CONF_DIR / "model" / f"{d.name}.yaml")
         assert mcfg.package and not mcfg.path
-        assert models.max_positions(c) > 0 and c.vocab_size > 0 and c.num_hidden_layers > 0
+        assert hf.max_positions(c) > 0 and c.vocab_size > 0 and c.num_hidden_layers > 0
 
 
 @pytest.mark.slow
@@ -243,7 +243,7 @@ def test_shipped_model_configs_equal_the_converted_folders():
     from transformers import AutoConfig
 
     for d in sorted(models.SHIPPED_CONFIGS.iterdir()):
-        mcfg = OmegaConf.load(models.CONF_DIR / "model" / f"{d.name}.yaml")
+        mcfg = OmegaConf.load(paths.CONF_DIR / "model" / f"{d.name}.yaml")
         converted = AutoConfig.from_pretrained(models.model_dir(mcfg)).to_dict()
         shipped = AutoConfig.from_pretrained(d).to_dict()
         for k in ("transformers_version", "_name_or_path", "dtype", "torch_dtype"):
@@ -699,7 +699,7 @@ def test_shipped_draft_config_points_at_a_checkpoint():
     cfg = OmegaConf.load(REPO / "conf" / "draft" / "smollm2-135m-draft.yaml")
     from specbench.drafters import is_draft_checkpoint
 
-    path = models.resolve_path(cfg.path)
+    path = paths.resolve_path(cfg.path)
     if not is_draft_checkpoint(path):
         pytest.skip("no shipped draft checkpoint in this checkout")
     meta = json.loads((REPO / cfg.path / "drafter.json").read_text())
@@ -739,15 +739,15 @@ def test_concurrent_first_runs_convert_once(tmp_path, monkeypatch):
 def test_models_with_a_recurrent_state_are_refused():
     from transformers import LlamaConfig
 
-    models.check_rollback(LlamaConfig())  # attention only: fine
+    hf.check_rollback(LlamaConfig())  # attention only: fine
     hybrid = LlamaConfig()
     hybrid.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ConfigError, match="recurrent layers \\(linear_attention\\)"):
-        models.check_rollback(hybrid)
+        hf.check_rollback(hybrid)
     ssm = LlamaConfig()
     ssm.model_type = "mamba2"
     with pytest.raises(ConfigError, match="cannot be rolled back"):
-        models.check_rollback(ssm)
+        hf.check_rollback(ssm)
 
 
 def test_code_state_tells_uncommitted_states_apart(tmp_path):

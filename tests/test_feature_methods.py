@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 from helpers import CPU, greedy_cases, chi2_pvalue, prompts_of, reference_greedy, run_engine, tiny_llama
 from methods.eagle import Eagle
 from methods.medusa import Medusa
-from specbench import kernels
+from specbench import backends
+from specbench.backends import extension, packing
 from specbench.draft import Draft
 from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.medusa import MedusaHeads, sparse_tree
@@ -88,28 +89,28 @@ def test_greedy_identity(model, cases, name, bs):
         assert len(r.accept_lens) == r.steps
 
 
-@pytest.mark.skipif(kernels.avx2_unavailable() is not None, reason="no avx2 kernel here")
+@pytest.mark.skipif(extension.unavailable() is not None, reason="no avx2 kernel here")
 @pytest.mark.parametrize("name", ["eagle", "medusa"])
 def test_drafters_take_the_targets_kernel_path(name):
     """On an avx2 target, a drafter's own linear layers and its rows of the target's output layer
     run through the avx2 kernel too (as ``drafters.load`` sets them up), and decoding stays
     token-identical to greedy on that target."""
     target = tiny_llama(seed=0, scale=4.0)
-    kernels.apply(target, "avx2")
+    backends.apply(target, "native")
     prop = make(name, target)
     (drafter,) = prop.modules()
-    kernels.apply(drafter, kernels.kernel_of(target))
-    assert kernels.kernel_of(drafter) == ("avx2" if name == "eagle" else "torch")  # Medusa's heads: no nn.Linear
+    backends.apply(drafter, backends.kernel_of(target))
+    assert backends.kernel_of(drafter) == ("native" if name == "eagle" else "torch")  # Medusa's heads: no nn.Linear
     h = torch.randn(3, 64)
     with torch.inference_mode():
         w = drafter.parts.head_weight()
         assert torch.allclose(drafter.parts.logits(h), h @ w.T, atol=1e-5)
-        assert kernels._PACKED["rows"][drafter.parts][0] == [(id(w), w.data_ptr(), 0)]  # packed once for the slice
+        assert packing.PACKED["rows"][drafter.parts][0] == [(id(w), w.data_ptr(), 0)]  # packed once for the slice
     prompts, refs = greedy_cases(target, N_NEW)[4]
     assert [r.tokens for r in run_engine(target, prop, prompts, N_NEW)] == refs
 
 
-@pytest.mark.skipif(kernels.avx2_unavailable() is not None, reason="no avx2 kernel here")
+@pytest.mark.skipif(extension.unavailable() is not None, reason="no avx2 kernel here")
 def test_eagle_block_is_the_same_on_both_paths():
     """EAGLE's drafter layer on the avx2 path runs the target's fused steps (RMSNorm, q|k|v and
     gate|up in one kernel call each, RoPE in place) and attends through the extension (GQA,
@@ -124,7 +125,7 @@ def test_eagle_block_is_the_same_on_both_paths():
     torch.manual_seed(0)
     ref = Block(target.config)
     fast = copy.deepcopy(ref)
-    kernels.apply(fast, "avx2")
+    backends.apply(fast, "native")
     B, n, S, d = 2, 5, 23, target.config.hidden_size
     x = torch.randn(B, n, d)
     cos, sin = target.model.rotary_emb(x, torch.arange(7, 7 + n)[None].expand(B, n))

@@ -110,6 +110,18 @@ def test_pairing_reads_the_index_not_the_output_tokens(tmp_path, monkeypatch):
     assert R.load(p, entry)["requests"][0]["tokens"] == list(range(50))
 
 
+def test_records_of_the_kernel_under_its_old_name_pair_and_resume():
+    """``kernel=avx2`` records (the native path's old name) pair with a ``native`` job as its AR
+    and count as the same job on resume; another kernel does not."""
+    base = {k: None for k in R.BASELINE_KEYS}
+    old_ar = {**base, "method": "ar", "status": "ok", "kernel": "avx2", "job_id": "a"}
+    old_pld = {**base, "method": "pld", "status": "ok", "kernel": "avx2", "job_id": "p"}
+    probe = {**base, "method": "pld", "kernel": "native"}
+    assert R.find_ar([old_ar], probe, None)["job_id"] == "a"
+    assert R.find_done([old_pld], probe)["job_id"] == "p"
+    assert R.find_ar([old_ar], {**probe, "kernel": "onednn"}, None) is None
+
+
 SWEEP = ["model=hf", "dataset=jsonl", "method=pld", "K=1,2", "limit=2", "max_new_tokens=8", "progress=false",
          "resume=true", "warmup=false"]
 

@@ -172,7 +172,7 @@ def test_lookahead_auto_takes_the_devices_settings(model):
     with the key's name, and the node cap holds for every device's `auto`."""
     from transformers import LlamaConfig
 
-    from specbench.models import ConfigError
+    from specbench.errors import ConfigError
 
     for dev in ("cpu", "cuda"):
         la = Lookahead(la_cfg(W="auto", N="auto", G="auto"), model, None, torch.device(dev), torch.float32)
@@ -191,7 +191,7 @@ def test_lookahead_auto_takes_the_devices_settings(model):
 def test_rest_num_draft_auto_takes_the_devices_count(model):
     from transformers import LlamaConfig
 
-    from specbench.models import ConfigError
+    from specbench.errors import ConfigError
 
     for dev in ("cpu", "cuda"):
         r = Rest(rest_cfg("python_code", num_draft="auto"), model, None, torch.device(dev), torch.float32,
@@ -219,7 +219,7 @@ def test_rest_datastore_is_cached_and_retrieves_the_longest_suffix(model, datast
 def test_rest_refuses_a_wide_vocabulary(tmp_path):
     from transformers import LlamaConfig
 
-    from specbench.models import ConfigError
+    from specbench.errors import ConfigError
 
     cfg = rest_cfg("python_code")
     with pytest.raises(ConfigError, match="too large for draftretriever"):

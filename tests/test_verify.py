@@ -112,14 +112,15 @@ def test_greedy_invalid_nodes_never_accepted():
 def test_tree_commit_matches_recompute(mover, monkeypatch):
     """After committing a tree path, the cache continues exactly as a fresh forward; the slots
     moved by torch's indexing per layer or by the extension's ``move_slots`` for all layers."""
-    from specbench import kernels, kv
+    from specbench import kv
+    from specbench.backends import extension
 
     if mover == "torch":
         monkeypatch.setattr(kv, "_slot_mover", lambda tensors: None)
-    elif kernels.avx2_unavailable() is not None:
-        pytest.skip(f"avx2 extension: {kernels.avx2_unavailable()}")
+    elif extension.unavailable() is not None:
+        pytest.skip(f"native extension: {extension.unavailable()}")
     else:
-        kernels._extension()  # loaded: the cache's commit takes move_slots
+        extension.load()  # loaded: the cache's commit takes move_slots
         used = []
         real = kv._slot_mover
         monkeypatch.setattr(kv, "_slot_mover", lambda tensors: used.append(1) or real(tensors))

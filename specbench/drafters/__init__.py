@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from specbench import kernels
-from specbench.models import text_config
+from specbench import backends
+from specbench.hf import text_config
 
 KINDS = {"draft_lm": "specbench.drafters.draft_lm", "medusa": "specbench.drafters.medusa",
          "eagle": "specbench.drafters.eagle", "specdec": "specbench.drafters.specdec"}
@@ -39,7 +39,7 @@ def read_meta(folder) -> dict:
 def check_fits(folder, cfg, target_config, kind: str, key: str) -> None:
     """``folder`` (named by ``<key>=`` on the command line) holds a ``kind`` drafter trained
     for this job's target; otherwise one ``ConfigError`` line saying how to get one."""
-    from specbench.models import ConfigError
+    from specbench.errors import ConfigError
 
     label = f"{key} '{folder}'"
     if not is_draft_checkpoint(folder):
@@ -92,7 +92,7 @@ def load(folder, target, device, dtype, kind: str | None = None):
     for p in drafter.parameters():
         p.requires_grad_(False)
     drafter = drafter.to(device=device, dtype=dtype).eval()
-    kernels.apply(drafter, kernels.kernel_of(target))  # the drafter's own layers on the target's path
+    backends.apply(drafter, backends.kernel_of(target))  # the drafter's own layers on the target's path
     return drafter
 
 
@@ -161,7 +161,7 @@ class TargetParts:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``h`` [..., d] -> logits over the draft vocabulary, on the target head's kernel path."""
-        return kernels.linear_like(h, self.head_weight().to(h.dtype), self.target.get_output_embeddings(), self)
+        return backends.linear_like(h, self.head_weight().to(h.dtype), self.target.get_output_embeddings(), self)
 
     def rope(self, x: torch.Tensor, pos: torch.Tensor):
         return self.target.model.rotary_emb(x, pos)

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbench import kernels
+from specbench import backends
 from specbench.drafters import Drafter, TargetParts
-from specbench.models import text_config
+from specbench.hf import text_config
 
 
 def rotate_half(x):
@@ -72,14 +72,14 @@ class Block(nn.Module):
                 mine.bias.copy_(theirs.bias)
 
     def _fused(self, x):
-        """The packed q|k|v and gate|up of this layer on the avx2 path (None elsewhere)."""
-        return kernels.fused_block_weights(self, x, self.q, self.k, self.v, self.gate, self.up)
+        """The packed q|k|v and gate|up of this layer on the native path (None elsewhere)."""
+        return backends.fused_block_weights(self, x, self.q, self.k, self.v, self.gate, self.up)
 
     def qkv(self, x, cos, sin):
         """x [B, n, d] -> q [B, H, n, Dh], k, v [B, Hk, n, Dh] (RoPE applied)."""
         fused = self._fused(x)
         if fused is not None:  # the target's fused layer steps: one call each for norm, q|k|v, RoPE
-            return kernels.fused_qkv(x, self.ln1.weight, self.ln1.eps, fused[0], self.H, self.Hk, self.Dh, cos, sin)
+            return backends.fused_qkv(x, self.ln1.weight, self.ln1.eps, fused[0], self.H, self.Hk, self.Dh, cos, sin)
         B, n, _ = x.shape
         h = self.ln1(x)
         q = self.q(h).view(B, n, self.H, self.Dh).transpose(1, 2)
@@ -91,12 +91,12 @@ class Block(nn.Module):
     def attend(self, x, q, k, v, mask):
         """Attention of q over (k, v) [B, Hk, S, Dh] with mask [B, n, S] (True = visible),
         then the rest of the layer. Returns the layer output [B, n, d]."""
-        a = kernels.attention_like(q, k, v, mask, self.q)  # [B, n, H, Dh], on the layer's kernel path
+        a = backends.attention_like(q, k, v, mask, self.q)  # [B, n, H, Dh], on the layer's kernel path
         B, n = a.shape[:2]
         x = x + self.o(a.reshape(B, n, self.H * self.Dh))
         fused = self._fused(x)
         if fused is not None:
-            return kernels.fused_mlp(x, self.ln2.weight, self.ln2.eps, fused[1], self.gate.out_features, self.down)
+            return backends.fused_mlp(x, self.ln2.weight, self.ln2.eps, fused[1], self.gate.out_features, self.down)
         h = self.ln2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 

@@ -22,8 +22,9 @@ def main() -> int:
     def _app(cfg):
         import torch
 
-        from specbench.models import (ConfigError, eos_ids, load_model, load_tokenizer, model_cfg, resolve_device,
-                                      resolve_dtype)
+        from specbench.errors import ConfigError
+        from specbench.hf import eos_ids
+        from specbench.models import load_model, load_tokenizer, model_cfg, resolve_device, resolve_dtype
         from specbench import drafters
         from specbench.train import distill, loop
 

@@ -120,12 +120,106 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
     return lines + [""]
 
 
+def _heads_body(meta: dict) -> list[str]:
+    """The description, data and training sections of a card (``render`` adds the rest)."""
+    s, d, fs, ts = meta["train_summary"], meta["data"], meta["feature_settings"], meta["train_settings"]
+    what = {
+        "eagle": "EAGLE feature-level drafter for `method=eagle`: fc([token embedding; target feature]) -> one "
+                 "decoder layer -> the target's output layer restricted to the draft vocabulary",
+        "medusa": f"{meta.get('heads')} Medusa heads for `method=medusa`: a residual SiLU block per head on the "
+                  "target's last hidden state, then the target's output layer restricted to the draft vocabulary",
+    }[meta["kind"]]
+    agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
+    per = "unrolled step (tree depth)" if meta["kind"] == "eagle" else "head"
+    lines = [
+        f"# {meta['name']}: {meta['kind']} drafter for {meta['target']}", "",
+        f"{what} ({meta['draft_vocab']} most frequent tokens of the feature set). Only the drafter's own weights "
+        f"are stored ({s['trainable_params']:,} parameters, bf16); the embedding and output layer are the target's.",
+        "", "## Data",
+        f"- {d['sequences']} sequences of the ShareGPT training slice ({d['tokens']:,} token positions): "
+        f"{d['answered']} first turns answered by the target itself (greedy, up to {fs['max_new_tokens']} tokens; "
+        f"{d['answer_tokens']:,} answer tokens) and {d['sequences'] - d['answered']} whole conversations "
+        f"(both roles, up to {fs['max_tokens']} tokens)",
+        f"- dropped: {d['dropped']} (overlap with MT-Bench / HumanEval / GSM-Symbolic prompts, or a duplicate of "
+        "the evaluation slice)",
+        f"- stored per position: the target's hidden states at layers {fs['layers']} (fp16); feature set key {d['key']}",
+        "", "## Training",
+        f"- {s['steps']} steps, batch {ts['batch_size']} x up to {ts['seq_len']} tokens, AdamW lr {ts['lr']}, "
+        f"seed {meta['seed']}, {s['train_seconds_this_run']:.0f} s",
+        f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}; held-out loss {s['eval_loss']:.3f} "
+        f"({s['eval_sequences']} sequences)",
+        f"- held-out top-1 agreement with the target's greedy token, per {per}: {agree}",
+    ]
+    if meta.get("acc"):
+        lines.append(f"- expected accepted drafts of the {meta['drafter']['tree_size']}-node tree it was trained "
+                     f"for (product of per-rank accuracies): {s['tree_expected_accepted']:.2f}")
+    return lines
+
+
+def _draft_lm_body(meta: dict) -> list[str]:
+    """The description, data and training sections of a card (``render`` adds the rest)."""
+    s = meta["train_summary"]
+    d = meta["data"]
+    lines = [
+        f"# {meta['name']}: a draft LM for {meta['target']}",
+        "",
+        f"A {meta['layers']}-layer causal LM with {meta['target']}'s tokenizer for `method=leviathan`: the target's "
+        f"token embedding (shared, frozen), {meta['layers']} transformer layer(s) of its own (initialised from the "
+        f"target's first layers), and the target's output layer restricted to the {meta['draft_vocab']} most "
+        "frequent tokens of the distillation data.",
+        "",
+        "## Data",
+        f"- {d['sequences']} ShareGPT first turns ({d['dropped_for_benchmark_overlap']} dropped for overlapping "
+        f"MT-Bench / HumanEval / GSM prompts), {d['answered']} of them answered by the target itself "
+        f"(greedy, up to {meta['data_settings']['max_new_tokens']} tokens)",
+        f"- {d['tokens']} token positions with the target's top-{meta['data_settings']['topk']} distribution, "
+        f"{d['response_tokens']} of them in the target's own answers",
+        "",
+        "## Training",
+        f"- {s['steps']} steps, batch {meta['train_settings']['batch_size']} x up to "
+        f"{meta['train_settings']['seq_len']} tokens, AdamW lr {meta['train_settings']['lr']}, seed {meta['seed']}",
+        f"- trainable parameters: {s['trainable_params']:,}",
+        f"- final train loss (soft cross-entropy, last 20 steps): {s['train_loss_last20']:.3f}; "
+        f"KL to the teacher's top-k: {s['train_kl_last20']:.3f}",
+        f"- held-out ({s['eval_sequences']} sequences): loss {s['eval_loss']:.3f}, KL {s['eval_kl']:.3f}, "
+        f"top-1 agreement with the target {s['eval_top1_agreement']:.1%}",
+        "",
+    ]
+    return lines
+
+
+def _specdec_body(meta: dict) -> list[str]:
+    """The description, data and training sections of a card (``render`` adds the rest)."""
+    s, d, ds, ts = meta["train_summary"], meta["data"], meta["data_settings"], meta["train_settings"]
+    agree = ", ".join(f"{x:.1%}" for x in s["eval_query_agreement"])
+    lines = [
+        f"# {meta['name']}: SpecDec Spec-Drafter for {meta['target']}", "",
+        f"A non-autoregressive drafter for `method=specdec`: {meta['k']} learned [MASK] queries after the context "
+        f"predict {meta['k']} draft tokens in one forward; the target's token embedding (shared, frozen), "
+        f"{meta['layers']} transformer layer(s) of its own (initialised from the target's first layers), the "
+        f"target's output layer restricted to the {meta['draft_vocab']} most frequent answer tokens. Only the "
+        f"drafter's own weights are stored ({s['trainable_params']:,} parameters, bf16).",
+        "", "## Data",
+        f"- {s['train_sequences'] + s['eval_sequences']} ShareGPT training-slice first turns answered by the target "
+        f"itself (greedy, up to {ds['max_new_tokens']} tokens; {d['dropped_for_benchmark_overlap']} prompts dropped "
+        f"for overlapping MT-Bench / HumanEval / GSM prompts); distillation set key {d['key']}",
+        f"- training cuts: {meta['drafter']['groups']} random cut points per answer per step",
+        "", "## Training",
+        f"- {s['steps']} steps, batch {ts['batch_size']} sequences, AdamW lr {ts['lr']}, seed {meta['seed']}, "
+        f"{s['train_seconds_this_run']:.0f} s this run",
+        f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}",
+        f"- held-out ({s['eval_sequences']} answers, {s['eval_cuts']} cuts): top-1 agreement with the target's "
+        f"greedy token per query: {agree}; tau of a greedy {meta['k']}-token chain: {s['eval_chain_tau']:.2f}",
+    ]
+    return lines
+
+
+BODIES = {"eagle": _heads_body, "medusa": _heads_body, "draft_lm": _draft_lm_body, "specdec": _specdec_body}
+
+
 def render(meta: dict, folder: Path) -> str:
     """The card of a checkpoint whose (portable) metadata is ``meta``."""
-    from specbench.train import heads, loop, specdec
-
-    body = {"eagle": heads.card_body, "medusa": heads.card_body, "draft_lm": loop.card_body,
-            "specdec": specdec.card_body}[meta["kind"]](meta)
+    body = BODIES[meta["kind"]](meta)
     lines = [*body, *([""] if body[-1] != "" else []), *use_lines(meta, folder)]
     if meta.get("command"):
         lines += ["## Reproduce", "", "```bash", meta["command"], "```", ""]

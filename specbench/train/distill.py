@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specbench import data as D
-from specbench.models import cache_dir
+from specbench.paths import cache_dir
 
 
 def _norm(text: str) -> str:
@@ -104,7 +104,7 @@ def build(target, tokenizer, target_name: str, dcfg, device, dtype, chat: bool =
 
     from methods.ar import AR
     from specbench.engine import Engine
-    from specbench.models import eos_ids
+    from specbench.hf import eos_ids
     from specbench.timing import PhaseTimer
     from specbench.verify import Sampling
 

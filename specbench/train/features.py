@@ -29,7 +29,7 @@ import torch
 
 from specbench import data as D
 from specbench.hidden import Tap
-from specbench.models import cache_dir
+from specbench.paths import cache_dir
 from specbench.train.distill import _norm, benchmark_texts, drop_overlap, load  # noqa: F401 - load: the shards
 
 
@@ -112,7 +112,7 @@ def build(target, tokenizer, target_name: str, fcfg, device, dtype, chat: bool =
 
     from methods.ar import AR
     from specbench.engine import Engine
-    from specbench.models import eos_ids
+    from specbench.hf import eos_ids
     from specbench.timing import PhaseTimer
     from specbench.verify import Sampling
 

@@ -194,39 +194,3 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
         meta["heads"] = int(dr.heads)
     save(model, out, meta)
     card.write(out, meta)
-
-
-def card_body(meta: dict) -> list[str]:
-    """The card's description, data and training sections (``specbench.train.card`` adds the rest)."""
-    s, d, fs, ts = meta["train_summary"], meta["data"], meta["feature_settings"], meta["train_settings"]
-    what = {
-        "eagle": "EAGLE feature-level drafter for `method=eagle`: fc([token embedding; target feature]) -> one "
-                 "decoder layer -> the target's output layer restricted to the draft vocabulary",
-        "medusa": f"{meta.get('heads')} Medusa heads for `method=medusa`: a residual SiLU block per head on the "
-                  "target's last hidden state, then the target's output layer restricted to the draft vocabulary",
-    }[meta["kind"]]
-    agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
-    per = "unrolled step (tree depth)" if meta["kind"] == "eagle" else "head"
-    lines = [
-        f"# {meta['name']}: {meta['kind']} drafter for {meta['target']}", "",
-        f"{what} ({meta['draft_vocab']} most frequent tokens of the feature set). Only the drafter's own weights "
-        f"are stored ({s['trainable_params']:,} parameters, bf16); the embedding and output layer are the target's.",
-        "", "## Data",
-        f"- {d['sequences']} sequences of the ShareGPT training slice ({d['tokens']:,} token positions): "
-        f"{d['answered']} first turns answered by the target itself (greedy, up to {fs['max_new_tokens']} tokens; "
-        f"{d['answer_tokens']:,} answer tokens) and {d['sequences'] - d['answered']} whole conversations "
-        f"(both roles, up to {fs['max_tokens']} tokens)",
-        f"- dropped: {d['dropped']} (overlap with MT-Bench / HumanEval / GSM-Symbolic prompts, or a duplicate of "
-        "the evaluation slice)",
-        f"- stored per position: the target's hidden states at layers {fs['layers']} (fp16); feature set key {d['key']}",
-        "", "## Training",
-        f"- {s['steps']} steps, batch {ts['batch_size']} x up to {ts['seq_len']} tokens, AdamW lr {ts['lr']}, "
-        f"seed {meta['seed']}, {s['train_seconds_this_run']:.0f} s",
-        f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}; held-out loss {s['eval_loss']:.3f} "
-        f"({s['eval_sequences']} sequences)",
-        f"- held-out top-1 agreement with the target's greedy token, per {per}: {agree}",
-    ]
-    if meta.get("acc"):
-        lines.append(f"- expected accepted drafts of the {meta['drafter']['tree_size']}-node tree it was trained "
-                     f"for (product of per-rank accuracies): {s['tree_expected_accepted']:.2f}")
-    return lines

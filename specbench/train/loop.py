@@ -4,7 +4,6 @@ a fixed seed."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
@@ -178,38 +177,6 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], progress: bo
         "trainable_params": sum(p.numel() for p in params), "draft_vocab": len(vocab_ids),
     }
     return {"draft": draft, "summary": summary, "loss_curve": [round(h[0], 4) for h in history[::10]]}
-
-
-def card_body(meta: dict) -> list[str]:
-    """The card's description, data and training sections (``specbench.train.card`` adds the rest)."""
-    s = meta["train_summary"]
-    d = meta["data"]
-    lines = [
-        f"# {meta['name']}: a draft LM for {meta['target']}",
-        "",
-        f"A {meta['layers']}-layer causal LM with {meta['target']}'s tokenizer for `method=leviathan`: the target's "
-        f"token embedding (shared, frozen), {meta['layers']} transformer layer(s) of its own (initialised from the "
-        f"target's first layers), and the target's output layer restricted to the {meta['draft_vocab']} most "
-        "frequent tokens of the distillation data.",
-        "",
-        "## Data",
-        f"- {d['sequences']} ShareGPT first turns ({d['dropped_for_benchmark_overlap']} dropped for overlapping "
-        f"MT-Bench / HumanEval / GSM prompts), {d['answered']} of them answered by the target itself "
-        f"(greedy, up to {meta['data_settings']['max_new_tokens']} tokens)",
-        f"- {d['tokens']} token positions with the target's top-{meta['data_settings']['topk']} distribution, "
-        f"{d['response_tokens']} of them in the target's own answers",
-        "",
-        "## Training",
-        f"- {s['steps']} steps, batch {meta['train_settings']['batch_size']} x up to "
-        f"{meta['train_settings']['seq_len']} tokens, AdamW lr {meta['train_settings']['lr']}, seed {meta['seed']}",
-        f"- trainable parameters: {s['trainable_params']:,}",
-        f"- final train loss (soft cross-entropy, last 20 steps): {s['train_loss_last20']:.3f}; "
-        f"KL to the teacher's top-k: {s['train_kl_last20']:.3f}",
-        f"- held-out ({s['eval_sequences']} sequences): loss {s['eval_loss']:.3f}, KL {s['eval_kl']:.3f}, "
-        f"top-1 agreement with the target {s['eval_top1_agreement']:.1%}",
-        "",
-    ]
-    return lines
 
 
 def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, command: str) -> None:

@@ -1,4 +1,4 @@
-// Few-row fp32 linear layer for CPU decode and verify forwards (kernel=avx2, specbench/kernels.py).
+// Few-row fp32 linear layer for CPU decode and verify forwards (kernel=native, specbench/backends/native.py).
 //
 // y[n, O] = x[n, I] @ W[O, I]^T for small n (a decode step, a verify forward over K+1 tokens).
 // The weight is packed once into panels of c output columns, wp[O/c][I][c], so that a panel is

@@ -1,5 +1,5 @@
-"""The packed linear paths (``kernel=onednn``, ``kernel=avx2``): same numbers as torch's within
-fp32 rounding, greedy identity of the engine on them, training untouched; the avx2 kernel's
+"""The backends' packed linear paths (``kernel=onednn``, ``kernel=native``): same numbers as torch's within
+fp32 rounding, greedy identity of the engine on them, training untouched; the native kernel's
 rows independent of each other bit for bit."""
 
 import copy
@@ -15,13 +15,14 @@ import torch
 from helpers import CPU, cfg_for, greedy_cases, reference_greedy, run_engine, tiny_llama
 from methods.pld import PromptLookup
 from methods.reject import Reject
-from specbench import kernels
-from specbench.models import ConfigError
+from specbench import accel, backends
+from specbench.backends import extension, gqa, native, packing
+from specbench.errors import ConfigError
 
-pytestmark = pytest.mark.skipif(not kernels.onednn_available(), reason="torch built without oneDNN")
-avx2 = pytest.mark.skipif(kernels.avx2_unavailable() is not None, reason=f"avx2 kernel: {kernels.avx2_unavailable()}")
-PACKED = ["onednn", pytest.param("avx2", marks=avx2)]
-_AVX512 = kernels.avx2_unavailable() is None and kernels._extension().has_avx512()
+pytestmark = pytest.mark.skipif(not backends.onednn.available(), reason="torch built without oneDNN")
+avx2 = pytest.mark.skipif(extension.unavailable() is not None, reason=f"avx2 kernel: {extension.unavailable()}")
+PACKED = ["onednn", pytest.param("native", marks=avx2)]
+_AVX512 = extension.unavailable() is None and extension.load().has_avx512()
 # the packing widths the kernel runs here: 8 (AVX2 tiles) everywhere, 48 (AVX-512 tiles) where the CPU has AVX-512F
 COLS = [8, pytest.param(48, marks=pytest.mark.skipif(not _AVX512, reason="this CPU has no AVX-512F"))]
 
@@ -30,8 +31,8 @@ COLS = [8, pytest.param(48, marks=pytest.mark.skipif(not _AVX512, reason="this C
 def packed(request):
     m = tiny_llama(seed=0, scale=4.0)
     ref = tiny_llama(seed=0, scale=4.0)
-    assert kernels.apply(m, request.param) == 2 * 7 + 1  # q k v o gate up down per layer + the head
-    assert kernels.apply(m, request.param) == 0  # idempotent
+    assert backends.apply(m, request.param) == 2 * 7 + 1  # q k v o gate up down per layer + the head
+    assert backends.apply(m, request.param) == 0  # idempotent
     return m, ref
 
 
@@ -61,18 +62,20 @@ def test_training_and_other_dtypes_keep_torchs_path(packed):
     lin(x).sum().backward()  # autograd through the layer as loaded
     assert x.grad is not None and lin.weight.grad is not None
     bf = tiny_llama(seed=1).to(torch.bfloat16)
-    assert kernels.apply(bf, "onednn") == 0
+    assert backends.apply(bf, "onednn") == 0
 
 
 def test_resolve():
-    assert kernels.resolve("torch", CPU) == "torch"
-    assert kernels.resolve("auto", CPU) == ("avx2" if kernels.avx2_unavailable() is None else "onednn")
-    assert kernels.resolve("auto", torch.device("cuda")) == "torch"
-    for k in ("onednn", "avx2"):
+    assert backends.resolve("torch", CPU) == "torch"
+    assert backends.resolve("auto", CPU) == ("native" if extension.unavailable() is None else "onednn")
+    assert backends.resolve("auto", torch.device("cuda")) == "torch"
+    for k in ("onednn", "native"):
         with pytest.raises(ConfigError, match=f"kernel={k} is a CPU path"):
-            kernels.resolve(k, torch.device("cuda"))
+            backends.resolve(k, torch.device("cuda"))
     with pytest.raises(ConfigError, match="unknown kernel"):
-        kernels.resolve("fast", CPU)
+        backends.resolve("fast", CPU)
+    if extension.unavailable() is None:  # the old name of the native path still runs it
+        assert backends.resolve("avx2", CPU) == "native" and backends.kernel_isa("avx2") == extension.isa()
 
 
 @pytest.mark.parametrize("kernel", PACKED)
@@ -82,7 +85,7 @@ def test_a_copied_or_reloaded_layer_computes_with_its_own_weights(kernel):
     import copy
 
     m = tiny_llama(seed=0)
-    kernels.apply(m, kernel)
+    backends.apply(m, kernel)
     layer = m.model.layers[0].mlp.up_proj
     x = torch.randn(3, 64)
     twin = copy.deepcopy(layer)
@@ -103,11 +106,11 @@ def test_a_copied_or_reloaded_layer_computes_with_its_own_weights(kernel):
 def test_avx2_kernel_matches_torch_at_every_row_count(out_features, in_features, cols):
     g = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, in_features, generator=g)
-    wp = kernels.pack(w, cols)
+    wp = extension.pack(w, cols)
     assert wp.shape == (-(-out_features // cols), in_features, cols)
     for n in range(36):
         x = torch.randn(n, in_features, generator=g)
-        y = kernels.few_rows_linear(x, wp, out_features)
+        y = extension.few_rows_linear(x, wp, out_features)
         assert y.shape == (n, out_features)
         assert torch.allclose(y, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-5), n
 
@@ -121,11 +124,11 @@ def test_avx2_rows_do_not_depend_on_each_other(cols):
     blocks, single blocks and a partial last block; 200 inputs: several k chunks and a partial one."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(100, 200, generator=g)
-    wp = kernels.pack(w, cols)
+    wp = extension.pack(w, cols)
     x = torch.randn(40, 200, generator=g)
-    alone = torch.cat([kernels.few_rows_linear(x[i:i + 1], wp, 100) for i in range(len(x))])
+    alone = torch.cat([extension.few_rows_linear(x[i:i + 1], wp, 100) for i in range(len(x))])
     for n in range(1, len(x) + 1):
-        assert torch.equal(kernels.few_rows_linear(x[:n], wp, 100), alone[:n]), n
+        assert torch.equal(extension.few_rows_linear(x[:n], wp, 100), alone[:n]), n
 
 
 @avx2
@@ -138,17 +141,17 @@ def test_avx512_tiles_give_the_bits_of_the_avx2_tiles():
     g = torch.Generator().manual_seed(3)
     for out_features, in_features in ((100, 200), (49, 576), (96, 33), (16, 7), (3, 64), (130, 9)):
         w = torch.randn(out_features, in_features, generator=g)
-        narrow, wide = kernels.pack(w, 8), kernels.pack(w, 48)
+        narrow, wide = extension.pack(w, 8), extension.pack(w, 48)
         for n in range(1, 41):
             x = torch.randn(n, in_features, generator=g)
-            assert torch.equal(kernels.few_rows_linear(x, wide, out_features),
-                               kernels.few_rows_linear(x, narrow, out_features)), (out_features, in_features, n)
-    assert kernels.pack_cols() == (8 if os.environ.get("SPECBENCH_AVX512") == "0" else 48)
+            assert torch.equal(extension.few_rows_linear(x, wide, out_features),
+                               extension.few_rows_linear(x, narrow, out_features)), (out_features, in_features, n)
+    assert extension.pack_cols() == (8 if os.environ.get("SPECBENCH_AVX512") == "0" else 48)
 
 
 _GUARDED = r"""
 import ctypes, mmap, torch
-from specbench import kernels
+from specbench.backends import extension
 
 PAGE = mmap.PAGESIZE
 libc = ctypes.CDLL(None, use_errno=True)
@@ -171,13 +174,13 @@ def before_a_guard_page(t):
 
 g = torch.Generator().manual_seed(0)
 for out_features, in_features, cols in ((37, 129, 8), (48, 576, 8), (37, 129, 48), (48, 576, 48), (100, 64, 48)):
-    if cols == 48 and not kernels._extension().has_avx512():
+    if cols == 48 and not extension.load().has_avx512():
         continue
     w = torch.randn(out_features, in_features, generator=g)
-    wp = before_a_guard_page(kernels.pack(w, cols))
+    wp = before_a_guard_page(extension.pack(w, cols))
     for n in (1, 2, 3, 4, 5, 8, 9, 17):
         x = before_a_guard_page(torch.randn(n, in_features, generator=g))
-        y = kernels.few_rows_linear(x, wp, out_features)
+        y = extension.few_rows_linear(x, wp, out_features)
         assert torch.allclose(y, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-5), (out_features, n)
 print("ok")
 """
@@ -189,7 +192,7 @@ def test_avx2_kernel_reads_nothing_past_the_packing_or_the_rows():
     """The tiles prefetch past a block's end without a clamp (a prefetch never faults); their loads
     must stay inside. With the packing and the rows each ending where an unreadable page begins,
     a load past either end kills the process (run apart, so that it fails only this test)."""
-    built = Path(kernels._extension().__file__).parents[2]  # this process's cache: no second build
+    built = Path(extension.load().__file__).parents[2]  # this process's cache: no second build
     run = subprocess.run([sys.executable, "-c", _GUARDED], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "SPECBENCH_CACHE": str(built)})
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode, run.stderr[-2000:])
@@ -202,11 +205,11 @@ def test_a_kernel_build_killed_midway_does_not_hang_the_next_load(tmp_path):
     system releases when its holder dies. On a copy of this process's build, with such a file."""
     import shutil
 
-    built = Path(kernels._extension().__file__).parent
+    built = Path(extension.load().__file__).parent
     copy = tmp_path / "kernels" / built.name
     shutil.copytree(built, copy)  # timestamps kept: up to date, nothing rebuilt
     (copy / "lock").touch()
-    run = subprocess.run([sys.executable, "-c", "from specbench import kernels; kernels._extension(); print('ok')"],
+    run = subprocess.run([sys.executable, "-c", "from specbench.backends import extension; extension.load(); print('ok')"],
                          capture_output=True, text=True, timeout=240, env={**os.environ, "SPECBENCH_CACHE": str(tmp_path)})
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode, run.stderr[-2000:])
     assert not (copy / "lock").exists()
@@ -226,10 +229,10 @@ def test_move_slots_moves_what_torch_indexing_moves():
     want = [v.clone() for v in views]
     for w in want:
         w[rows, :, dst] = w[rows, :, src]
-    kernels._extension().move_slots(views, rows, src, dst)
+    extension.load().move_slots(views, rows, src, dst)
     assert all(torch.equal(v, w) for v, w in zip(views, want))
     with pytest.raises(RuntimeError, match="out of range"):
-        kernels._extension().move_slots(views, rows, src + 5, dst)
+        extension.load().move_slots(views, rows, src + 5, dst)
 
 
 @avx2
@@ -242,7 +245,7 @@ def test_argmax_rows_is_numpys_argmax_and_greedy_pick_takes_it(monkeypatch):
 
     from specbench import verify
 
-    ext = kernels._extension()
+    ext = extension.load()
     g = torch.Generator().manual_seed(0)
     for R, V in [(1, 1), (1, 7), (3, 8), (2, 33), (5, 4095), (4, 8193), (3, 49152), (2, 100003)]:
         x = torch.randn(R, V, generator=g)
@@ -261,12 +264,11 @@ def test_argmax_rows_is_numpys_argmax_and_greedy_pick_takes_it(monkeypatch):
               torch.randn(2, 4, 49152, generator=g)[:, -1], torch.randn(4, 2, 300, generator=g).transpose(0, 1)]
     calls = []
     real = ext.argmax_rows
-    monkeypatch.setattr(kernels, "loaded_extension",
-                        lambda: types.SimpleNamespace(argmax_rows=lambda x: calls.append(1) or real(x)))
+    monkeypatch.setattr(accel, "argmax_rows", lambda x: calls.append(1) or real(x))
     for lg in logits:
         assert torch.equal(verify.greedy_pick(lg), lg.argmax(-1))
     assert len(calls) == 4  # the transposed 3-d logits are not contiguous: numpy takes them
-    monkeypatch.setattr(kernels, "loaded_extension", lambda: None)
+    monkeypatch.setattr(accel, "argmax_rows", None)
     for lg in logits:
         assert torch.equal(verify.greedy_pick(lg), lg.argmax(-1))
 
@@ -274,7 +276,7 @@ def test_argmax_rows_is_numpys_argmax_and_greedy_pick_takes_it(monkeypatch):
 @avx2
 def test_avx2_layer_takes_any_row_count_and_adds_its_bias():
     lin = torch.nn.Linear(40, 24, bias=True)
-    kernels.apply(lin, "avx2")
+    backends.apply(lin, "native")
     for rows in (1, 16, 17, 300):  # 300: more than one sweep over the weight (256 rows each)
         x = torch.randn(rows, 2, 40).transpose(0, 1)  # [2, rows, 40], not contiguous
         with torch.inference_mode():
@@ -286,17 +288,17 @@ def test_avx2_layer_takes_any_row_count_and_adds_its_bias():
 def test_avx2_kernel_refuses_a_wrong_packing():
     w = torch.randn(32, 8)
     with pytest.raises(RuntimeError, match="packing"):  # 40 outputs from 4 blocks of 8
-        kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w, 8), 40)
+        extension.few_rows_linear(torch.randn(2, 8), extension.pack(w, 8), 40)
     with pytest.raises(RuntimeError, match="packing"):
-        kernels.few_rows_linear(torch.randn(2, 9), kernels.pack(w), 32)
+        extension.few_rows_linear(torch.randn(2, 9), extension.pack(w), 32)
     if _AVX512:
         with pytest.raises(RuntimeError, match="packing"):  # 60 outputs from one 48-column panel
-            kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w, 48), 60)
+            extension.few_rows_linear(torch.randn(2, 8), extension.pack(w, 48), 60)
     with pytest.raises(RuntimeError, match="packing"):  # a width the kernel has no tiles for
-        kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w, 16), 32)
+        extension.few_rows_linear(torch.randn(2, 8), extension.pack(w, 16), 32)
     if not _AVX512:
         with pytest.raises(RuntimeError, match="AVX-512F"):
-            kernels.few_rows_linear(torch.randn(2, 8), kernels.pack(w, 48), 32)
+            extension.few_rows_linear(torch.randn(2, 8), extension.pack(w, 48), 32)
 
 
 @pytest.mark.parametrize("kernel", ["torch", *PACKED])
@@ -315,8 +317,8 @@ def test_gqa_attention_folds_queries_without_changing_the_forward(kernel, monkey
     monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda h, n: repeats.append(n) or real_repeat(h, n))
 
     m, ref = tiny_llama(seed=2), tiny_llama(seed=2)
-    kernels.apply(m, kernel)
-    assert m.config._attn_implementation == kernels._GQA and ref.config._attn_implementation == "sdpa"
+    backends.apply(m, kernel)
+    assert m.config._attn_implementation == gqa.NAME and ref.config._attn_implementation == "sdpa"
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
     parents = torch.tensor([[0, 1, 1], [0, 0, 2]])  # a tree per row over the root and 3 drafts
     depth, anc = tree_geometry(parents)
@@ -347,14 +349,14 @@ def test_rope_and_rms_norm_of_the_extension_match_hugging_face():
     cos, sin = LlamaRotaryEmbedding(m.config)(qkv, pos)
     q, k = apply_rotary_pos_emb(qkv[:, :, :4].transpose(1, 2), qkv[:, :, 4:6].transpose(1, 2), cos, sin)
     mine = qkv.clone()
-    kernels._extension().rope_(mine, cos, sin, 6)
+    extension.load().rope_(mine, cos, sin, 6)
     assert torch.equal(mine[:, :, :4].transpose(1, 2), q) and torch.equal(mine[:, :, 4:6].transpose(1, 2), k)
     assert torch.equal(mine[:, :, 6:], qkv[:, :, 6:])  # v untouched
     norm = LlamaRMSNorm(37, eps=1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(37, generator=g))
     x = 3 * torch.randn(4, 2, 37, generator=g)
-    assert torch.allclose(kernels._extension().rms_norm(x, norm.weight, 1e-5), norm(x), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(extension.load().rms_norm(x, norm.weight, 1e-5), norm(x), rtol=1e-5, atol=1e-6)
 
 
 @avx2
@@ -369,9 +371,9 @@ def test_llama_layers_take_the_fused_forward_and_keep_the_layer_semantics():
     from specbench.kv import RaggedCache
 
     m, ref = tiny_llama(seed=2), tiny_llama(seed=2)
-    kernels.apply(m, "avx2")
-    assert all(layer.forward.__func__ is kernels._fused_llama_forward for layer in m.model.layers)
-    assert m.model.norm.forward.__func__ is kernels._fused_rms_forward  # the final norm too
+    backends.apply(m, "native")
+    assert all(layer.forward.__func__ is native._fused_llama_forward for layer in m.model.layers)
+    assert m.model.norm.forward.__func__ is native._fused_rms_forward  # the final norm too
     parents = torch.tensor([[0, 1, 1], [0, 0, 2]])
     depth, anc = tree_geometry(parents)
     toks = torch.tensor([[20, 21, 22, 23], [30, 31, 32, 33]])
@@ -407,10 +409,10 @@ def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
     from specbench.kv import RaggedCache, SlabLayer
 
     m = tiny_llama(seed=4)
-    kernels.apply(m, "avx2")
-    assert m.model.forward.__func__ is kernels._fused_model_forward
+    backends.apply(m, "native")
+    assert m.model.forward.__func__ is native._fused_model_forward
     depth, anc = tree_geometry(torch.tensor([[0, 1, 1], [0, 0, 2]]))
-    append, lean_slabs, stack, taken, lean = SlabLayer.append, kernels._lean_slabs, kernels._stack, [], []
+    append, lean_slabs, stack, taken, lean = SlabLayer.append, native._lean_slabs, native._stack, [], []
 
     def counted(self, n):
         room = append(self, n)
@@ -428,8 +430,8 @@ def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
         lean.append(s is not None)
         return s
 
-    monkeypatch.setattr(kernels, "_lean_slabs", counted_lean)
-    monkeypatch.setattr(kernels, "_stack", counted_stack)
+    monkeypatch.setattr(native, "_lean_slabs", counted_lean)
+    monkeypatch.setattr(native, "_stack", counted_stack)
 
     def run(path: str):
         monkeypatch.setattr(SlabLayer, "append", (lambda self, n: None) if path == "per-op" else counted)
@@ -480,14 +482,14 @@ def test_drafts_of_an_avx2_target_run_their_own_loop_over_the_fused_layers(monke
     from specbench.models import self_layers_draft
 
     m = tiny_llama(seed=5, layers=3)
-    kernels.apply(m, "avx2")
+    backends.apply(m, "native")
     sl = self_layers_draft(m, 2)
     dl = DraftLM(m, 2, torch.arange(0, 96, 2))
     sd = SpecDrafter(m, 1, torch.arange(96), 2)
     for d in (dl, sd):
-        kernels.apply(d, "avx2")
-    stack, lean = kernels._stack, []
-    monkeypatch.setattr(kernels, "_stack", lambda model: lean.append(model) or stack(model))
+        backends.apply(d, "native")
+    stack, lean = native._stack, []
+    monkeypatch.setattr(native, "_stack", lambda model: lean.append(model) or stack(model))
 
     def decode(d):
         cache, g, out = RaggedCache(d, CPU, torch.float32), torch.Generator().manual_seed(1), []
@@ -526,7 +528,7 @@ def test_fused_stack_follows_every_change_to_the_layers():
     from specbench.kv import RaggedCache
 
     m, ref = tiny_llama(seed=3), tiny_llama(seed=3)
-    kernels.apply(m, "avx2")
+    backends.apply(m, "native")
 
     def step(model):
         cache = RaggedCache(model, CPU, torch.float32)
@@ -535,12 +537,12 @@ def test_fused_stack_follows_every_change_to_the_layers():
             return cache.forward(torch.tensor([[20, 21, 22]]), torch.arange(3)[None], None).logits
 
     assert (step(m) - step(ref)).abs().max() < 1e-4
-    packs = [kernels._PACKED["fused"][layer][1] for layer in m.model.layers]  # one buffer, read in order
+    packs = [packing.PACKED["fused"][layer][1] for layer in m.model.layers]  # one buffer, read in order
     ptrs = [t.data_ptr() for w in packs for t in (w[0], w[6], w[1], w[7])]
     assert ptrs == sorted(ptrs) and len({t.untyped_storage().data_ptr() for w in packs for t in w[:2]}) == 1
-    assert kernels._PACKED["avx2"][m.model.layers[1].mlp.down_proj][1] is packs[1][7]
-    first = kernels._STACKS[m.model]
-    assert kernels._stack(m.model) is first and first.state() == 0
+    assert packing.PACKED["native"][m.model.layers[1].mlp.down_proj][1] is packs[1][7]
+    first = native._STACKS[m.model]
+    assert native._stack(m.model) is first and first.state() == 0
 
     def twin_of(layer, idx):  # a copy of a layer to stand at index idx
         twin = copy.deepcopy(layer)
@@ -557,27 +559,27 @@ def test_fused_stack_follows_every_change_to_the_layers():
         lambda mod: mod.model.layers.__setitem__(1, twin_of(mod.model.layers[0], 1)),
     ]
     for change in changes:
-        before, old = kernels._STACKS[m.model], step(m)
+        before, old = native._STACKS[m.model], step(m)
         with torch.no_grad():
             change(m)
             change(ref)
         assert before.state() == 1
         new = step(m)
         assert (new - step(ref)).abs().max() < 1e-4 and (new - old).abs().max() > 1e-3  # a stale stack would fail
-        assert kernels._STACKS[m.model] is not before and kernels._stack(m.model).state() == 0
-        assert kernels._stack(m.model) is kernels._STACKS[m.model]  # the lean loop ran on it
+        assert native._STACKS[m.model] is not before and native._stack(m.model).state() == 0
+        assert native._stack(m.model) is native._STACKS[m.model]  # the lean loop ran on it
     hook = m.model.layers[0].register_forward_hook(lambda *a: None)
-    assert kernels._stack(m.model) is None and kernels._STACKS[m.model].state() == 2
+    assert native._stack(m.model) is None and native._STACKS[m.model].state() == 2
     assert (step(m) - step(ref)).abs().max() < 1e-4
     hook.remove()
-    assert kernels._stack(m.model) is not None
+    assert native._stack(m.model) is not None
     layer = m.model.layers[1]
     fused = layer.forward
     layer.forward = types.MethodType(type(layer).forward, layer)  # a layer off the fused path: HF's loop
-    assert kernels._stack(m.model) is None and m.model not in kernels._STACKS
+    assert native._stack(m.model) is None and m.model not in native._STACKS
     assert (step(m) - step(ref)).abs().max() < 1e-4
     layer.forward = fused
-    assert kernels._stack(m.model) is kernels._STACKS[m.model] is not None
+    assert native._stack(m.model) is native._STACKS[m.model] is not None
 
 
 @avx2
@@ -589,18 +591,18 @@ def test_heads_like_is_the_batched_matmul_and_follows_the_weights():
     w = torch.nn.Parameter(torch.randn(3, 40, 24, generator=g))
     x = torch.randn(5, 24, generator=g)
     like = torch.nn.Linear(24, 8)
-    kernels.apply(torch.nn.Sequential(like), "avx2")
+    backends.apply(torch.nn.Sequential(like), "native")
     owner = torch.nn.Module()
     with torch.no_grad():
-        got = kernels.heads_like(x, w, like, owner)
+        got = backends.heads_like(x, w, like, owner)
         assert got.shape == (3, 5, 40) and (got - torch.einsum("ni,hoi->hno", x, w)).abs().max() < 1e-4
-        assert kernels._PACKED["heads"][owner][0] == [(id(w), w.data_ptr(), w._version)]  # packed for the owner
+        assert packing.PACKED["heads"][owner][0] == [(id(w), w.data_ptr(), w._version)]  # packed for the owner
         w.mul_(-2.0)
-        assert (kernels.heads_like(x, w, like, owner) + 2 * got).abs().max() < 1e-3
-    y = kernels.heads_like(x, w, like, owner)  # autograd: torch's own
+        assert (backends.heads_like(x, w, like, owner) + 2 * got).abs().max() < 1e-3
+    y = backends.heads_like(x, w, like, owner)  # autograd: torch's own
     assert y.requires_grad and torch.equal(y, torch.einsum("ni,hoi->hno", x, w))
     with torch.no_grad():
-        assert torch.equal(kernels.heads_like(x, w, torch.nn.Linear(24, 8), owner), torch.einsum("ni,hoi->hno", x, w))
+        assert torch.equal(backends.heads_like(x, w, torch.nn.Linear(24, 8), owner), torch.einsum("ni,hoi->hno", x, w))
 
 
 @avx2
@@ -610,7 +612,7 @@ def test_fused_layer_takes_the_cache_under_either_name():
     cached keys too), and ``cache_kwarg`` reads the name a forward takes from its signature."""
     from transformers import DynamicCache
 
-    from specbench.models import cache_kwarg
+    from specbench.hf import cache_kwarg
 
     class Old:
         def forward(self, x, past_key_values=None): ...
@@ -620,7 +622,7 @@ def test_fused_layer_takes_the_cache_under_either_name():
 
     assert (cache_kwarg(Old), cache_kwarg(New()), cache_kwarg(Old())) == ("past_key_values", "cache", "past_key_values")
     m = tiny_llama(seed=3)
-    kernels.apply(m, "avx2")
+    backends.apply(m, "native")
     layer = m.model.layers[0]
     outs = []
     with torch.inference_mode():
@@ -650,7 +652,7 @@ def test_extension_attention_matches_sdpa(d):
     ok = torch.rand(B, 1, n, L, generator=g) < 0.6
     ok[..., 0] = True
     add = torch.where(ok, 0.0, torch.finfo(torch.float32).min)
-    ext = kernels._extension()
+    ext = extension.load()
 
     def ref(q, k, v, mask=None, causal=False):
         if causal:
@@ -683,7 +685,7 @@ def test_extension_attention_query_is_independent_of_the_others(d):
     ok[1, ..., :9] = False  # a left-padded row
     ok[..., 9] = True
     add = torch.where(ok, 0.0, torch.finfo(torch.float32).min)
-    ext = kernels._extension()
+    ext = extension.load()
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=ok, scale=0.125, enable_gqa=True).transpose(1, 2)
     out = ext.attention(q, k, v, add, 0.125)
     causal = ext.attention(q, k, v, torch.empty(0), 0.125)
@@ -708,4 +710,4 @@ def test_extension_silu_mul_matches_torch():
     gu = 6 * torch.randn(3, 2, 2 * 37, generator=g)  # 37: a tail after the vectors
     gu[0, 0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
     gate, up = gu.chunk(2, dim=-1)
-    assert torch.allclose(kernels._extension().silu_mul(gu), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(extension.load().silu_mul(gu), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)

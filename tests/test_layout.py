@@ -1,0 +1,73 @@
+"""The package's imports form a tree (no circle, function-level imports included): the cache
+below the backends, the backends below the loader, the loader below the engine and the runner."""
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+PKG = REPO / "specbench"
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for f in PKG.rglob("*.py"):
+        name = ".".join(f.relative_to(REPO).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = f
+    return mods
+
+
+def imports() -> dict[str, set[str]]:
+    """Each specbench module -> the specbench modules it imports anywhere in its code."""
+    mods = _modules()
+
+    def owner(name: str) -> str | None:  # `from specbench.x import y`: the module y, else x
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, f in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("specbench"):
+                deps |= {owner(f"{node.module}.{a.name}") for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {owner(a.name) for a in node.names if a.name.startswith("specbench")}
+        graph[name] = deps - {None, name}
+    return graph
+
+
+def below(graph: dict[str, set[str]], name: str) -> set[str]:
+    """Everything ``name`` imports, directly or not."""
+    seen, todo = set(), [name]
+    while todo:
+        for d in graph[todo.pop()]:
+            if d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+def test_no_module_imports_itself_through_others():
+    graph = imports()
+    circles = sorted(m for m in graph if m in below(graph, m))
+    assert not circles, f"import circles through: {circles}"
+
+
+def test_the_cache_the_backends_the_loader_and_the_engine_are_layered():
+    graph = imports()
+    assert below(graph, "specbench.kv") <= {"specbench.accel", "specbench.hf", "specbench.errors"}
+    upper = {"specbench.models", "specbench.engine", "specbench.runner", "specbench.measure", "specbench.drafters"}
+    for m in graph:
+        if m.startswith("specbench.backends"):
+            assert not below(graph, m) & upper, m
+    assert "specbench.backends" in below(graph, "specbench.models")
+    assert not below(graph, "specbench.engine") & {"specbench.models", "specbench.runner", "specbench.backends"}
+
+
+def test_a_circle_is_seen():
+    """The check above can fail: a circle made up in a copy of the graph is found."""
+    graph = imports()
+    graph["specbench.accel"] = graph["specbench.accel"] | {"specbench.kv"}
+    assert "specbench.kv" in below(graph, "specbench.kv")
