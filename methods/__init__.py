@@ -1,11 +1,22 @@
 """Registry of speculative-decoding methods: name -> proposer class, imported lazily.
 
-Adding a method = one module here + ``conf/method/<name>.yaml`` + its tests.
+Built-in methods live here (one module + ``specbench/conf/method/<name>.yaml`` + tests). A
+method from another package needs no fork: its package declares an entry point in the group
+``specbench.methods`` (``name = "my_pkg.my_module:MyProposer"``), or a run names the class
+itself (``method=my_pkg.my_module:MyProposer``). Such a method declares its own settings
+(``Proposer.Settings``, a dataclass; or ``Proposer.config_file``, a yaml beside its module),
+which ``<name>.<key>=...`` overrides and Hydra checks as it does a built-in method's.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
+from importlib import metadata
+from pathlib import Path
+
+GROUP = "specbench.methods"  # the entry-point group of outside methods
 
 REGISTRY: dict[str, str] = {
     "ar": "methods.ar:AR",
@@ -20,17 +31,80 @@ REGISTRY: dict[str, str] = {
 }
 
 
+@functools.cache
+def plugins() -> dict[str, str]:
+    """Methods other installed packages declare (entry points of ``GROUP``): name -> target.
+    A name that shadows a built-in method is refused, not silently taken."""
+    found = {}
+    for ep in metadata.entry_points(group=GROUP):
+        if ep.name in REGISTRY:
+            raise KeyError(f"package {ep.dist.name if ep.dist else '?'} declares method '{ep.name}', "
+                           "the name of a built-in method; rename its entry point")
+        found[ep.name] = ep.value
+    return found
+
+
+def is_target(name: str) -> bool:
+    """``name`` names a class itself (``module:Class``), not a registered method."""
+    mod, colon, cls = name.partition(":")
+    return bool(colon and mod and cls.isidentifier())
+
+
 def names() -> list[str]:
-    return sorted(REGISTRY)
+    """The registered methods: built-in and declared by installed packages."""
+    return sorted({**REGISTRY, **plugins()})
+
+
+def target(name: str) -> str:
+    """``module:Class`` of a method name (or of a ``module:Class`` name itself)."""
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if name in plugins():
+        return plugins()[name]
+    if is_target(name):
+        return name
+    raise KeyError(f"unknown method '{name}'; choices: {', '.join(names())}, or module:Class")
 
 
 def get(name: str):
-    if name not in REGISTRY:
-        raise KeyError(f"unknown method '{name}'; choices: {', '.join(names())}")
-    mod, cls = REGISTRY[name].split(":")
-    return getattr(importlib.import_module(mod), cls)
+    """The proposer class of a method name (built-in, an entry point, or ``module:Class``)."""
+    mod, _, cls = target(name).partition(":")
+    try:
+        obj = getattr(importlib.import_module(mod), cls)
+    except (ImportError, AttributeError) as e:
+        raise KeyError(f"method '{name}': cannot import {mod}:{cls} ({type(e).__name__}: {e})") from e
+    from methods.base import Proposer
+
+    if not (isinstance(obj, type) and issubclass(obj, Proposer)):
+        raise KeyError(f"method '{name}': {mod}:{cls} is not a methods.base.Proposer subclass")
+    return obj
+
+
+def settings(name: str):
+    """The method config node of an outside method (its ``Settings`` dataclass, its
+    ``config_file``, or just its name), with ``name`` set to the name it was chosen by."""
+    from omegaconf import OmegaConf
+
+    cls = get(name)
+    if getattr(cls, "Settings", None) is not None:
+        if not dataclasses.is_dataclass(cls.Settings):
+            raise KeyError(f"method '{name}': {cls.__name__}.Settings must be a dataclass")
+        fields = {f.name for f in dataclasses.fields(cls.Settings)}
+        if "name" not in fields:
+            raise KeyError(f"method '{name}': {cls.__name__}.Settings needs a field `name: str`")
+        node = OmegaConf.structured(cls.Settings)
+    elif getattr(cls, "config_file", None):
+        path = Path(importlib.import_module(cls.__module__).__file__).parent / cls.config_file
+        if not path.exists():
+            raise KeyError(f"method '{name}': its config_file {path} does not exist")
+        node = OmegaConf.load(path)
+    else:
+        node = OmegaConf.create({})
+    node.name = name
+    return node
 
 
 def register(name: str, target: str) -> None:
-    """Register ``name`` -> ``'module:Class'`` (for plug-ins and tests)."""
+    """Register ``name`` -> ``'module:Class'`` in this process (for tests; outside packages use
+    the entry point group, which every process of a sweep sees)."""
     REGISTRY[name] = target

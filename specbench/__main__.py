@@ -1,7 +1,9 @@
 """`python -m specbench [key=value ...]`: a Hydra sweep over the product of comma lists.
 
 Before Hydra starts, config-group choices are checked (one-line error listing the
-choices) and `draft=<hub id or folder>` is rewritten to `draft=hf draft.path=<...>`.
+choices), `draft=<hub id or folder>` is rewritten to `draft=hf draft.path=<...>`, and a method
+from another package (an entry point of ``specbench.methods``, or ``method=module:Class``) gets
+its settings into Hydra's config store as ``method/<name>``.
 """
 
 from __future__ import annotations
@@ -17,20 +19,21 @@ def preprocess(argv: list[str]) -> list[str]:
 
     import methods
 
+    known = set(methods.names())
     out = []
     swept = next(([v.strip() for v in a.partition("=")[2].split(",")] for a in reversed(argv)
                   if a.startswith("method=")), None)
     for arg in argv:
         key, eq, val = arg.partition("=")
         head, dot, rest = key.partition(".")
-        if eq and dot and head in methods.REGISTRY:  # eagle.depth=6 -> method.depth=6
+        if eq and dot and head in known:  # eagle.depth=6 -> method.depth=6
             if swept != [head]:  # would reach the other methods' jobs too
                 raise ConfigError(f"{key}= needs method={head} alone (got method={','.join(swept or ['<default>'])}); "
                                   "sweep other methods in a separate command")
             arg = f"method.{rest}={val}"
             key = f"method.{rest}"
         if eq and key in GROUPS:
-            opts = group_options(key)
+            opts = methods.names() if key == "method" else group_options(key)
             vals = [v.strip() for v in val.split(",")]
             if key == "draft" and any(v not in opts for v in vals):
                 if len(vals) > 1:
@@ -38,11 +41,36 @@ def preprocess(argv: list[str]) -> list[str]:
                                       f"{', '.join(opts)})")
                 out += ["draft=hf", f"draft.path={val}"]
                 continue
-            bad = [v for v in vals if v not in opts]
+            bad = [v for v in vals if v not in opts and not (key == "method" and methods.is_target(v))]
             if bad:
-                raise ConfigError(f"unknown {key} '{bad[0]}'; choices: {', '.join(opts)}")
+                more = ", or module:Class (a proposer from your own package)" if key == "method" else ""
+                raise ConfigError(f"unknown {key} '{bad[0]}'; choices: {', '.join(opts)}{more}")
         out.append(arg)
     return out
+
+
+def store_outside_methods(argv: list[str]) -> list[str]:
+    """Put the settings of every method named in ``argv`` that is not built in (an entry point
+    or ``module:Class``) into Hydra's config store as ``method/<name>``; returns their names.
+    A class that cannot be imported, or is no proposer, is refused in one line."""
+    from hydra.core.config_store import ConfigStore
+
+    from specbench.errors import ConfigError
+
+    import methods
+
+    names = []
+    for arg in argv:
+        key, eq, val = arg.partition("=")
+        if key == "method" and eq:
+            names += [v.strip() for v in val.split(",") if v.strip() not in methods.REGISTRY]
+    for name in dict.fromkeys(names):
+        try:
+            node = methods.settings(name)
+        except KeyError as e:
+            raise ConfigError(e.args[0]) from None
+        ConfigStore.instance().store(group="method", name=name, node=node)
+    return names
 
 
 def main() -> int:
@@ -50,6 +78,7 @@ def main() -> int:
 
     try:
         sys.argv[1:] = preprocess(sys.argv[1:])
+        store_outside_methods(sys.argv[1:])
     except ConfigError as e:
         print(f"specbench: error: {e}", file=sys.stderr)
         return 2
@@ -57,7 +86,7 @@ def main() -> int:
 
     from specbench import runner
 
-    @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+    @hydra.main(config_path="conf", config_name="config", version_base="1.3")
     def _app(cfg):
         runner.job(cfg)
 

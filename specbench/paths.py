@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # shipped inside the package
 
 
 def cache_dir() -> Path:

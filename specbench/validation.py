@@ -19,8 +19,10 @@ from specbench.models import check_compile, load_config, resolve_device, resolve
 def validate(cfg: DictConfig) -> int:
     """Every check that needs no model weights (and no conversion, no kernel build), cheapest
     first; raises ConfigError with one line. Returns the positions the job's models can take."""
-    if cfg.method.name not in methods.REGISTRY:
-        raise ConfigError(f"unknown method '{cfg.method.name}'; choices: {', '.join(methods.names())}")
+    try:
+        method = methods.get(cfg.method.name)
+    except KeyError as e:  # unknown, or an outside class that does not import
+        raise ConfigError(e.args[0]) from None
     schema.check(cfg)  # types and ranges of every setting but the method's own
     loggers.check(cfg)
     if cfg.dataset.name == "jsonl":
@@ -32,7 +34,6 @@ def validate(cfg: DictConfig) -> int:
     check_compile(compile_, backends.resolve(cfg.get("kernel", "torch"), device) if compile_ is True else None)
     mconf = load_config(cfg.model)
     check_rollback(mconf)
-    method = methods.get(cfg.method.name)
     method.check(cfg, mconf)  # a method owns its own config checks
     npos = method.positions(cfg, mconf)
     if cfg.ctx is not None:

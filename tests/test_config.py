@@ -21,7 +21,7 @@ from specbench.errors import ConfigError
 
 from conftest import REPO
 
-CONF = str(REPO / "conf")
+CONF = str(REPO / "specbench" / "conf")
 GROUPS = ["method", "model", "dataset", "draft", "logger"]
 
 
@@ -45,11 +45,11 @@ def test_every_option_composes(group):
 
 
 def test_every_registered_method_has_a_config():
-    assert set(methods.names()) == set(paths.group_options("method"))
+    assert set(methods.REGISTRY) == set(paths.group_options("method"))
 
 
 def test_default_sweep_and_multirun_mode():
-    raw = OmegaConf.load(REPO / "conf" / "config.yaml")
+    raw = OmegaConf.load(REPO / "specbench" / "conf" / "config.yaml")
     assert raw.hydra.mode == "MULTIRUN"
     assert set(raw.hydra.sweeper.params.method.split(",")) == {"ar", "pld", "lookahead"}
 
@@ -516,7 +516,8 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(tiny_dirs, tmp_path, mo
     assert runner.job(cfg, sweep_id="f")[0]["error"].startswith("K must be")
     monkeypatch.setitem(methods.REGISTRY, "broken", "methods.no_such_module:X")  # a method that fails to import
     cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "broken"}})
-    assert runner.job(cfg, sweep_id="f")[0]["error"].startswith("loading: ModuleNotFoundError")
+    assert runner.job(cfg, sweep_id="f")[0]["error"].startswith(
+        "method 'broken': cannot import methods.no_such_module:X (ModuleNotFoundError")
     lines = R.read(tmp_path / "records.jsonl")
     assert [r["status"] for r in lines] == ["ok", "error", "oom", "error", "error"]  # ar ok, then the failures
 
@@ -600,7 +601,8 @@ def test_cli_sweep_end_to_end(tiny_dirs, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "specbench", "method=medusa9"], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "specbench: error: unknown method 'medusa9'; choices: ar, eagle, leviathan, lookahead, medusa, pld, reject, rest, specdec"
+    assert bad.stderr.strip() == ("specbench: error: unknown method 'medusa9'; choices: ar, eagle, leviathan, lookahead, medusa, pld, "
+                                   "reject, rest, specdec, or module:Class (a proposer from your own package)")
 
 
 def test_resume_skips_recorded_jobs(tiny_dirs, tmp_path, capsys):
@@ -696,7 +698,7 @@ def test_trained_draft_for_another_model_is_refused(tiny_dirs, tmp_path):
 
 
 def test_shipped_draft_config_points_at_a_checkpoint():
-    cfg = OmegaConf.load(REPO / "conf" / "draft" / "smollm2-135m-draft.yaml")
+    cfg = OmegaConf.load(REPO / "specbench" / "conf" / "draft" / "smollm2-135m-draft.yaml")
     from specbench.drafters import is_draft_checkpoint
 
     path = paths.resolve_path(cfg.path)

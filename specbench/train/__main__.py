@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def main() -> int:
     import hydra
 
-    @hydra.main(config_path="../../conf", config_name="train", version_base="1.3")
+    @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
     def _app(cfg):
         import torch
 

@@ -20,6 +20,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from specbench.paths import CONF_DIR
+
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = "docs/benchmarks/drafters.md"
 
@@ -69,7 +71,7 @@ def _where(folder: Path) -> str:
 def _conf(group: str, name: str) -> dict:
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(REPO / "conf" / group / f"{name}.yaml"))
+    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"))
 
 
 def use_lines(meta: dict, folder: Path) -> list[str]:
@@ -111,10 +113,10 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
     elif kind == "draft_lm":
         from omegaconf import OmegaConf
 
-        drafts = [p.stem for p in sorted((REPO / "conf" / "draft").glob("*.yaml"))
+        drafts = [p.stem for p in sorted((CONF_DIR / "draft").glob("*.yaml"))
                   if OmegaConf.load(p).get("path") == where]
         pick = f"draft={drafts[0]}" if drafts else f"draft=smollm2-135m-draft draft.path={where}"
-        k = OmegaConf.load(REPO / "conf" / "config.yaml").K
+        k = OmegaConf.load(CONF_DIR / "config.yaml").K
         lines += ["```bash", f"python -m specbench method=leviathan {pick}", "```", "",
                   f"Drafts K={k} tokens a step by default (`K=...`)."]
     return lines + [""]

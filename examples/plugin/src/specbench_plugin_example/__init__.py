@@ -1,0 +1,1 @@
+"""An example specbench method from its own package (see ``bigram``)."""
