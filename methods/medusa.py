@@ -17,10 +17,13 @@ candidate passes when p(x) > min(eps, delta * exp(-H(p)))), recorded ``lossless:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from methods.base import BatchState, Proposer
-from specbench import drafters
+from specbench import backends, drafters
+from specbench.drafters import published
 from specbench.draft import Draft
 from specbench.drafters.medusa import sparse_tree
 from specbench.errors import ConfigError
@@ -51,13 +54,24 @@ class Medusa(Proposer):
             raise ConfigError(f"medusa.tree_size must be 'auto', null or an integer >= 1, got {m.tree_size!r}")
         if not 0 < float(m.eps) < 1 or float(m.delta) <= 0:
             raise ConfigError(f"medusa.eps must be in (0, 1) and medusa.delta > 0, got {m.eps}, {m.delta}")
-        drafters.check_fits(resolve_path(m.checkpoint), cfg, target_config, "medusa", "medusa.checkpoint")
+        folder = resolve_path(m.checkpoint)
+        if published.detect(folder) == "medusa1":  # the authors' layout (FasterDecoding's Medusa-1)
+            try:
+                published.check_medusa1(folder, target_config)
+            except published.FormatError as e:
+                raise ConfigError(f"medusa.checkpoint {e}") from None
+        else:
+            drafters.check_fits(folder, cfg, target_config, "medusa", "medusa.checkpoint")
 
     @classmethod
     def spec_len(cls, cfg, device) -> int:
         """K, or the checkpoint's head count where K asks for more (the drafts use min(K, heads))."""
+        folder = resolve_path(cfg.method.checkpoint)
         try:
-            heads = int(drafters.read_meta(resolve_path(cfg.method.checkpoint))["drafter"]["heads"])
+            if published.detect(folder) == "medusa1":
+                heads = published.medusa1_shape(folder)[0]
+            else:
+                heads = int(drafters.read_meta(folder)["drafter"]["heads"])
         except (OSError, KeyError, TypeError, ValueError):  # no readable checkpoint: check() says so
             return int(cfg.K)
         return min(int(cfg.K), heads)
@@ -65,8 +79,16 @@ class Medusa(Proposer):
     def __init__(self, cfg, target, tokenizer, device, dtype, heads=None, acc=None):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method
-        if heads is None:
-            folder = resolve_path(m.checkpoint)
+        self.format = "specbench"
+        folder = resolve_path(m.checkpoint) if heads is None else None
+        if folder is not None and published.detect(folder) == "medusa1":
+            heads = published.load_medusa1(folder, target, device, dtype)
+            backends.apply(heads, backends.kernel_of(target))  # on the target's kernel path
+            self.format, size = "medusa1", None
+            if m.tree == "default":  # no measured accuracies to build the sparse tree from
+                print("[specbench] medusa: a Medusa-1 checkpoint carries no head accuracies; drafting a chain "
+                      "of each head's top-1 (medusa.tree=chain)", file=sys.stderr)
+        elif heads is None:
             heads = drafters.load(folder, target, device, dtype, kind="medusa")
             meta = drafters.read_meta(folder)
             acc = meta["acc"]
@@ -77,8 +99,8 @@ class Medusa(Proposer):
             size = AUTO_CPU_TREE if m.tree_size in (None, "auto") else m.tree_size
         self.heads = heads
         self.K = min(int(cfg.K), heads.n_heads)
-        self.tree = m.tree
-        if m.tree == "chain" or acc is None:
+        self.tree = "chain" if acc is None else m.tree
+        if self.tree == "chain":
             paths = [(0,) * d for d in range(1, self.K + 1)]
         else:
             paths = sparse_tree([list(a) for a in acc[: self.K]], int(size))
@@ -115,7 +137,7 @@ class Medusa(Proposer):
         return Draft(tokens=cand, parents=parents, typical=self.typical)
 
     def describe(self) -> dict:
-        return {"tree": self.tree, "nodes": len(self.paths), "heads_used": self.K,
+        return {"tree": self.tree, "nodes": len(self.paths), "heads_used": self.K, "checkpoint_format": self.format,
                 "accept": "typical" if self.typical else "exact",
                 "typical_eps_delta": list(self.typical) if self.typical else None,
                 "draft_vocab": int(self.heads.vocab_ids.numel())}

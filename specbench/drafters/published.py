@@ -1,0 +1,153 @@
+"""Drafters as their authors publish them, loaded strictly: a checkpoint whose keys do not match
+its declared format, or whose shapes do not fit the target, is refused in one line naming what
+is missing and what is unexpected (the reference loaders' ``strict=False`` hides partial loads).
+
+Formats (``detect``):
+
+- ``medusa1``: FasterDecoding's Medusa-1 heads (Cai et al. 2024), e.g.
+  ``FasterDecoding/medusa-vicuna-7b-v1.3``: ``config.json`` with ``medusa_num_heads`` and
+  ``medusa_num_layers``, and ``medusa_lm_head.pt``, the state of a list of heads, each
+  ``num_layers`` residual blocks ``x + SiLU(W x + b)`` (keys ``{head}.{layer}.linear.weight``
+  and ``.bias``) and a full-vocabulary output layer of its own (``{head}.{num_layers}.weight``),
+  all reading the target's last hidden state after its final norm. The reference builds the
+  blocks of a head as one module repeated, so their keys repeat the same tensors; each is read
+  as its own here, which computes the same.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specbench import backends
+from specbench.drafters import Drafter, TargetParts
+from specbench.hf import text_config
+
+MEDUSA1_HEADS = "medusa_lm_head.pt"
+
+
+class FormatError(ValueError):
+    """A published checkpoint that does not match its format or its target (one line)."""
+
+
+def detect(folder) -> str | None:
+    """The published format of ``folder`` (None: not a published drafter this loader knows)."""
+    p = Path(str(folder)).expanduser()
+    if (p / MEDUSA1_HEADS).exists() and (p / "config.json").exists():
+        return "medusa1"
+    return None
+
+
+def medusa1_shape(folder) -> tuple[int, int]:
+    """(heads, residual blocks per head) from the checkpoint's config.json."""
+    cfg = json.loads((Path(folder).expanduser() / "config.json").read_text())
+    try:
+        return int(cfg["medusa_num_heads"]), int(cfg.get("medusa_num_layers", 1))
+    except (KeyError, TypeError, ValueError):
+        raise FormatError(f"{folder}: config.json names no medusa_num_heads (not a Medusa-1 checkpoint)") from None
+
+
+def medusa1_keys(heads: int, layers: int) -> set[str]:
+    keys = {f"{h}.{layers}.weight" for h in range(heads)}
+    for h in range(heads):
+        for k in range(layers):
+            keys |= {f"{h}.{k}.linear.weight", f"{h}.{k}.linear.bias"}
+    return keys
+
+
+def _read_medusa1(folder) -> tuple[dict, int, int]:
+    heads, layers = medusa1_shape(folder)
+    state = torch.load(Path(folder).expanduser() / MEDUSA1_HEADS, map_location="cpu", weights_only=True)
+    want, have = medusa1_keys(heads, layers), set(state)
+    if want != have:
+        missing, unexpected = sorted(want - have), sorted(have - want)
+        raise FormatError(f"{folder}: not the Medusa-1 layout its config.json declares ({heads} heads x {layers} "
+                          f"blocks): missing {missing[:4]}{' ...' if len(missing) > 4 else ''}, unexpected "
+                          f"{unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
+    return state, heads, layers
+
+
+def check_medusa1(folder, target_config) -> tuple[int, int]:
+    """The checkpoint's (heads, blocks) when it fits ``target_config``; else FormatError."""
+    state, heads, layers = _read_medusa1(folder)
+    tc = text_config(target_config)
+    d, V = int(tc.hidden_size), int(tc.vocab_size)
+    for h in range(heads):
+        for k in range(layers):
+            if tuple(state[f"{h}.{k}.linear.weight"].shape) != (d, d):
+                raise FormatError(f"{folder}: head {h} block {k} is {tuple(state[f'{h}.{k}.linear.weight'].shape)}, "
+                                  f"the target's hidden size is {d}: a drafter for another target")
+        if tuple(state[f"{h}.{layers}.weight"].shape) != (V, d):
+            raise FormatError(f"{folder}: head {h}'s output layer is {tuple(state[f'{h}.{layers}.weight'].shape)}, "
+                              f"the target has {V} tokens x {d}: a drafter for another target")
+    return heads, layers
+
+
+class Medusa1Heads(Drafter):
+    """Medusa-1 heads with their own output layers: head k turns the target's last hidden state
+    f into logits over the whole vocabulary for token t+1+k."""
+
+    kind = "medusa"
+
+    def __init__(self, target, heads: int, layers: int):
+        super().__init__()
+        tc = text_config(target.config)
+        d, V = int(tc.hidden_size), int(tc.vocab_size)
+        self.n_heads, self.n_layers, self.vocab_size = heads, layers, V
+        self.weight = nn.Parameter(torch.zeros(heads, layers, d, d))
+        self.bias = nn.Parameter(torch.zeros(heads, layers, d))
+        self.head = nn.Parameter(torch.zeros(heads, V, d))
+        self.register_buffer("vocab_ids", torch.arange(V), persistent=False)  # the whole vocabulary
+        self.parts = TargetParts(target, self.vocab_ids)
+
+    def logits_of(self, f: torch.Tensor) -> torch.Tensor:
+        return self.parts.logits(f)
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        """f [..., d] -> logits [n_heads, ..., V]."""
+        shape = f.shape
+        x = f.reshape(-1, shape[-1])
+        like = self.parts.target.get_output_embeddings()
+        h = x[None] + F.silu(backends.heads_like(x, self.weight[:, 0].to(f.dtype), like, self)
+                             + self.bias[:, 0, None].to(f.dtype))
+        for k in range(1, self.n_layers):
+            h = h + F.silu(torch.einsum("hni,hoi->hno", h, self.weight[:, k].to(f.dtype))
+                           + self.bias[:, k, None].to(f.dtype))
+        out = torch.einsum("hni,hvi->hnv", h, self.head.to(f.dtype))
+        return out.view(self.n_heads, *shape[:-1], -1)
+
+
+def load_medusa1(folder, target, device, dtype) -> Medusa1Heads:
+    heads, layers = check_medusa1(folder, target.config)
+    state, _, _ = _read_medusa1(folder)
+    m = Medusa1Heads(target, heads, layers)
+    with torch.no_grad():
+        for h in range(heads):
+            for k in range(layers):
+                m.weight[h, k].copy_(state[f"{h}.{k}.linear.weight"])
+                m.bias[h, k].copy_(state[f"{h}.{k}.linear.bias"])
+            m.head[h].copy_(state[f"{h}.{layers}.weight"])
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m.to(device=device, dtype=dtype).eval()
+
+
+def save_medusa1(folder, blocks_w: torch.Tensor, blocks_b: torch.Tensor, heads_w: torch.Tensor,
+                 base_model: str) -> None:
+    """Write Medusa-1's layout: ``blocks_w`` [H, L, d, d], ``blocks_b`` [H, L, d], ``heads_w`` [H, V, d]."""
+    H, L = blocks_w.shape[:2]
+    state = {}
+    for h in range(H):
+        for k in range(L):
+            state[f"{h}.{k}.linear.weight"] = blocks_w[h, k].detach().clone().contiguous()
+            state[f"{h}.{k}.linear.bias"] = blocks_b[h, k].detach().clone().contiguous()
+        state[f"{h}.{L}.weight"] = heads_w[h].detach().clone().contiguous()
+    out = Path(folder).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out / MEDUSA1_HEADS)
+    (out / "config.json").write_text(json.dumps({"medusa_num_heads": int(H), "medusa_num_layers": int(L),
+                                                 "base_model_name_or_path": base_model}, indent=1) + "\n")
