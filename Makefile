@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: setup run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu train-draft report regress regress-baseline profile clean-cache
+.PHONY: setup run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline train-draft report regress regress-baseline profile clean-cache
 
 setup: $(STAMP)
 
@@ -107,6 +107,15 @@ clean-cache:
 # (`reject`, K=1) against AR at bs=1 — they differ only by kernel shapes — beside every method's,
 # in fp32 (all must be identical) and bf16 (rounding: a method should diverge no more than the
 # floor). 10 MT-Bench first turns, 96 tokens; the report's identity table holds the numbers.
+# The README's headline table: every method on the default prompt set (MT-Bench, one question
+# per category, both turns), 128 tokens, bs 1, fp32 on this CPU, each job paired with its own AR
+# (ar_baseline=paired), and the report. Quiet machine only (~20 min on 2 cores).
+BENCH_HEADLINE_DIR := results/bench-headline
+bench-headline: setup
+	$(BIN)/python -m specbench method=pld,lookahead,rest,eagle,medusa,specdec,leviathan max_new_tokens=128 \
+		ar_baseline=paired progress=false results_dir=$(BENCH_HEADLINE_DIR) $(ARGS)
+	$(BIN)/python -m analysis.report $(BENCH_HEADLINE_DIR) --out $(BENCH_HEADLINE_DIR)/report
+
 BENCH_FLOOR_DIR := results/bench-floor
 FLOOR_ARGS := dataset=mt_bench dataset.order=file limit=10 dataset.max_turns=1 max_new_tokens=96 progress=false results_dir=$(BENCH_FLOOR_DIR)
 bench-floor: setup

@@ -488,7 +488,8 @@ def paper_sweep(full: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     for col in ("% of batch bound", "score %", "match AR %"):
         if len(t.columns) < PAPER_COLUMNS and col in full and full[col].notna().any():
             t[col] = full[col]
-    return t, fixed
+    # rows that read the same (the AR baselines of a paired sweep, one per job) are shown once
+    return t.drop_duplicates(ignore_index=True), fixed
 
 
 def paper_per_category(wide: pd.DataFrame) -> tuple[pd.DataFrame, str]:

@@ -21,6 +21,7 @@ import torch
 
 from methods.base import BatchState, Proposer
 from specbench import drafters
+from specbench.drafters import published
 from specbench.draft import Draft
 from specbench.errors import ConfigError
 from specbench.paths import resolve_path
@@ -49,7 +50,18 @@ class Eagle(Proposer):
             v = m[key]
             if v != "auto" and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"eagle.{key} must be 'auto' or an integer >= 1, got {v!r}")
-        drafters.check_fits(resolve_path(m.checkpoint), cfg, target_config, "eagle", "eagle.checkpoint")
+        folder = resolve_path(m.checkpoint)
+        fmt = published.detect(folder)
+        if fmt == "eagle3":
+            raise ConfigError(f"eagle.checkpoint '{m.checkpoint}' is an EAGLE-3 drafter (midlayer.*): recognised, not "
+                              "loaded yet; published EAGLE-1/2 drafters and specbench's own load")
+        if fmt == "eagle1":  # SafeAILab's published layout
+            try:
+                published.check_eagle1(folder, target_config)
+            except published.FormatError as e:
+                raise ConfigError(f"eagle.checkpoint {e}") from None
+        else:
+            drafters.check_fits(folder, cfg, target_config, "eagle", "eagle.checkpoint")
 
     @classmethod
     def tree_shape(cls, m, device) -> tuple[int, int, int]:
@@ -65,8 +77,13 @@ class Eagle(Proposer):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method
         self.top_k, self.depth, self.total = self.tree_shape(m, device)
+        self.format = "specbench"
         if drafter is None:
-            drafter = drafters.load(resolve_path(m.checkpoint), target, device, dtype, kind="eagle")
+            folder = resolve_path(m.checkpoint)
+            if published.detect(folder) == "eagle1":
+                drafter, self.format = published.load_eagle1(folder, target, device, dtype), "eagle1"
+            else:
+                drafter = drafters.load(folder, target, device, dtype, kind="eagle")
         self.d = drafter
         self.h_last = None  # [B, d] the drafter's prediction of the root's feature
 
@@ -200,6 +217,6 @@ class Eagle(Proposer):
         return Draft(tokens=tok.gather(1, order), parents=parents, valid=valid)
 
     def describe(self) -> dict:
-        return {"top_k": self.top_k, "depth": self.depth, "total_tokens": self.total,
+        return {"top_k": self.top_k, "depth": self.depth, "total_tokens": self.total, "checkpoint_format": self.format,
                 "drafter_params": sum(p.numel() for p in self.d.parameters()),
                 "draft_vocab": int(self.d.vocab_ids.numel())}

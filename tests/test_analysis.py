@@ -166,7 +166,14 @@ def test_report_tables_fit_a_page_and_the_csv_keeps_every_column(tmp_path):
     assert all(len(r.strip("|").split("|")) == len(cols) for r in md if r.startswith("| "))
     full = pd.read_csv(tmp_path / "rep" / "sweep.csv")
     assert {"tok/s", "95% CI", "bound", "batch bound", "verify %", "match AR %", "peak MiB"} <= set(full.columns)
-    assert len(full) == len([r for r in md if r.startswith("| ")]) - 1
+    assert len(full.drop_duplicates(subset=["method", "K", "bs", "tau", "speedup"])) == \
+        len([r for r in md if r.startswith("| ")]) - 1
+    paired = pd.DataFrame({"method": ["ar", "ar", "pld"], "model": "m", "dataset": "d", "dtype": "fp32",
+                           "kernel": "native", "T": 0.0, "bs": 1, "K": [None, None, 4], "ctx": None,
+                           "tau": [1.0, 1.0, 1.6], "speedup": [1.0, 1.0, 1.1], "95% CI": [None, None, "1.0-1.2"],
+                           "match AR %": 100.0})
+    t, _ = report.paper_sweep(paired)  # a paired sweep's AR baselines read the same: shown once
+    assert list(t["method"]) == ["ar", "pld"]
     cat = (tmp_path / "rep" / "per_category.md").read_text().splitlines()
     ccols = [c.strip() for c in next(x for x in cat if x.startswith("| method")).strip("|").split("|")]
     assert ccols[-2:] == ["overall", "tau"] and "writing" in ccols

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specbench import backends
-from specbench.drafters import Drafter, TargetParts
+from specbench.drafters import Drafter, TargetParts, borrow
 from specbench.hf import text_config
 
 
@@ -40,7 +40,7 @@ class Block(nn.Module):
     """A Llama-style decoder layer (RMSNorm, GQA attention with RoPE, gated SiLU MLP) whose
     attention takes explicit keys/values and a boolean mask, so the caller owns the cache."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, input_norm: bool = True):
         super().__init__()
         d = cfg.hidden_size
         self.H = cfg.num_attention_heads
@@ -48,7 +48,8 @@ class Block(nn.Module):
         self.Dh = getattr(cfg, "head_dim", None) or d // self.H
         bias = bool(getattr(cfg, "attention_bias", False))
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
-        self.ln1 = nn.RMSNorm(d, eps=eps)
+        # EAGLE-1's published layer has no input norm (the fused pair goes into attention as is)
+        self.ln1 = nn.RMSNorm(d, eps=eps) if input_norm else None
         self.q = nn.Linear(d, self.H * self.Dh, bias=bias)
         self.k = nn.Linear(d, self.Hk * self.Dh, bias=bias)
         self.v = nn.Linear(d, self.Hk * self.Dh, bias=bias)
@@ -72,7 +73,10 @@ class Block(nn.Module):
                 mine.bias.copy_(theirs.bias)
 
     def _fused(self, x):
-        """The packed q|k|v and gate|up of this layer on the native path (None elsewhere)."""
+        """The packed q|k|v and gate|up of this layer on the native path (None elsewhere, and for
+        a layer without an input norm: the fused steps normalise)."""
+        if self.ln1 is None:
+            return None
         return backends.fused_block_weights(self, x, self.q, self.k, self.v, self.gate, self.up)
 
     def qkv(self, x, cos, sin):
@@ -81,7 +85,7 @@ class Block(nn.Module):
         if fused is not None:  # the target's fused layer steps: one call each for norm, q|k|v, RoPE
             return backends.fused_qkv(x, self.ln1.weight, self.ln1.eps, fused[0], self.H, self.Hk, self.Dh, cos, sin)
         B, n, _ = x.shape
-        h = self.ln1(x)
+        h = x if self.ln1 is None else self.ln1(x)
         q = self.q(h).view(B, n, self.H, self.Dh).transpose(1, 2)
         k = self.k(h).view(B, n, self.Hk, self.Dh).transpose(1, 2)
         v = self.v(h).view(B, n, self.Hk, self.Dh).transpose(1, 2)
@@ -104,13 +108,20 @@ class Block(nn.Module):
 class EagleDrafter(Drafter):
     kind = "eagle"
 
-    def __init__(self, target, vocab_ids: torch.Tensor):
+    def __init__(self, target, vocab_ids: torch.Tensor, config=None, fc_bias: bool = True, input_norm: bool = True):
+        """``config``: the drafter layer's own (a published checkpoint's config.json; its RoPE
+        then comes from it too); None: the target's, and the target's rotary tables."""
         super().__init__()
-        cfg = text_config(target.config)
+        cfg = text_config(config if config is not None else target.config)
         d = cfg.hidden_size
         self.config = cfg
-        self.fc = nn.Linear(2 * d, d, bias=True)
-        self.block = Block(cfg)
+        self.fc = nn.Linear(2 * d, d, bias=fc_bias)
+        self.block = Block(cfg, input_norm=input_norm)
+        self.own_rope = None
+        if config is not None:
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+            borrow(self, "own_rope", LlamaRotaryEmbedding(config=cfg))  # a buffer-only table, never saved
         self.vocab_size = int(cfg.vocab_size)
         self.register_buffer("vocab_ids", vocab_ids.clone().long(), persistent=True)
         self.parts = TargetParts(target, self.vocab_ids)
@@ -122,6 +133,8 @@ class EagleDrafter(Drafter):
         return self.fc(torch.cat([e, feats], dim=-1))
 
     def rope(self, x, pos):
+        if self.own_rope is not None:
+            return self.own_rope(x, pos)
         return self.parts.rope(x, pos)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ is missing and what is unexpected (the reference loaders' ``strict=False`` hides
 
 Formats (``detect``):
 
+- ``eagle1``: SafeAILab's EAGLE-1/EAGLE-2 drafters (below, with the code that reads them).
 - ``medusa1``: FasterDecoding's Medusa-1 heads (Cai et al. 2024), e.g.
   ``FasterDecoding/medusa-vicuna-7b-v1.3``: ``config.json`` with ``medusa_num_heads`` and
   ``medusa_num_layers``, and ``medusa_lm_head.pt``, the state of a list of heads, each
@@ -35,11 +36,12 @@ class FormatError(ValueError):
 
 
 def detect(folder) -> str | None:
-    """The published format of ``folder`` (None: not a published drafter this loader knows)."""
+    """The published format of ``folder``: ``medusa1``, ``eagle1`` (EAGLE-1 and EAGLE-2 ship one
+    layout), ``eagle3`` (recognised, not loaded yet); None: not a published drafter."""
     p = Path(str(folder)).expanduser()
     if (p / MEDUSA1_HEADS).exists() and (p / "config.json").exists():
         return "medusa1"
-    return None
+    return _eagle_detect(p)
 
 
 def medusa1_shape(folder) -> tuple[int, int]:
@@ -151,3 +153,105 @@ def save_medusa1(folder, blocks_w: torch.Tensor, blocks_b: torch.Tensor, heads_w
     torch.save(state, out / MEDUSA1_HEADS)
     (out / "config.json").write_text(json.dumps({"medusa_num_heads": int(H), "medusa_num_layers": int(L),
                                                  "base_model_name_or_path": base_model}, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------- EAGLE-1 / EAGLE-2 (SafeAILab)
+#
+# ``config.json`` (a LlamaConfig of one decoder layer, an optional ``bias`` for ``fc``) and
+# ``pytorch_model.bin`` or ``model.safetensors``: ``fc`` over cat(token embedding, target feature
+# after its final norm), embedding first; layer 0 without ``input_layernorm``; the reference
+# loads the file strictly into a module that also holds ``embed_tokens`` (a copy of the
+# target's), so that key is allowed. No output layer of its own: the target's scores the
+# drafter's features. EAGLE-2 ships the same layout (its dynamic tree is the method's).
+
+EAGLE_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+               "post_attention_layernorm.weight")
+EAGLE_WEIGHTS = ("pytorch_model.bin", "model.safetensors")
+
+
+def _eagle_file(folder) -> Path | None:
+    p = Path(str(folder)).expanduser()
+    return next((p / f for f in EAGLE_WEIGHTS if (p / f).exists()), None)
+
+
+def _eagle_state(folder) -> dict:
+    f = _eagle_file(folder)
+    if f.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(f))  # memory-mapped: a key listing reads no weights
+    return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _eagle_detect(folder) -> str | None:
+    p = Path(str(folder)).expanduser()
+    if not (p / "config.json").exists() or _eagle_file(p) is None or (p / "drafter.json").exists():
+        return None
+    keys = set(_eagle_state(p))
+    if any(k.startswith("midlayer.") for k in keys):
+        return "eagle3"
+    if "fc.weight" in keys and any(k.startswith("layers.0.") for k in keys):
+        return "eagle1"
+    return None
+
+
+def eagle1_config(folder):
+    """The drafter layer's LlamaConfig (its own rope_theta, heads, MLP width) and ``fc``'s bias."""
+    from transformers import LlamaConfig
+
+    raw = json.loads((Path(folder).expanduser() / "config.json").read_text())
+    if int(raw.get("num_hidden_layers", 1)) != 1:
+        raise FormatError(f"{folder}: config.json declares {raw.get('num_hidden_layers')} layers; an EAGLE drafter has 1")
+    fields = {k: v for k, v in raw.items() if k not in ("architectures", "bias", "torch_dtype", "dtype")}
+    return LlamaConfig(**fields), bool(raw.get("bias", True))
+
+
+def check_eagle1(folder, target_config):
+    """(drafter config, fc bias) when the checkpoint matches EAGLE-1's layout and fits
+    ``target_config``; else FormatError in one line."""
+    cfg, bias = eagle1_config(folder)
+    state = _eagle_state(folder)
+    want = {"fc.weight"} | ({"fc.bias"} if bias else set()) | {f"layers.0.{k}" for k in EAGLE_LAYER}
+    have = set(state) - {"embed_tokens.weight"}
+    if want != have:
+        missing, unexpected = sorted(want - have), sorted(have - want)
+        raise FormatError(f"{folder}: not EAGLE-1's layout (bias={bias} in config.json): missing {missing[:4]}, "
+                          f"unexpected {unexpected[:4]}")
+    tc = text_config(target_config)
+    d, V = int(tc.hidden_size), int(tc.vocab_size)
+    if tuple(state["fc.weight"].shape) != (d, 2 * d) or cfg.hidden_size != d:
+        raise FormatError(f"{folder}: fc is {tuple(state['fc.weight'].shape)} for hidden size {cfg.hidden_size}; the "
+                          f"target's hidden size is {d}: a drafter for another target")
+    emb = state.get("embed_tokens.weight")
+    if emb is not None and tuple(emb.shape) != (V, d):
+        raise FormatError(f"{folder}: its embedding is {tuple(emb.shape)}, the target has {V} tokens x {d}: "
+                          "a drafter for another target")
+    return cfg, bias
+
+
+def load_eagle1(folder, target, device, dtype):
+    """An ``EagleDrafter`` holding a published EAGLE-1/2 checkpoint: the layer and ``fc`` as
+    shipped, no input norm, RoPE from its own config, the target's embedding and output layer
+    over the whole vocabulary."""
+    from specbench.drafters.eagle import EagleDrafter
+
+    cfg, bias = check_eagle1(folder, target.config)
+    state = _eagle_state(folder)
+    d = EagleDrafter(target, torch.arange(int(text_config(target.config).vocab_size)), config=cfg, fc_bias=bias,
+                     input_norm=False)
+    names = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o",
+             "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down", "post_attention_layernorm": "ln2"}
+    mine = {"fc.weight": state["fc.weight"], **({"fc.bias": state["fc.bias"]} if bias else {})}
+    mine |= {f"block.{ours}.weight": state[f"layers.0.{theirs}.weight"] for theirs, ours in names.items()}
+    mine["vocab_ids"] = d.vocab_ids
+    missing, unexpected = d.load_state_dict(mine, strict=False)
+    bad = [k for k in missing if not k.startswith(("block.q.bias", "block.k.bias", "block.v.bias"))]
+    if bad or unexpected:  # the config asked for attention biases the layout has no key for
+        raise FormatError(f"{folder}: config.json's layer does not fit the weights (missing {bad[:3]}, "
+                          f"unexpected {unexpected[:3]})")
+    for p in d.parameters():
+        p.requires_grad_(False)
+    d = d.to(device=device, dtype=dtype).eval()
+    backends.apply(d, backends.kernel_of(target))
+    return d
