@@ -17,7 +17,10 @@ candidate passes when p(x) > min(eps, delta * exp(-H(p)))), recorded ``lossless:
 
 from __future__ import annotations
 
+import functools
+import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -39,6 +42,14 @@ from specbench.paths import resolve_path
 AUTO_CPU_TREE = 7
 
 
+@functools.cache
+def named_trees() -> dict[str, list[list[int]]]:
+    """Medusa's published candidate trees by name (``specbench/drafters/trees/medusa.json``, made
+    by ``tests/fixtures/make_trees.py`` from the authors' repository): each path a list of top-k
+    ranks, one per head. EAGLE's trees of the same names are other trees, kept apart."""
+    return json.loads((Path(published.__file__).parent / "trees" / "medusa.json").read_text())["trees"]
+
+
 class Medusa(Proposer):
     name = "medusa"
     hidden_layers = ("final",)
@@ -46,8 +57,9 @@ class Medusa(Proposer):
     @classmethod
     def check(cls, cfg, target_config) -> None:
         m = cfg.method
-        if m.tree not in ("default", "chain"):
-            raise ConfigError(f"medusa.tree must be 'default' or 'chain', got {m.tree!r}")
+        if m.tree not in ("default", "chain") and m.tree not in named_trees():
+            raise ConfigError(f"medusa.tree must be default, chain or a published tree ({', '.join(named_trees())}), "
+                              f"got {m.tree!r}")
         if m.accept not in ("exact", "typical"):
             raise ConfigError(f"medusa.accept must be 'exact' or 'typical', got {m.accept!r}")
         if m.tree_size not in (None, "auto") and (not isinstance(m.tree_size, int) or m.tree_size < 1):
@@ -87,7 +99,7 @@ class Medusa(Proposer):
             self.format, size = "medusa1", None
             if m.tree == "default":  # no measured accuracies to build the sparse tree from
                 print("[specbench] medusa: a Medusa-1 checkpoint carries no head accuracies; drafting a chain "
-                      "of each head's top-1 (medusa.tree=chain)", file=sys.stderr)
+                      "of each head's top-1 (or name a published tree: medusa.tree=mc_sim_7b_63)", file=sys.stderr)
         elif heads is None:
             heads = drafters.load(folder, target, device, dtype, kind="medusa")
             meta = drafters.read_meta(folder)
@@ -99,9 +111,11 @@ class Medusa(Proposer):
             size = AUTO_CPU_TREE if m.tree_size in (None, "auto") else m.tree_size
         self.heads = heads
         self.K = min(int(cfg.K), heads.n_heads)
-        self.tree = "chain" if acc is None else m.tree
+        self.tree = "chain" if acc is None and m.tree == "default" else m.tree
         if self.tree == "chain":
             paths = [(0,) * d for d in range(1, self.K + 1)]
+        elif self.tree in named_trees():  # as published; the paths deeper than the heads used dropped
+            paths = sorted({tuple(p) for p in named_trees()[self.tree] if len(p) <= self.K}, key=lambda p: (len(p), p))
         else:
             paths = sparse_tree([list(a) for a in acc[: self.K]], int(size))
         self.paths = paths

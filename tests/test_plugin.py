@@ -111,7 +111,8 @@ def test_an_installed_wheel_runs_without_the_checkout(tiny_dirs, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert inst.returncode == 0, inst.stderr[-2000:]
     for f in ("specbench/conf/config.yaml", "specbench/conf/method/eagle.yaml", "specbench/backends/csrc/few_rows.cpp",
-              "specbench/drafters/eagle.py", "specbench/train/card.py", "methods/pld.py"):
+              "specbench/drafters/eagle.py", "specbench/drafters/trees/medusa.json", "specbench/train/card.py",
+              "methods/pld.py"):
         assert (site / f).exists(), f
     env = {**os.environ, "PYTHONPATH": str(site)}
     run = subprocess.run([sys.executable, "-m", "specbench", "method=pld", "model=hf", f"model.path={tiny_dirs['target']}",

@@ -106,3 +106,91 @@ def test_greedy_identity_with_published_heads(target, bs):
     assert prop.describe()["tree"] == "chain" and prop.describe()["checkpoint_format"] == "medusa1"
     res = run_engine(target, prop, prompts, 20)
     assert [r.tokens for r in res] == refs
+
+
+EAGLE1 = FIXTURES / "eagle1"
+
+
+def eagle_cfg(folder, **kw):
+    m = {"name": "eagle", "version": 2, "checkpoint": str(folder), "top_k": 3, "depth": 3, "total_tokens": 8, **kw}
+    return OmegaConf.create({"K": 4, "method": m, "model": {"name": "tiny", "path": "tiny"}})
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_eagle1_fixture_gives_the_reference_features(kernel):
+    if kernel == "native" and extension.unavailable():
+        pytest.skip(f"native kernels: {extension.unavailable()}")
+    assert published.detect(EAGLE1) == "eagle1"
+    target = tiny_llama(seed=0, scale=4.0)
+    backends.apply(target, kernel)  # the drafter follows its target's path
+    d = published.load_eagle1(EAGLE1, target, CPU, torch.float32)
+    assert d.block.ln1 is None and d.block.gate.out_features == 96  # its own layer shape, no input norm
+    assert backends.kernel_of(d) == kernel
+    ref = torch.load(EAGLE1 / "reference.pt", weights_only=True)
+    f, ids = ref["hidden"], ref["input_ids"]
+    B, T, _ = f.shape
+    pos = torch.arange(T)[None].expand(B, T)
+    empty = torch.zeros(B, d.block.Hk, 0, d.block.Dh)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None].expand(B, T, T)
+    with torch.no_grad():
+        h, _, _ = d.step(f, ids, pos, empty, empty, causal)
+    assert torch.allclose(h, ref["out"], rtol=1e-4, atol=1e-4), (h - ref["out"]).abs().max()
+
+
+def test_eagle1_refusals(target, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(EAGLE1, bad)
+    state = torch.load(bad / "pytorch_model.bin", weights_only=True)
+    state["layers.0.input_layernorm.weight"] = torch.ones(64)  # a key EAGLE-1's layer 0 does not have
+    del state["fc.bias"]
+    torch.save(state, bad / "pytorch_model.bin")
+    with pytest.raises(ConfigError) as e:
+        from methods.eagle import Eagle
+
+        Eagle.check(eagle_cfg(bad), target.config)
+    msg = str(e.value)
+    assert "\n" not in msg and "missing ['fc.bias']" in msg and "unexpected ['layers.0.input_layernorm.weight']" in msg
+    narrow = tiny_llama(seed=0, hidden=32)
+    with pytest.raises(published.FormatError, match="the target's hidden size is 32: a drafter for another target"):
+        published.check_eagle1(EAGLE1, narrow.config)
+    three = tmp_path / "eagle3"
+    three.mkdir()
+    (three / "config.json").write_text("{}")
+    torch.save({"fc.weight": torch.zeros(1), "midlayer.hidden_norm.weight": torch.zeros(1)}, three / "pytorch_model.bin")
+    assert published.detect(three) == "eagle3"
+    from methods.eagle import Eagle
+
+    with pytest.raises(ConfigError, match="is an EAGLE-3 drafter"):
+        Eagle.check(eagle_cfg(three), target.config)
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+def test_greedy_identity_with_a_published_eagle(target, bs):
+    from methods.eagle import Eagle
+
+    prompts, refs = greedy_cases(target, 20)[bs]
+    cfg = eagle_cfg(EAGLE1)
+    Eagle.check(cfg, target.config)
+    prop = Eagle(cfg, target, None, CPU, torch.float32)
+    assert prop.describe()["checkpoint_format"] == "eagle1"
+    res = run_engine(target, prop, prompts, 20)
+    assert [r.tokens for r in res] == refs
+
+
+def test_medusas_published_trees_are_trees_and_run_as_named(target):
+    from methods.medusa import named_trees
+
+    trees = named_trees()
+    assert len(trees["mc_sim_7b_63"]) == 63 and {"vicuna_7b_stage2", "zephyr_stage2"} <= set(trees)
+    for name, paths in trees.items():  # every path's prefix is in the tree: it is a tree
+        have = {tuple(p) for p in paths}
+        assert all(tuple(p[:-1]) in have for p in paths if len(p) > 1), name
+    with pytest.raises(ConfigError, match="published tree"):
+        Medusa.check(medusa_cfg(MEDUSA1[0], tree="mc_sim_7b_64"), target.config)
+    cfg = medusa_cfg(MEDUSA1[0], tree="mc_sim_7b_63")  # K=3: the fixture's three heads
+    Medusa.check(cfg, target.config)
+    prop = Medusa(cfg, target, None, CPU, torch.float32)
+    assert prop.describe()["tree"] == "mc_sim_7b_63"
+    assert prop.describe()["nodes"] == sum(len(p) <= 3 for p in trees["mc_sim_7b_63"]) == 61
+    prompts, refs = greedy_cases(target, 20)[4]
+    assert [r.tokens for r in run_engine(target, prop, prompts, 20)] == refs
