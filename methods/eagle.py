@@ -1,5 +1,7 @@
 """EAGLE (Li et al. 2024, arXiv 2401.15077) with EAGLE-2's dynamic draft tree (arXiv
-2406.16858), on the shared engine at any batch size.
+2406.16858), on the shared engine at any batch size; ``eagle.version=3`` drafts with EAGLE-3's
+drafter (arXiv 2503.01840, ``specbench/drafters/eagle3.py``: three target layers' features
+fused, a draft vocabulary), the same tree.
 
 The drafter (``specbench/drafters/eagle.py``) keeps its own per-row KV cache of pairs
 (target feature f_i, next token x_{i+1}). After every step the engine hands over the
@@ -43,21 +45,24 @@ class Eagle(Proposer):
     @classmethod
     def check(cls, cfg, target_config) -> None:
         m = cfg.method
-        if int(m.get("version", 2)) != 2:
-            raise ConfigError(f"eagle.version={m.version}: only 2 (EAGLE-1's drafter with EAGLE-2's dynamic tree) "
-                              "is implemented")
+        version = m.get("version", 2)
+        if version not in (2, 3):
+            raise ConfigError(f"eagle.version must be 2 (EAGLE-1/2's drafter) or 3 (EAGLE-3's), got {version!r}; "
+                              "both draft EAGLE-2's dynamic tree")
         for key in ("top_k", "depth", "total_tokens"):
             v = m[key]
             if v != "auto" and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"eagle.{key} must be 'auto' or an integer >= 1, got {v!r}")
         folder = resolve_path(m.checkpoint)
         fmt = published.detect(folder)
-        if fmt == "eagle3":
-            raise ConfigError(f"eagle.checkpoint '{m.checkpoint}' is an EAGLE-3 drafter (midlayer.*): recognised, not "
-                              "loaded yet; published EAGLE-1/2 drafters and specbench's own load")
-        if fmt == "eagle1":  # SafeAILab's published layout
+        if (fmt == "eagle3") != (version == 3):
+            what = "an EAGLE-3 drafter" if fmt == "eagle3" else "an EAGLE-1/2 drafter"
+            raise ConfigError(f"eagle.checkpoint '{m.checkpoint}' holds {what}; set eagle.version="
+                              f"{3 if fmt == 'eagle3' else 2} (EAGLE-3 drafters: published ones; training one here "
+                              "is not built yet)")
+        if fmt in ("eagle1", "eagle3"):  # SafeAILab's published layouts
             try:
-                published.check_eagle1(folder, target_config)
+                (published.check_eagle3 if fmt == "eagle3" else published.check_eagle1)(folder, target_config)
             except published.FormatError as e:
                 raise ConfigError(f"eagle.checkpoint {e}") from None
         else:
@@ -80,11 +85,14 @@ class Eagle(Proposer):
         self.format = "specbench"
         if drafter is None:
             folder = resolve_path(m.checkpoint)
-            if published.detect(folder) == "eagle1":
-                drafter, self.format = published.load_eagle1(folder, target, device, dtype), "eagle1"
+            fmt = published.detect(folder)
+            if fmt in ("eagle1", "eagle3"):
+                load = published.load_eagle3 if fmt == "eagle3" else published.load_eagle1
+                drafter, self.format = load(folder, target, device, dtype), fmt
             else:
                 drafter = drafters.load(folder, target, device, dtype, kind="eagle")
         self.d = drafter
+        self.hidden_layers = tuple(drafter.taps)  # EAGLE-1/2: the final state; EAGLE-3: three layers' inputs
         self.h_last = None  # [B, d] the drafter's prediction of the root's feature
 
     def modules(self):
@@ -106,7 +114,7 @@ class Eagle(Proposer):
     def _append(self, state: BatchState, hidden) -> None:
         """Append pairs (f_i, x_{i+1}) for the newly committed tokens: their features and
         the tokens that followed them (the last ``counts[b]`` tokens of each sequence)."""
-        feats = hidden.layers["final"]
+        feats = self.d.features(hidden)
         counts = hidden.counts
         B, m = feats.shape[:2]
         dev = self.device
@@ -218,5 +226,6 @@ class Eagle(Proposer):
 
     def describe(self) -> dict:
         return {"top_k": self.top_k, "depth": self.depth, "total_tokens": self.total, "checkpoint_format": self.format,
+                "version": 3 if self.format == "eagle3" else 2,
                 "drafter_params": sum(p.numel() for p in self.d.parameters()),
                 "draft_vocab": int(self.d.vocab_ids.numel())}

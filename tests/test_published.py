@@ -160,7 +160,7 @@ def test_eagle1_refusals(target, tmp_path):
     assert published.detect(three) == "eagle3"
     from methods.eagle import Eagle
 
-    with pytest.raises(ConfigError, match="is an EAGLE-3 drafter"):
+    with pytest.raises(ConfigError, match="holds an EAGLE-3 drafter; set eagle.version=3"):
         Eagle.check(eagle_cfg(three), target.config)
 
 
@@ -194,3 +194,92 @@ def test_medusas_published_trees_are_trees_and_run_as_named(target):
     assert prop.describe()["nodes"] == sum(len(p) <= 3 for p in trees["mc_sim_7b_63"]) == 61
     prompts, refs = greedy_cases(target, 20)[4]
     assert [r.tokens for r in run_engine(target, prop, prompts, 20)] == refs
+
+
+EAGLE3 = FIXTURES / "eagle3"
+
+
+@pytest.fixture(scope="module")
+def target8():
+    return tiny_llama(seed=0, layers=8, scale=4.0)  # the EAGLE-3 fixture's target: three distinct tap layers
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_eagle3_fixture_gives_the_reference_features_and_logits(kernel):
+    if kernel == "native" and extension.unavailable():
+        pytest.skip(f"native kernels: {extension.unavailable()}")
+    assert published.detect(EAGLE3) == "eagle3"
+    target = tiny_llama(seed=0, layers=8, scale=4.0)
+    backends.apply(target, kernel)
+    d = published.load_eagle3(EAGLE3, target, CPU, torch.float32)
+    assert d.taps == (1, 3, 4)  # the outputs of layers 1, 3, 4: the inputs of layers 2, L//2, L-3
+    state = torch.load(EAGLE3 / "pytorch_model.bin", weights_only=True)
+    assert torch.equal(d.vocab_ids, state["t2d"].nonzero().flatten())  # draft id i -> target id i + d2t[i]
+    ref = torch.load(EAGLE3 / "reference.pt", weights_only=True)
+    f, ids = ref["hidden"], ref["input_ids"]
+    B, T, _ = f.shape
+    pos = torch.arange(T)[None].expand(B, T)
+    empty = torch.zeros(B, d.block.Hk, 0, d.block.Dh)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None].expand(B, T, T)
+    with torch.no_grad():
+        h, _, _ = d.step(f, ids, pos, empty, empty, causal)
+        logits = d.logits(h)
+    assert torch.allclose(h, ref["out"], rtol=1e-4, atol=1e-4), (h - ref["out"]).abs().max()
+    assert torch.allclose(logits, ref["logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_eagle3_refusals(target, target8, tmp_path):
+    from methods.eagle import Eagle
+
+    with pytest.raises(ConfigError, match="holds an EAGLE-3 drafter; set eagle.version=3"):
+        Eagle.check(eagle_cfg(EAGLE3), target8.config)
+    with pytest.raises(ConfigError, match="holds an EAGLE-1/2 drafter; set eagle.version=2"):
+        Eagle.check(eagle_cfg(EAGLE1, version=3), target.config)
+    with pytest.raises(ConfigError, match="no three distinct"):  # a 2-layer target has no three tap layers
+        Eagle.check(eagle_cfg(EAGLE3, version=3), target.config)
+    bad = tmp_path / "bad"
+    shutil.copytree(EAGLE3, bad)
+    state = torch.load(bad / "pytorch_model.bin", weights_only=True)
+    del state["midlayer.hidden_norm.weight"]
+    torch.save(state, bad / "pytorch_model.bin")
+    with pytest.raises(ConfigError) as e:
+        Eagle.check(eagle_cfg(bad, version=3), target8.config)
+    assert "\n" not in str(e.value) and "missing ['midlayer.hidden_norm.weight']" in str(e.value)
+    with pytest.raises(ConfigError, match="eagle.version must be 2"):
+        Eagle.check(eagle_cfg(EAGLE3, version=4), target8.config)
+
+
+@pytest.mark.parametrize("bs", [1, 4, 8, 32])
+def test_greedy_identity_with_a_published_eagle3(target8, bs):
+    from helpers import prompts_of, reference_greedy
+    from methods.eagle import Eagle
+
+    if bs in (1, 4):
+        prompts, refs = greedy_cases(target8, 20)[bs]
+    else:  # ragged prompts of 3..17 tokens
+        prompts = prompts_of([3 + (7 * i) % 15 for i in range(bs)], seed=bs)
+        refs = [reference_greedy(target8, p, 20) for p in prompts]
+    cfg = eagle_cfg(EAGLE3, version=3)
+    Eagle.check(cfg, target8.config)
+    prop = Eagle(cfg, target8, None, CPU, torch.float32)
+    assert prop.hidden_layers == (1, 3, 4) and prop.describe()["version"] == 3
+    res = run_engine(target8, prop, prompts, 20)
+    assert [r.tokens for r in res] == refs
+
+
+def test_sampling_with_a_published_eagle3_follows_the_target(target8):
+    """Seeded rows of one prompt at T=1: the 2nd and 3rd tokens (drafted by EAGLE-3's tree over
+    its draft vocabulary, verified by the lossless rule) follow the target's exact marginals."""
+    from helpers import chi2_pvalue
+    from methods.eagle import Eagle
+    from specbench.verify import Sampling
+    from test_verify import exact_marginals
+
+    prop = Eagle(eagle_cfg(EAGLE3, version=3, top_k=3, depth=2, total_tokens=6), target8, None, CPU, torch.float32)
+    prompt, n, s = [3, 5, 7, 9], 2000, Sampling(1.0)
+    res = run_engine(target8, prop, [prompt] * n, 3, sampling=s, gen=torch.Generator().manual_seed(5))
+    m2, m3 = exact_marginals(target8, prompt, s)
+    assert sum(sum(r.accept_lens) for r in res) > n // 50  # drafts were really accepted from
+    V = target8.config.vocab_size
+    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[1] for r in res]), minlength=V), m2) > 1e-3
+    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V), m3) > 1e-3

@@ -321,7 +321,9 @@ def test_warp_top_k_top_p():
 
 @torch.no_grad()
 def exact_marginals(model, prompt, s: Sampling, steps=3):
-    """Exact distributions of the 2nd and 3rd generated tokens by enumeration."""
+    """Exact distributions of the 2nd and 3rd generated tokens by enumeration (over the model's
+    whole vocabulary)."""
+    V = model.config.vocab_size
     p1 = warp(model(torch.tensor([prompt])).logits[0, -1], s)
     seqs2 = torch.tensor([prompt + [a] for a in range(V)])
     p2c = warp(model(seqs2).logits[:, -1], s)  # [V, V] p(t2 | t1)

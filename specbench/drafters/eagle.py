@@ -126,6 +126,12 @@ class EagleDrafter(Drafter):
         self.register_buffer("vocab_ids", vocab_ids.clone().long(), persistent=True)
         self.parts = TargetParts(target, self.vocab_ids)
 
+    taps = ("final",)  # the target state it drafts from: after the final norm
+
+    def features(self, hidden) -> torch.Tensor:
+        """The target features of the newly committed tokens [B, m, d] (``specbench.hidden``)."""
+        return hidden.layers["final"]
+
     # ---------------------------------------------------------------- pieces
     def pair(self, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """[B, n, d] features and [B, n] next tokens -> the block's input [B, n, d]."""

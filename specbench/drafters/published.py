@@ -5,6 +5,7 @@ is missing and what is unexpected (the reference loaders' ``strict=False`` hides
 Formats (``detect``):
 
 - ``eagle1``: SafeAILab's EAGLE-1/EAGLE-2 drafters (below, with the code that reads them).
+- ``eagle3``: SafeAILab's EAGLE-3 drafters (below).
 - ``medusa1``: FasterDecoding's Medusa-1 heads (Cai et al. 2024), e.g.
   ``FasterDecoding/medusa-vicuna-7b-v1.3``: ``config.json`` with ``medusa_num_heads`` and
   ``medusa_num_layers``, and ``medusa_lm_head.pt``, the state of a list of heads, each
@@ -37,7 +38,7 @@ class FormatError(ValueError):
 
 def detect(folder) -> str | None:
     """The published format of ``folder``: ``medusa1``, ``eagle1`` (EAGLE-1 and EAGLE-2 ship one
-    layout), ``eagle3`` (recognised, not loaded yet); None: not a published drafter."""
+    layout), ``eagle3``; None: not a published drafter."""
     p = Path(str(folder)).expanduser()
     if (p / MEDUSA1_HEADS).exists() and (p / "config.json").exists():
         return "medusa1"
@@ -250,6 +251,99 @@ def load_eagle1(folder, target, device, dtype):
     if bad or unexpected:  # the config asked for attention biases the layout has no key for
         raise FormatError(f"{folder}: config.json's layer does not fit the weights (missing {bad[:3]}, "
                           f"unexpected {unexpected[:3]})")
+    for p in d.parameters():
+        p.requires_grad_(False)
+    d = d.to(device=device, dtype=dtype).eval()
+    backends.apply(d, backends.kernel_of(target))
+    return d
+
+
+# ---------------------------------------------------------------- EAGLE-3 (SafeAILab)
+#
+# ``config.json`` (a LlamaConfig of the drafter layer plus ``draft_vocab_size`` and, for a drafter
+# narrower than its target, ``target_hidden_size``) and ``pytorch_model.bin`` or
+# ``model.safetensors``: ``fc`` (3 x target hidden -> hidden, no bias), ``midlayer.*`` (with
+# ``hidden_norm``; q/k/v over 2 x hidden), ``norm``, ``lm_head`` over the draft vocabulary, and the
+# buffers ``d2t`` / ``t2d`` (absent when the two vocabularies are equal). ``embed_tokens.weight``:
+# the drafter's own embedding where it is narrower than its target, else a copy of the target's
+# (which is used).
+
+EAGLE3_LAYER = ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+                "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def eagle3_config(folder):
+    from transformers import LlamaConfig
+
+    raw = json.loads((Path(folder).expanduser() / "config.json").read_text())
+    fields = {k: v for k, v in raw.items() if k not in ("architectures", "bias", "torch_dtype", "dtype")}
+    cfg = LlamaConfig(**fields)
+    dv = int(raw.get("draft_vocab_size") or raw.get("vocab_size") or 0)
+    return cfg, dv, raw.get("target_hidden_size")
+
+
+def check_eagle3(folder, target_config):
+    """(drafter config, draft vocabulary size, target hidden size or None) when the checkpoint
+    matches EAGLE-3's layout and fits ``target_config``; else FormatError in one line."""
+    cfg, dv, th = eagle3_config(folder)
+    state = _eagle_state(folder)
+    tc = text_config(target_config)
+    d, V = int(tc.hidden_size), int(tc.vocab_size)
+    equal = dv == V
+    want = {"fc.weight", "norm.weight", "lm_head.weight"} | {f"midlayer.{k}" for k in EAGLE3_LAYER} \
+        | (set() if equal else {"d2t", "t2d"})
+    have = set(state) - {"embed_tokens.weight"} - ({"d2t", "t2d"} if equal else set())
+    if want != have:
+        missing, unexpected = sorted(want - have), sorted(have - want)
+        raise FormatError(f"{folder}: not EAGLE-3's layout (draft_vocab_size={dv}): missing {missing[:4]}, "
+                          f"unexpected {unexpected[:4]}")
+    tin = int(th or cfg.hidden_size)
+    if tin != d or tuple(state["fc.weight"].shape) != (cfg.hidden_size, 3 * d):
+        raise FormatError(f"{folder}: fc is {tuple(state['fc.weight'].shape)}, made for a target of hidden size {tin}; "
+                          f"the target's hidden size is {d}: a drafter for another target")
+    if tuple(state["lm_head.weight"].shape) != (dv, cfg.hidden_size):
+        raise FormatError(f"{folder}: lm_head is {tuple(state['lm_head.weight'].shape)}, config.json says "
+                          f"{dv} draft tokens x {cfg.hidden_size}")
+    if not equal:
+        ids = torch.arange(dv) + state["d2t"].long()
+        if tuple(state["t2d"].shape) != (V,) or int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise FormatError(f"{folder}: d2t/t2d map a vocabulary of {state['t2d'].numel()} tokens; the target has {V}: "
+                              "a drafter for another target")
+    emb = state.get("embed_tokens.weight")
+    if cfg.hidden_size != d and (emb is None or tuple(emb.shape) != (V, cfg.hidden_size)):
+        raise FormatError(f"{folder}: a drafter narrower than its target needs its own embedding [{V}, {cfg.hidden_size}]")
+    tap_layers(int(tc.num_hidden_layers))  # a target with three distinct tap layers
+    return cfg, dv, th
+
+
+def tap_layers(n: int):
+    from specbench.drafters.eagle3 import tap_layers as taps
+
+    try:
+        return taps(n)
+    except ValueError as e:
+        raise FormatError(str(e)) from None
+
+
+def load_eagle3(folder, target, device, dtype):
+    from specbench.drafters.eagle3 import Eagle3Drafter
+
+    cfg, dv, th = check_eagle3(folder, target.config)
+    state = _eagle_state(folder)
+    d = Eagle3Drafter(target, cfg, dv, target_hidden=th)
+    names = {"input_layernorm": "input_layernorm", "hidden_norm": "hidden_norm",
+             "post_attention_layernorm": "post_attention_layernorm", "self_attn.q_proj": "q", "self_attn.k_proj": "k",
+             "self_attn.v_proj": "v", "self_attn.o_proj": "o", "mlp.gate_proj": "gate", "mlp.up_proj": "up",
+             "mlp.down_proj": "down"}
+    mine = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
+            "lm_head.weight": state["lm_head.weight"],
+            "d2t": state["d2t"].long() if "d2t" in state else torch.zeros(dv, dtype=torch.long)}
+    mine |= {f"block.{ours}.weight": state[f"midlayer.{theirs}.weight"] for theirs, ours in names.items()}
+    if cfg.hidden_size != int(text_config(target.config).hidden_size):
+        d.embedding = nn.Embedding.from_pretrained(state["embed_tokens.weight"].float(), freeze=True)
+        mine["embedding.weight"] = state["embed_tokens.weight"]
+    d.load_state_dict(mine, strict=True)
     for p in d.parameters():
         p.requires_grad_(False)
     d = d.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,124 @@
+"""EAGLE-3's drafter (Li et al. 2025, arXiv 2503.01840), as SafeAILab publishes it.
+
+The target's hidden states at the INPUT of three decoder layers (2, L//2 and L-3: low, mid and
+high; before any final norm) are concatenated and fused, ``g = fc([low; mid; high])`` (3H -> H,
+no bias). One decoder layer then reads, per position, the token embedding and the feature:
+
+    a = Attention(cat(input_layernorm(embed(x)), hidden_norm(g)))     q, k and v take 2H
+    h = g + a;  h = h + MLP(post_attention_layernorm(h))
+    logits = lm_head(norm(h))                                          over the draft vocabulary
+
+and a draft id ``i`` is the target token ``i + d2t[i]``. From the second drafting step on, the
+drafter's own ``h`` feeds back in place of the fused feature (it is H wide, so ``fc`` is
+skipped, as the reference does by width). ``step``, ``logits`` and ``vocab_ids`` are
+``EagleDrafter``'s, so ``methods/eagle.py`` drafts EAGLE-2's dynamic tree with either.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specbench import backends
+from specbench.drafters import Drafter, borrow
+from specbench.hf import text_config
+
+
+def tap_layers(num_layers: int) -> tuple[int, int, int]:
+    """The decoder-layer OUTPUTS (``specbench.hidden`` tap indices) that are the inputs of
+    layers 2, L//2 and L-3: layer i's input is layer i-1's output."""
+    layers = (2, num_layers // 2, num_layers - 3)
+    if len(set(layers)) < 3 or min(layers) < 1:
+        raise ValueError(f"EAGLE-3 reads the inputs of layers 2, L//2 and L-3: a target of {num_layers} layers has "
+                         "no three distinct ones")
+    return tuple(i - 1 for i in layers)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg.hidden_size
+        self.H = cfg.num_attention_heads
+        self.Hk = getattr(cfg, "num_key_value_heads", None) or self.H
+        self.Dh = getattr(cfg, "head_dim", None) or d // self.H
+        eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        self.input_layernorm = nn.RMSNorm(d, eps=eps)
+        self.hidden_norm = nn.RMSNorm(d, eps=eps)
+        self.q = nn.Linear(2 * d, self.H * self.Dh, bias=False)
+        self.k = nn.Linear(2 * d, self.Hk * self.Dh, bias=False)
+        self.v = nn.Linear(2 * d, self.Hk * self.Dh, bias=False)
+        self.o = nn.Linear(self.H * self.Dh, d, bias=False)
+        self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
+        self.gate = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.up = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, d, bias=False)
+
+    def qkv(self, e, g, cos, sin):
+        """e, g [B, n, d] (embeddings, features) -> q [B, H, n, Dh], k, v [B, Hk, n, Dh], RoPE applied."""
+        from specbench.drafters.eagle import rotate_half
+
+        x = torch.cat([self.input_layernorm(e), self.hidden_norm(g)], dim=-1)
+        B, n, _ = x.shape
+        q = self.q(x).view(B, n, self.H, self.Dh).transpose(1, 2)
+        k = self.k(x).view(B, n, self.Hk, self.Dh).transpose(1, 2)
+        v = self.v(x).view(B, n, self.Hk, self.Dh).transpose(1, 2)
+        cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def attend(self, g, q, k, v, mask):
+        a = backends.attention_like(q, k, v, mask, self.q)  # [B, n, H, Dh]
+        B, n = a.shape[:2]
+        h = g + self.o(a.reshape(B, n, self.H * self.Dh))
+        x = self.post_attention_layernorm(h)
+        return h + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Eagle3Drafter(Drafter):
+    kind = "eagle3"
+
+    def __init__(self, target, config, draft_vocab: int, target_hidden: int | None = None):
+        super().__init__()
+        cfg = text_config(config)
+        tcfg = text_config(target.config)
+        d = cfg.hidden_size
+        self.config = cfg
+        self.taps = tap_layers(int(tcfg.num_hidden_layers))
+        self.fc = nn.Linear(3 * (target_hidden or d), d, bias=False)
+        self.block = Eagle3Layer(cfg)
+        self.norm = nn.RMSNorm(d, eps=float(getattr(cfg, "rms_norm_eps", 1e-6)))
+        self.lm_head = nn.Linear(d, draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self.vocab_size = int(tcfg.vocab_size)
+        self.embedding = None  # its own (a drafter narrower than its target) or the target's
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        borrow(self, "own_rope", LlamaRotaryEmbedding(config=cfg))
+        borrow(self, "target_embedding", target.get_input_embeddings())
+
+    @property
+    def vocab_ids(self) -> torch.Tensor:
+        """Target ids of the draft vocabulary, in draft order (``i + d2t[i]``)."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def features(self, hidden) -> torch.Tensor:
+        """The target's taps, low -> mid -> high, concatenated: [B, m, 3 * H_target]."""
+        return torch.cat([hidden.layers[t] for t in self.taps], dim=-1)
+
+    def embed(self, tokens):
+        return (self.embedding if self.embedding is not None else self.target_embedding)(tokens)
+
+    def step(self, feats, tokens, pos, k_ctx, v_ctx, mask):
+        """As ``EagleDrafter.step``; ``feats`` either the target's concatenated taps (fused by
+        ``fc``) or the drafter's own earlier output (H wide)."""
+        g = self.fc(feats) if feats.shape[-1] != self.fc.out_features else feats
+        e = self.embed(tokens).to(g.dtype)
+        cos, sin = self.own_rope(g, pos)
+        q, k, v = self.block.qkv(e, g, cos, sin)
+        K = torch.cat([k_ctx, k], dim=2)
+        V = torch.cat([v_ctx, v], dim=2)
+        return self.block.attend(g, q, K, V, mask), k, v
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary [.., V']."""
+        return self.lm_head(self.norm(h))
