@@ -58,8 +58,8 @@ class Eagle(Proposer):
         if (fmt == "eagle3") != (version == 3):
             what = "an EAGLE-3 drafter" if fmt == "eagle3" else "an EAGLE-1/2 drafter"
             raise ConfigError(f"eagle.checkpoint '{m.checkpoint}' holds {what}; set eagle.version="
-                              f"{3 if fmt == 'eagle3' else 2} (EAGLE-3 drafters: published ones; training one here "
-                              "is not built yet)")
+                              f"{3 if fmt == 'eagle3' else 2}, or name an EAGLE-{3 if version == 3 else 2} checkpoint "
+                              f"(python -m specbench.train drafter={'eagle3' if version == 3 else 'eagle'})")
         if fmt in ("eagle1", "eagle3"):  # SafeAILab's published layouts
             try:
                 (published.check_eagle3 if fmt == "eagle3" else published.check_eagle1)(folder, target_config)

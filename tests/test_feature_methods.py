@@ -148,6 +148,20 @@ def test_eagle_block_is_the_same_on_both_paths():
 
 
 @torch.no_grad()
+@torch.no_grad()
+def unrolled_chain(d, f, seq, depth: int) -> list[int]:
+    """The greedy chain a drafter's training-time unrolling predicts after ``seq`` (``f``: the
+    target features of ``seq[:-1]``): step s's prediction at the last position, s = 0..depth-1."""
+    toks = list(seq)
+    for s in range(depth):
+        T = len(toks) - 1
+        feats = torch.zeros(1, T, f.shape[-1])
+        feats[0, : f.shape[1]] = f[0]
+        out = d.train_forward(feats, torch.tensor([toks[1:]]), torch.ones(1, T, dtype=torch.bool), steps=s + 1)
+        toks.append(int(d.vocab_ids[d.logits(out[s, 0, T - 1]).argmax()]))
+    return toks[len(seq):]
+
+
 def test_eagle_tree_expansion_matches_training_unroll(model):
     """With top_k=1 the dynamic tree is a chain; each drafted token must be what the
     training-time unrolling (the same drafter, the same real prefix) predicts."""
@@ -168,15 +182,7 @@ def test_eagle_tree_expansion_matches_training_unroll(model):
     st = BatchState(seqs=[list(seq)], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=CPU)
     prop.start(st, Hidden({"final": f}, torch.tensor([f.shape[1]])))
     chain = prop.propose(st).tokens[0].tolist()
-    toks = list(seq)
-    for s in range(depth):
-        T = len(toks) - 1
-        feats = torch.zeros(1, T, f.shape[-1])
-        feats[0, : f.shape[1]] = f[0]
-        out = d.train_forward(feats, torch.tensor([toks[1:]]), torch.ones(1, T, dtype=torch.bool), steps=s + 1)
-        nxt = int(d.logits(out[s, 0, T - 1]).argmax())
-        assert nxt == chain[s], (s, nxt, chain)
-        toks.append(nxt)
+    assert unrolled_chain(d, f, seq, depth) == chain
 
 
 def test_medusa_sparse_tree():
@@ -382,3 +388,75 @@ def test_feature_trainer_resumes(feature_setup, monkeypatch):
     for k in a:
         if a[k].is_floating_point():
             assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+def test_eagle3_trainer_end_to_end(feature_setup, monkeypatch):
+    """`drafter=eagle3` on an 8-layer target: features at the inputs of layers 2, 4 and 5 (and the
+    final state for the teacher), training lowers the held-out loss, the checkpoint is written in
+    SafeAILab's EAGLE-3 layout with its card, loads through eagle.version=3, and decoding with it
+    is token-identical to plain greedy with drafts accepted."""
+    from helpers import tiny_llama
+    from specbench.drafters import published
+    from specbench.drafters.eagle3 import tap_layers
+    from specbench.train import features, heads
+
+    _, tok, convs, cfg, root = feature_setup
+    target = tiny_llama(seed=0, layers=8, scale=4.0)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    monkeypatch.setattr(features, "eval_first_turns", lambda: {features._norm(convs[0]["turns"][0][1])[:160]})
+    monkeypatch.setattr(features, "benchmark_texts", lambda: [])
+    c = OmegaConf.merge(cfg, {"drafter": {"kind": "eagle3", "name": "tiny_eagle3", "draft_vocab": 64, "ttt_steps": 2},
+                              "features": {"layers": [*tap_layers(8), "final"], "dir": str(root / "features3")},
+                              "train": {"steps": 60}})
+    fs = features.build(target, tok, "tiny8", c.features, CPU, torch.float32, progress=False, convs=convs)
+    items = features.load(fs)
+    assert set(items[0]["hidden"]) == {"1", "3", "4", "final"}
+    out0, out = root / "eagle3_0", root / "eagle3"
+    out0.mkdir()
+    out.mkdir()
+    before = heads.train(OmegaConf.merge(c, {"train": {"steps": 1, "lr": 1e-9}}), target, items, out0, {2}, CPU,
+                         progress=False)["summary"]
+    res = heads.train(c, target, items, out, {2}, CPU, progress=False)
+    assert res["summary"]["eval_loss"] < before["eval_loss"]  # it learned
+    assert len(res["summary"]["eval_top1_agreement"]) == 4  # per unrolled step
+    heads.finish(c, res, out, "tiny8", {**features.stats(items), "dropped": {}, "key": "k"}, "python -m specbench.train")
+    assert published.detect(out) == "eagle3" and (out / "README.md").read_text().startswith("# tiny_eagle3")
+    cfg3 = eagle_cfg(version=3, checkpoint=str(out))
+    cfg3.model = {"name": "tiny8", "path": "tiny8"}
+    Eagle.check(cfg3, target.config)
+    prop = Eagle(cfg3, target, None, CPU, torch.float32)
+    assert prop.describe()["draft_vocab"] == 64 and prop.hidden_layers == (1, 3, 4)
+    ps = [items[i]["tokens"][:8].tolist() for i in (0, 5)]
+    refs = [reference_greedy(target, p, 16) for p in ps]
+    got = run_engine(target, prop, ps, 16)
+    assert [r.tokens for r in got] == refs
+    assert sum(sum(r.accept_lens) for r in got) > 0
+
+
+def test_eagle3_tree_expansion_matches_training_unroll():
+    """With top_k=1 EAGLE-3's tree is a chain; each drafted token is what its training-time
+    unrolling predicts from the same real prefix (inference and training agree)."""
+    from methods.base import BatchState
+    from specbench.drafters.eagle3 import Eagle3Drafter, layer_config
+    from specbench.hidden import Hidden
+
+    target = tiny_llama(seed=0, layers=8, scale=4.0)
+    torch.manual_seed(3)
+    d = Eagle3Drafter(target, layer_config(target.config, 96), 96)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.normal_(0, 0.3)
+    d.eval()
+    prompt = prompts_of([9], seed=5)[0]
+    seq = prompt + reference_greedy(target, prompt, 1)
+    with Tap(target, d.taps) as tap:
+        target(torch.tensor([seq[:-1]]))
+        got = tap.take()
+    f = torch.cat([got[t] for t in d.taps], dim=-1)
+    depth = 4
+    prop = Eagle(eagle_cfg(top_k=1, depth=depth, total_tokens=depth), target, None, CPU, torch.float32, drafter=d)
+    st = BatchState(seqs=[list(seq)], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=CPU)
+    prop.start(st, Hidden({t: got[t] for t in d.taps}, torch.tensor([f.shape[1]])))
+    chain = prop.propose(st).tokens[0].tolist()
+    assert unrolled_chain(d, f, seq, depth) == chain

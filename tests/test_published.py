@@ -111,6 +111,18 @@ def test_greedy_identity_with_published_heads(target, bs):
 EAGLE1 = FIXTURES / "eagle1"
 
 
+def causal_step(d, ref):
+    """A drafter's output features over a fixture's whole sequence, causal, positions 0..T-1 (as
+    the reference's own forward ran it)."""
+    f, ids = ref["hidden"], ref["input_ids"]
+    B, T, _ = f.shape
+    pos = torch.arange(T)[None].expand(B, T)
+    empty = torch.zeros(B, d.block.Hk, 0, d.block.Dh)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None].expand(B, T, T)
+    with torch.no_grad():
+        return d.step(f, ids, pos, empty, empty, causal)[0]
+
+
 def eagle_cfg(folder, **kw):
     m = {"name": "eagle", "version": 2, "checkpoint": str(folder), "top_k": 3, "depth": 3, "total_tokens": 8, **kw}
     return OmegaConf.create({"K": 4, "method": m, "model": {"name": "tiny", "path": "tiny"}})
@@ -127,13 +139,7 @@ def test_eagle1_fixture_gives_the_reference_features(kernel):
     assert d.block.ln1 is None and d.block.gate.out_features == 96  # its own layer shape, no input norm
     assert backends.kernel_of(d) == kernel
     ref = torch.load(EAGLE1 / "reference.pt", weights_only=True)
-    f, ids = ref["hidden"], ref["input_ids"]
-    B, T, _ = f.shape
-    pos = torch.arange(T)[None].expand(B, T)
-    empty = torch.zeros(B, d.block.Hk, 0, d.block.Dh)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()[None].expand(B, T, T)
-    with torch.no_grad():
-        h, _, _ = d.step(f, ids, pos, empty, empty, causal)
+    h = causal_step(d, ref)
     assert torch.allclose(h, ref["out"], rtol=1e-4, atol=1e-4), (h - ref["out"]).abs().max()
 
 
@@ -216,13 +222,8 @@ def test_eagle3_fixture_gives_the_reference_features_and_logits(kernel):
     state = torch.load(EAGLE3 / "pytorch_model.bin", weights_only=True)
     assert torch.equal(d.vocab_ids, state["t2d"].nonzero().flatten())  # draft id i -> target id i + d2t[i]
     ref = torch.load(EAGLE3 / "reference.pt", weights_only=True)
-    f, ids = ref["hidden"], ref["input_ids"]
-    B, T, _ = f.shape
-    pos = torch.arange(T)[None].expand(B, T)
-    empty = torch.zeros(B, d.block.Hk, 0, d.block.Dh)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()[None].expand(B, T, T)
+    h = causal_step(d, ref)
     with torch.no_grad():
-        h, _, _ = d.step(f, ids, pos, empty, empty, causal)
         logits = d.logits(h)
     assert torch.allclose(h, ref["out"], rtol=1e-4, atol=1e-4), (h - ref["out"]).abs().max()
     assert torch.allclose(logits, ref["logits"], rtol=1e-4, atol=1e-4)

@@ -105,6 +105,20 @@ class Block(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
+def ttt_mask(valid: torch.Tensor, s: int) -> torch.Tensor:
+    """The attention mask [B, T, (s + 1) T] of unrolled step ``s`` of the training-time test: a
+    position sees the real keys up to i - s, then the key of step t at position i - (s - t) for
+    t = 1..s (its own chain of predictions, itself last); ``valid`` [B, T]."""
+    B, T = valid.shape
+    idx = torch.arange(T, device=valid.device)
+    masks = [(idx[None, :] <= idx[:, None] - s)[None] & valid[:, None, :]]
+    for t in range(1, s + 1):
+        masks.append((idx[None, :] == idx[:, None] - (s - t))[None] & valid[:, None, :])
+    mask = torch.cat(masks, dim=2)
+    eye = torch.eye(T, dtype=torch.bool, device=valid.device)[None].expand(B, T, T)
+    return mask | torch.cat([torch.zeros_like(masks[0])] * s + [eye], dim=2)
+
+
 class EagleDrafter(Drafter):
     kind = "eagle"
 
@@ -182,14 +196,7 @@ class EagleDrafter(Drafter):
             q, k, v = self.block.qkv(x, cos, sin)
             keys.append(k)
             vals.append(v)
-            # real keys up to i - s; then key of step t at position i - (s - t) for t = 1..s
-            masks = [(idx[None, :] <= idx[:, None] - s)[None] & valid[:, None, :]]
-            for t in range(1, s + 1):
-                masks.append((idx[None, :] == idx[:, None] - (s - t))[None] & valid[:, None, :])
-            mask = torch.cat(masks, dim=2)
-            mask = mask | torch.cat([torch.zeros_like(masks[0])] * s + [torch.eye(T, dtype=torch.bool, device=dev)[None]
-                                                                         .expand(B, T, T)], dim=2)
-            h = self.block.attend(x, q, torch.cat(keys, 2), torch.cat(vals, 2), mask)
+            h = self.block.attend(x, q, torch.cat(keys, 2), torch.cat(vals, 2), ttt_mask(valid, s))
             outs.append(h)
         return torch.stack(outs)
 

@@ -122,3 +122,41 @@ class Eagle3Drafter(Drafter):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary [.., V']."""
         return self.lm_head(self.norm(h))
+
+    def train_forward(self, feats: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, steps: int = 1):
+        """As ``EagleDrafter.train_forward`` (the training-time test): ``feats`` [B, T, 3H] the
+        target's concatenated taps at positions 0..T-1, ``tokens`` [B, T] the token after each.
+        Step 0 reads the fused real features; step s at position i reads its own step s-1 output
+        at i-1 (the fused real feature at position 0). Returns the outputs [steps, B, T, H]."""
+        from specbench.drafters.eagle import ttt_mask
+
+        B, T, _ = feats.shape
+        pos = torch.arange(T, device=feats.device)[None].expand(B, T)
+        idx = torch.arange(T, device=feats.device)
+        causal = (idx[None, :] <= idx[:, None])[None] & valid[:, None, :]
+        g = self.fc(feats)
+        e = self.embed(tokens).to(g.dtype)
+        cos, sin = self.own_rope(g, pos)
+        q, k, v = self.block.qkv(e, g, cos, sin)
+        keys, vals = [k], [v]
+        outs = [self.block.attend(g, q, k, v, causal)]
+        for s in range(1, steps):
+            prev = torch.cat([g[:, :1], outs[-1][:, :-1]], dim=1)
+            q, k, v = self.block.qkv(e, prev, cos, sin)
+            keys.append(k)
+            vals.append(v)
+            outs.append(self.block.attend(prev, q, torch.cat(keys, 2), torch.cat(vals, 2), ttt_mask(valid, s)))
+        return torch.stack(outs)
+
+
+def layer_config(target_config, draft_vocab: int):
+    """The drafter layer's config for training one on ``target_config``: the target's layer
+    shape (hidden size, heads, MLP width, RoPE), one layer, the draft vocabulary's size."""
+    import copy
+
+    cfg = copy.deepcopy(text_config(target_config))
+    cfg.num_hidden_layers = 1
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types[:1])
+    cfg.draft_vocab_size = int(draft_vocab)
+    return cfg

@@ -187,7 +187,7 @@ def _eagle_state(folder) -> dict:
 
 def _eagle_detect(folder) -> str | None:
     p = Path(str(folder)).expanduser()
-    if not (p / "config.json").exists() or _eagle_file(p) is None or (p / "drafter.json").exists():
+    if not (p / "config.json").exists() or _eagle_file(p) is None:
         return None
     keys = set(_eagle_state(p))
     if any(k.startswith("midlayer.") for k in keys):
@@ -326,16 +326,43 @@ def tap_layers(n: int):
         raise FormatError(str(e)) from None
 
 
+EAGLE3_NAMES = {"input_layernorm": "input_layernorm", "hidden_norm": "hidden_norm",
+                "post_attention_layernorm": "post_attention_layernorm", "self_attn.q_proj": "q",
+                "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o", "mlp.gate_proj": "gate",
+                "mlp.up_proj": "up", "mlp.down_proj": "down"}
+
+
+def save_eagle3(folder, drafter, dtype=torch.bfloat16) -> None:
+    """Write an ``Eagle3Drafter`` in SafeAILab's EAGLE-3 layout (config.json + model.safetensors):
+    what the trainer writes, so the authors' code and engines reading that layout run it too."""
+    from safetensors.torch import save_file
+
+    own = drafter.state_dict()
+    state = {"fc.weight": own["fc.weight"], "norm.weight": own["norm.weight"], "lm_head.weight": own["lm_head.weight"]}
+    state |= {f"midlayer.{theirs}.weight": own[f"block.{ours}.weight"] for theirs, ours in EAGLE3_NAMES.items()}
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
+    dv, V = drafter.d2t.numel(), drafter.vocab_size
+    if dv != V:
+        state["d2t"] = drafter.d2t.detach().long().cpu().contiguous()
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[drafter.vocab_ids.cpu()] = True
+        state["t2d"] = t2d
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors.tmp"))
+    (out / "model.safetensors.tmp").rename(out / "model.safetensors")
+    raw = drafter.config.to_dict()
+    raw.update({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": int(dv), "num_hidden_layers": 1})
+    (out / "config.json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
+
+
 def load_eagle3(folder, target, device, dtype):
     from specbench.drafters.eagle3 import Eagle3Drafter
 
     cfg, dv, th = check_eagle3(folder, target.config)
     state = _eagle_state(folder)
     d = Eagle3Drafter(target, cfg, dv, target_hidden=th)
-    names = {"input_layernorm": "input_layernorm", "hidden_norm": "hidden_norm",
-             "post_attention_layernorm": "post_attention_layernorm", "self_attn.q_proj": "q", "self_attn.k_proj": "k",
-             "self_attn.v_proj": "v", "self_attn.o_proj": "o", "mlp.gate_proj": "gate", "mlp.up_proj": "up",
-             "mlp.down_proj": "down"}
+    names = EAGLE3_NAMES
     mine = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
             "lm_head.weight": state["lm_head.weight"],
             "d2t": state["d2t"].long() if "d2t" in state else torch.zeros(dv, dtype=torch.long)}

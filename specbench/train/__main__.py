@@ -30,8 +30,9 @@ def main() -> int:
 
         try:
             mcfg = model_cfg(str(cfg.target), "sdpa")
-            if cfg.drafter.kind not in drafters.KINDS:
-                raise ConfigError(f"unknown drafter kind '{cfg.drafter.kind}'; choices: {', '.join(drafters.KINDS)}")
+            kinds = [*drafters.KINDS, "eagle3"]  # eagle3: written in its authors' layout (drafters.published)
+            if cfg.drafter.kind not in kinds:
+                raise ConfigError(f"unknown drafter kind '{cfg.drafter.kind}'; choices: {', '.join(kinds)}")
             device = resolve_device(cfg.device)
             dtype = resolve_dtype(cfg.dtype, device)
             if dtype != torch.float32 and device.type == "cpu":
@@ -50,8 +51,13 @@ def main() -> int:
             out = REPO / out
         out.mkdir(parents=True, exist_ok=True)
         command = "python -m specbench.train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        if cfg.drafter.kind in ("eagle", "medusa"):  # feature-level drafters train on the feature set
+        if cfg.drafter.kind in ("eagle", "medusa", "eagle3"):  # feature-level drafters train on the feature set
             from specbench.train import features, heads
+
+            if cfg.drafter.kind == "eagle3":  # the states at the inputs of layers 2, L//2, L-3, and the teacher's
+                from specbench.drafters.eagle3 import tap_layers
+
+                cfg.features.layers = [*tap_layers(int(target.config.get_text_config().num_hidden_layers)), "final"]
 
             root = features.build(target, tok, name, cfg.features, device, dtype, chat=bool(mcfg.get("chat", True)),
                                   progress=bool(cfg.progress))

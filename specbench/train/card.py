@@ -83,6 +83,8 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
         mconf = _conf("method", kind)
         pick = f"method={kind}" + ("" if mconf.get("checkpoint") == where else f" {kind}.checkpoint={where}")
         lines += ["```bash", f"python -m specbench {pick}", "```", ""]
+    elif kind == "eagle3":
+        lines += ["```bash", f"python -m specbench method=eagle eagle.version=3 eagle.checkpoint={where}", "```", ""]
     if kind == "eagle":
         from methods.eagle import AUTO
 
@@ -130,13 +132,18 @@ def _heads_body(meta: dict) -> list[str]:
                  "decoder layer -> the target's output layer restricted to the draft vocabulary",
         "medusa": f"{meta.get('heads')} Medusa heads for `method=medusa`: a residual SiLU block per head on the "
                   "target's last hidden state, then the target's output layer restricted to the draft vocabulary",
+        "eagle3": "EAGLE-3 drafter for `method=eagle eagle.version=3`: fc([the target's states at the inputs of "
+                  "layers 2, L//2, L-3]) -> one decoder layer over [embedding; feature] -> its own head over the "
+                  "draft vocabulary (SafeAILab's EAGLE-3 layout)",
     }[meta["kind"]]
     agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
-    per = "unrolled step (tree depth)" if meta["kind"] == "eagle" else "head"
+    per = "unrolled step (tree depth)" if meta["kind"] in ("eagle", "eagle3") else "head"
     lines = [
         f"# {meta['name']}: {meta['kind']} drafter for {meta['target']}", "",
         f"{what} ({meta['draft_vocab']} most frequent tokens of the feature set). Only the drafter's own weights "
-        f"are stored ({s['trainable_params']:,} parameters, bf16); the embedding and output layer are the target's.",
+        f"are stored ({s['trainable_params']:,} parameters, bf16); "
+        + ("the embedding is the target's." if meta["kind"] == "eagle3" else
+           "the embedding and output layer are the target's."),
         "", "## Data",
         f"- {d['sequences']} sequences of the ShareGPT training slice ({d['tokens']:,} token positions): "
         f"{d['answered']} first turns answered by the target itself (greedy, up to {fs['max_new_tokens']} tokens; "
@@ -216,7 +223,7 @@ def _specdec_body(meta: dict) -> list[str]:
     return lines
 
 
-BODIES = {"eagle": _heads_body, "medusa": _heads_body, "draft_lm": _draft_lm_body, "specdec": _specdec_body}
+BODIES = {"eagle": _heads_body, "eagle3": _heads_body, "medusa": _heads_body, "draft_lm": _draft_lm_body, "specdec": _specdec_body}
 
 
 def render(meta: dict, folder: Path) -> str:

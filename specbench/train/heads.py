@@ -9,6 +9,10 @@ vocabulary (a softmax over a subset is the renormalised restriction). Losses:
 - EAGLE: smooth L1 from the predicted to the real next feature plus ``cls_weight`` x soft
   cross-entropy of their distributions, for each of ``ttt_steps`` unrolled steps
   (training-time test), weight 0.8^(s-1); optional uniform noise on the input features.
+- EAGLE-3: soft cross-entropy only (its output is no feature the target has), over its own
+  draft-vocabulary head, for each of ``ttt_steps`` unrolled steps, weight 0.8^(s-1); the input
+  is the target's states at three layers (``features.layers`` is set to them), the teacher the
+  target's distribution at the next position restricted to the draft vocabulary.
 
 Held-out sequences give the summary: top-1 agreement with the target's greedy token per
 head / per unrolled step, and Medusa's per-rank accuracies that shape its tree.
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 
 from specbench.drafters import vocab_by_frequency
 from specbench.drafters.eagle import EagleDrafter
+from specbench.drafters.eagle3 import Eagle3Drafter, layer_config
 from specbench.drafters.medusa import MedusaHeads, sparse_tree
 from specbench.train import card
 from specbench.train.loop import fit
@@ -33,18 +38,18 @@ from specbench.train.loop import fit
 RANKS = 10  # Medusa per-rank accuracies measured for the tree
 
 
-def collate(batch, seq_len: int, device, dtype=torch.float32):
-    """tokens [B, T], final features [B, T, d], valid [B, T]; sequences longer than
-    ``seq_len`` keep their start."""
+def collate(batch, seq_len: int, device, dtype=torch.float32, layers=("final",)):
+    """tokens [B, T], features [B, T, d x len(layers)] (the stored states of ``layers``,
+    concatenated), valid [B, T]; sequences longer than ``seq_len`` keep their start."""
     T = min(seq_len, max(len(it["tokens"]) for it in batch))
-    d = batch[0]["hidden"]["final"].shape[-1]
+    d = sum(batch[0]["hidden"][str(k)].shape[-1] for k in layers)
     tok = torch.zeros(len(batch), T, dtype=torch.long)
     f = torch.zeros(len(batch), T, d, dtype=torch.float16)
     valid = torch.zeros(len(batch), T, dtype=torch.bool)
     for b, it in enumerate(batch):
         n = min(T, len(it["tokens"]))
         tok[b, :n] = it["tokens"][:n].long()
-        f[b, :n] = it["hidden"]["final"][:n]
+        f[b, :n] = torch.cat([it["hidden"][str(k)][:n] for k in layers], dim=-1)
         valid[b, :n] = True
     return tok.to(device), f.to(device=device, dtype=dtype), valid.to(device)
 
@@ -71,6 +76,21 @@ def eagle_loss(model: EagleDrafter, tok, f, valid, steps: int, cls_weight: float
         reg = (F.smooth_l1_loss(preds[s], target, reduction="none").mean(-1) * w).sum() / w.sum().clamp(min=1)
         ce, agree = _soft_ce(model.logits(preds[s]), t_logits, w)
         total = total + 0.8 ** s * (reg + cls_weight * ce)
+        agrees.append(agree.detach())
+    return (total, *agrees)
+
+
+def eagle3_loss(model: Eagle3Drafter, tok, f3, fin, valid, steps: int, head_rows: torch.Tensor):
+    """``f3`` [B, T, 3H] the concatenated taps, ``fin`` [B, T, H] the target's final states,
+    ``head_rows`` [V', H] the target's output rows of the draft vocabulary (the teacher)."""
+    preds = model.train_forward(f3[:, :-1], tok[:, 1:], valid[:, 1:], steps)  # [S, B, T-1, H]
+    t_logits = F.linear(fin[:, 1:], head_rows)
+    T = t_logits.shape[1]
+    total, agrees = 0.0, []
+    for s in range(steps):
+        w = (valid[:, 1:] & (torch.arange(T, device=fin.device) >= s)[None]).float()
+        ce, agree = _soft_ce(model.logits(preds[s]), t_logits, w)
+        total = total + 0.8 ** s * ce
         agrees.append(agree.detach())
     return (total, *agrees)
 
@@ -112,6 +132,11 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], device, prog
         # start from the target's last layer: a decoder layer that already reads its features
         if dr.get("init") == "target":
             model.block.load_from(target.model.layers[-1])
+    elif dr.kind == "eagle3":
+        model = Eagle3Drafter(target, layer_config(target.config, len(vocab_ids)), len(vocab_ids))
+        with torch.no_grad():
+            model.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
+        head_rows = target.get_output_embeddings().weight.detach()[vocab_ids.to(device)].float()
     elif dr.kind == "medusa":
         model = MedusaHeads(target, vocab_ids, int(dr.heads))
     else:
@@ -131,7 +156,11 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], device, prog
 
     it = batches()
 
-    def loss_of(batch):
+    def loss_of(batch, steps=None):
+        if dr.kind == "eagle3":
+            tok, f3, valid = collate(batch, L, device, layers=model.taps)
+            fin = collate(batch, L, device)[1]
+            return eagle3_loss(model, tok, f3, fin, valid, steps or int(dr.ttt_steps), head_rows)
         tok, f, valid = collate(batch, L, device)
         if dr.kind == "eagle":
             return eagle_loss(model, tok, f, valid, int(dr.ttt_steps), float(dr.cls_weight), float(dr.noise))
@@ -151,7 +180,9 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], device, prog
         for s in range(0, len(evals), bs):
             batch = evals[s:s + bs]
             tok, f, valid = collate(batch, L, device)
-            if dr.kind == "eagle":
+            if dr.kind == "eagle3":
+                vals = loss_of(batch, max(int(dr.ttt_steps), 4))
+            elif dr.kind == "eagle":
                 vals = eagle_loss(model, tok, f, valid, max(int(dr.ttt_steps), 4), float(dr.cls_weight), 0.0)
             else:
                 loss, agrees, ranks = medusa_loss(model, tok, f, valid, ranks=True)
@@ -192,5 +223,10 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
     }
     if dr.kind == "medusa":
         meta["heads"] = int(dr.heads)
-    save(model, out, meta)
+    if dr.kind == "eagle3":  # SafeAILab's layout (what eagle.version=3 and the authors' code read)
+        from specbench.drafters.published import save_eagle3
+
+        save_eagle3(out, model)  # card.write adds drafter.json and the card
+    else:
+        save(model, out, meta)
     card.write(out, meta)
