@@ -49,8 +49,12 @@ class MedusaHeads(Drafter):
         x = f.reshape(-1, shape[-1])
         z = backends.heads_like(x, self.weight.to(f.dtype), self.parts.target.get_output_embeddings(), self)
         h = x[None] + F.silu(z + self.bias.to(f.dtype)[:, None])
-        out = self.parts.logits(h)
-        return out.view(self.n_heads, *shape[:-1], -1)
+        return self.output(h).view(self.n_heads, *shape[:-1], -1)
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        """[n_heads, n, d] after each head's residual block -> logits [n_heads, n, V']: the
+        target's output layer over the draft vocabulary."""
+        return self.parts.logits(h)
 
 
 def sparse_tree(acc: list[list[float]], size: int) -> list[tuple[int, ...]]:

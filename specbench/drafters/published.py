@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specbench import backends
-from specbench.drafters import Drafter, TargetParts
+from specbench.drafters.medusa import MedusaHeads
 from specbench.hf import text_config
 
 MEDUSA1_HEADS = "medusa_lm_head.pt"
@@ -74,9 +74,10 @@ def _read_medusa1(folder) -> tuple[dict, int, int]:
     return state, heads, layers
 
 
-def check_medusa1(folder, target_config) -> tuple[int, int]:
-    """The checkpoint's (heads, blocks) when it fits ``target_config``; else FormatError."""
-    state, heads, layers = _read_medusa1(folder)
+def check_medusa1(folder, target_config, read: tuple | None = None) -> tuple[int, int]:
+    """The checkpoint's (heads, blocks) when it fits ``target_config``; else FormatError.
+    ``read``: ``_read_medusa1(folder)`` when the caller has it (the file is read once)."""
+    state, heads, layers = read or _read_medusa1(folder)
     tc = text_config(target_config)
     d, V = int(tc.hidden_size), int(tc.vocab_size)
     for h in range(heads):
@@ -90,49 +91,39 @@ def check_medusa1(folder, target_config) -> tuple[int, int]:
     return heads, layers
 
 
-class Medusa1Heads(Drafter):
-    """Medusa-1 heads with their own output layers: head k turns the target's last hidden state
-    f into logits over the whole vocabulary for token t+1+k."""
-
-    kind = "medusa"
+class Medusa1Heads(MedusaHeads):
+    """Medusa-1 heads with their own output layers: ``MedusaHeads``' first residual block per
+    head, ``n_layers - 1`` more, then a full-vocabulary output layer per head; head k turns the
+    target's last hidden state into logits for token t+1+k."""
 
     def __init__(self, target, heads: int, layers: int):
-        super().__init__()
-        tc = text_config(target.config)
-        d, V = int(tc.hidden_size), int(tc.vocab_size)
-        self.n_heads, self.n_layers, self.vocab_size = heads, layers, V
-        self.weight = nn.Parameter(torch.zeros(heads, layers, d, d))
-        self.bias = nn.Parameter(torch.zeros(heads, layers, d))
+        V = int(text_config(target.config).vocab_size)
+        super().__init__(target, torch.arange(V), heads)  # the whole vocabulary
+        d = self.weight.shape[-1]
+        self.n_layers = layers
+        self.more_weight = nn.Parameter(torch.zeros(heads, layers - 1, d, d))
+        self.more_bias = nn.Parameter(torch.zeros(heads, layers - 1, d))
         self.head = nn.Parameter(torch.zeros(heads, V, d))
-        self.register_buffer("vocab_ids", torch.arange(V), persistent=False)  # the whole vocabulary
-        self.parts = TargetParts(target, self.vocab_ids)
 
-    def logits_of(self, f: torch.Tensor) -> torch.Tensor:
-        return self.parts.logits(f)
-
-    def forward(self, f: torch.Tensor) -> torch.Tensor:
-        """f [..., d] -> logits [n_heads, ..., V]."""
-        shape = f.shape
-        x = f.reshape(-1, shape[-1])
-        like = self.parts.target.get_output_embeddings()
-        h = x[None] + F.silu(backends.heads_like(x, self.weight[:, 0].to(f.dtype), like, self)
-                             + self.bias[:, 0, None].to(f.dtype))
-        for k in range(1, self.n_layers):
-            h = h + F.silu(torch.einsum("hni,hoi->hno", h, self.weight[:, k].to(f.dtype))
-                           + self.bias[:, k, None].to(f.dtype))
-        out = torch.einsum("hni,hvi->hnv", h, self.head.to(f.dtype))
-        return out.view(self.n_heads, *shape[:-1], -1)
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        for k in range(self.n_layers - 1):
+            h = h + F.silu(torch.einsum("hni,hoi->hno", h, self.more_weight[:, k].to(h.dtype))
+                           + self.more_bias[:, k, None].to(h.dtype))
+        return torch.einsum("hni,hvi->hnv", h, self.head.to(h.dtype))
 
 
 def load_medusa1(folder, target, device, dtype) -> Medusa1Heads:
-    heads, layers = check_medusa1(folder, target.config)
-    state, _, _ = _read_medusa1(folder)
+    read = _read_medusa1(folder)
+    heads, layers = check_medusa1(folder, target.config, read)
+    state = read[0]
     m = Medusa1Heads(target, heads, layers)
     with torch.no_grad():
         for h in range(heads):
-            for k in range(layers):
-                m.weight[h, k].copy_(state[f"{h}.{k}.linear.weight"])
-                m.bias[h, k].copy_(state[f"{h}.{k}.linear.bias"])
+            m.weight[h].copy_(state[f"{h}.0.linear.weight"])
+            m.bias[h].copy_(state[f"{h}.0.linear.bias"])
+            for k in range(1, layers):
+                m.more_weight[h, k - 1].copy_(state[f"{h}.{k}.linear.weight"])
+                m.more_bias[h, k - 1].copy_(state[f"{h}.{k}.linear.bias"])
             m.head[h].copy_(state[f"{h}.{layers}.weight"])
     for p in m.parameters():
         p.requires_grad_(False)
@@ -181,15 +172,26 @@ def _eagle_state(folder) -> dict:
     if f.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(f))  # memory-mapped: a key listing reads no weights
-    return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        return load_file(str(f))
+    return torch.load(f, map_location="cpu", weights_only=True, mmap=True)  # mapped: read as used
+
+
+def _eagle_keys(folder) -> set[str]:
+    """The weight file's keys, without reading its tensors (safetensors' header; a mapped .bin)."""
+    f = _eagle_file(folder)
+    if f.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(f), framework="pt") as h:
+            return set(h.keys())
+    return set(_eagle_state(folder))
 
 
 def _eagle_detect(folder) -> str | None:
     p = Path(str(folder)).expanduser()
     if not (p / "config.json").exists() or _eagle_file(p) is None:
         return None
-    keys = set(_eagle_state(p))
+    keys = _eagle_keys(p)
     if any(k.startswith("midlayer.") for k in keys):
         return "eagle3"
     if "fc.weight" in keys and any(k.startswith("layers.0.") for k in keys):
@@ -208,11 +210,12 @@ def eagle1_config(folder):
     return LlamaConfig(**fields), bool(raw.get("bias", True))
 
 
-def check_eagle1(folder, target_config):
+def check_eagle1(folder, target_config, state: dict | None = None):
     """(drafter config, fc bias) when the checkpoint matches EAGLE-1's layout and fits
-    ``target_config``; else FormatError in one line."""
+    ``target_config``; else FormatError in one line. ``state``: the weights when the caller has
+    read them (read once)."""
     cfg, bias = eagle1_config(folder)
-    state = _eagle_state(folder)
+    state = state if state is not None else _eagle_state(folder)
     want = {"fc.weight"} | ({"fc.bias"} if bias else set()) | {f"layers.0.{k}" for k in EAGLE_LAYER}
     have = set(state) - {"embed_tokens.weight"}
     if want != have:
@@ -237,8 +240,8 @@ def load_eagle1(folder, target, device, dtype):
     over the whole vocabulary."""
     from specbench.drafters.eagle import EagleDrafter
 
-    cfg, bias = check_eagle1(folder, target.config)
     state = _eagle_state(folder)
+    cfg, bias = check_eagle1(folder, target.config, state)
     d = EagleDrafter(target, torch.arange(int(text_config(target.config).vocab_size)), config=cfg, fc_bias=bias,
                      input_norm=False)
     names = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o",
@@ -283,11 +286,12 @@ def eagle3_config(folder):
     return cfg, dv, raw.get("target_hidden_size")
 
 
-def check_eagle3(folder, target_config):
+def check_eagle3(folder, target_config, state: dict | None = None):
     """(drafter config, draft vocabulary size, target hidden size or None) when the checkpoint
-    matches EAGLE-3's layout and fits ``target_config``; else FormatError in one line."""
+    matches EAGLE-3's layout and fits ``target_config``; else FormatError in one line.
+    ``state``: the weights when the caller has read them (read once)."""
     cfg, dv, th = eagle3_config(folder)
-    state = _eagle_state(folder)
+    state = state if state is not None else _eagle_state(folder)
     tc = text_config(target_config)
     d, V = int(tc.hidden_size), int(tc.vocab_size)
     equal = dv == V
@@ -359,8 +363,8 @@ def save_eagle3(folder, drafter, dtype=torch.bfloat16) -> None:
 def load_eagle3(folder, target, device, dtype):
     from specbench.drafters.eagle3 import Eagle3Drafter
 
-    cfg, dv, th = check_eagle3(folder, target.config)
     state = _eagle_state(folder)
+    cfg, dv, th = check_eagle3(folder, target.config, state)
     d = Eagle3Drafter(target, cfg, dv, target_hidden=th)
     names = EAGLE3_NAMES
     mine = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
