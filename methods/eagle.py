@@ -35,6 +35,7 @@ from specbench.paths import resolve_path
 # SmolLM2-135M, 2-core CPU, 5 MT-Bench questions x 128 tokens, each job paired with its own AR
 # (depth, total_tokens -> speedup, tau): (2, 4) 1.04x 1.73, (2, 6) 1.05x 1.83, (3, 4) 0.96x 1.78,
 # (3, 6) 1.00x 1.89; the third level's drafting costs more than its tau gains.
+EAGLE3_FORMATS = ("eagle3", "speculators-eagle3")  # SafeAILab's layout, vLLM's speculators format
 AUTO = {"cuda": {"top_k": 10, "depth": 5, "total_tokens": 60}, "cpu": {"top_k": 4, "depth": 2, "total_tokens": 6}}
 
 
@@ -49,28 +50,39 @@ class Eagle(Proposer):
         if version not in (2, 3):
             raise ConfigError(f"eagle.version must be 2 (EAGLE-1/2's drafter) or 3 (EAGLE-3's), got {version!r}; "
                               "both draft EAGLE-2's dynamic tree")
+        tree = m.get("tree")
+        if tree is not None and tree not in published.named_trees("eagle"):
+            raise ConfigError(f"eagle.tree must be null (EAGLE-2's dynamic tree) or an EAGLE-1 static tree "
+                              f"({', '.join(published.named_trees('eagle'))}), got {tree!r}")
         for key in ("top_k", "depth", "total_tokens"):
             v = m[key]
             if v != "auto" and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"eagle.{key} must be 'auto' or an integer >= 1, got {v!r}")
         folder = resolve_path(m.checkpoint)
         fmt = published.detect(folder)
-        if (fmt == "eagle3") != (version == 3):
-            what = "an EAGLE-3 drafter" if fmt == "eagle3" else "an EAGLE-1/2 drafter"
-            raise ConfigError(f"eagle.checkpoint '{m.checkpoint}' holds {what}; set eagle.version="
-                              f"{3 if fmt == 'eagle3' else 2}, or name an EAGLE-{3 if version == 3 else 2} checkpoint "
-                              f"(python -m specbench.train drafter={'eagle3' if version == 3 else 'eagle'})")
-        if fmt in ("eagle1", "eagle3"):  # SafeAILab's published layouts
-            try:
+        try:
+            if fmt is not None and fmt.startswith("speculators-"):  # vLLM's format: only its eagle3 is read
+                published.check_eagle3(folder, target_config)
+            three = fmt in EAGLE3_FORMATS
+            if three != (version == 3):
+                what = "an EAGLE-3 drafter" if three else "an EAGLE-1/2 drafter"
+                raise ConfigError(f"eagle.checkpoint '{m.checkpoint}' holds {what}; set eagle.version="
+                                  f"{3 if three else 2}, or name an EAGLE-{3 if version == 3 else 2} checkpoint "
+                                  f"(python -m specbench.train drafter={'eagle3' if version == 3 else 'eagle'})")
+            if fmt in ("eagle1", "eagle3"):  # SafeAILab's published layouts
                 (published.check_eagle3 if fmt == "eagle3" else published.check_eagle1)(folder, target_config)
-            except published.FormatError as e:
-                raise ConfigError(f"eagle.checkpoint {e}") from None
-        else:
-            drafters.check_fits(folder, cfg, target_config, "eagle", "eagle.checkpoint")
+            elif fmt is None:
+                drafters.check_fits(folder, cfg, target_config, "eagle", "eagle.checkpoint")
+        except published.FormatError as e:
+            raise ConfigError(f"eagle.checkpoint {e}") from None
 
     @classmethod
     def tree_shape(cls, m, device) -> tuple[int, int, int]:
-        """(top_k, depth, total_tokens) of a method config on ``device`` (``auto`` resolved)."""
+        """(top_k, depth, total_tokens) of a method config on ``device`` (``auto`` resolved; a
+        static tree: its widest rank, its depth and its nodes)."""
+        if m.get("tree") is not None:
+            paths = published.named_trees("eagle")[m.tree]
+            return 1 + max(p[-1] for p in paths), max(map(len, paths)), len(paths)
         auto = AUTO.get(device.type, AUTO["cpu"])
         return tuple(auto[k] if m[k] == "auto" else int(m[k]) for k in ("top_k", "depth", "total_tokens"))
 
@@ -86,12 +98,26 @@ class Eagle(Proposer):
         if drafter is None:
             folder = resolve_path(m.checkpoint)
             fmt = published.detect(folder)
-            if fmt in ("eagle1", "eagle3"):
-                load = published.load_eagle3 if fmt == "eagle3" else published.load_eagle1
+            if fmt in ("eagle1", *EAGLE3_FORMATS):
+                load = published.load_eagle3 if fmt in EAGLE3_FORMATS else published.load_eagle1
                 drafter, self.format = load(folder, target, device, dtype), fmt
             else:
                 drafter = drafters.load(folder, target, device, dtype, kind="eagle")
         self.d = drafter
+        self.tree = m.get("tree")
+        if self.tree is not None:  # EAGLE-1's static tree: nodes by depth, parents first
+            paths = sorted({tuple(p) for p in published.named_trees("eagle")[self.tree]}, key=lambda p: (len(p), p))
+            index = {(): 0, **{p: i + 1 for i, p in enumerate(paths)}}
+            self.static = [(torch.tensor([index[p] for p in paths if len(p) == dd], device=device),
+                            torch.tensor([index[p[:-1]] for p in paths if len(p) == dd], device=device),
+                            torch.tensor([p[-1] for p in paths if len(p) == dd], device=device))
+                           for dd in range(1, self.depth + 1)]  # per depth: nodes, parents, ranks
+            self.parents = torch.tensor([index[p[:-1]] for p in paths], device=device)
+            anc = torch.eye(len(paths) + 1, dtype=torch.bool)
+            for p in paths:
+                for j in range(len(p)):
+                    anc[index[p], index[p[:j]]] = True
+            self.anc = anc.to(device)
         self.hidden_layers = tuple(drafter.taps)  # EAGLE-1/2: the final state; EAGLE-3: three layers' inputs
         self.h_last = None  # [B, d] the drafter's prediction of the root's feature
 
@@ -152,8 +178,46 @@ class Eagle(Proposer):
         self.Vc = self.Vc[idx, :, :C]
         self.h_last = self.h_last[idx]
 
+    # ------------------------------------------------------------------ the static tree
+    def _propose_static(self) -> Draft:
+        """EAGLE-1: every node of the named tree is the rank-th likeliest token of the drafter's
+        step at its parent; the nodes of a depth that have children run one step together."""
+        d, dev, R = self.d, self.device, self.top_k
+        vid = d.vocab_ids.to(dev)
+        h0 = self.h_last
+        B, D = h0.shape
+        N = self.anc.shape[0]
+        tok = torch.zeros(B, N, dtype=torch.long, device=dev)
+        out = h0.new_zeros(B, N, D)  # the drafter's output at each node that ran (root: h_last)
+        out[:, 0] = h0
+        top = d.logits(h0).topk(R, dim=-1).indices[:, None]  # [B, 1, R] ranked candidates of the root
+        ran = torch.zeros(1, dtype=torch.long, device=dev)  # the nodes whose step produced `top`
+        Kp = self.Kc.new_zeros(B, self.Kc.shape[1], 0, self.Kc.shape[3])
+        Vp = Kp
+        pend = torch.zeros(0, dtype=torch.long, device=dev)
+        C = self.Kc.shape[2]
+        for dd, (nodes, parents, ranks) in enumerate(self.static, start=1):
+            slot = (ran[:, None] == parents[None]).float().argmax(0)  # each node's parent among `ran`
+            tok[:, nodes] = vid[top[:, slot, ranks]]
+            if dd == self.depth:
+                break
+            nxt = self.static[dd][1].unique()  # this depth's nodes that have children
+            F = nxt.numel()
+            ctx = (torch.arange(C, device=dev)[None] < self.len[:, None])[:, None].expand(B, F, C)
+            seen = self.anc[nxt][:, pend][None].expand(B, F, pend.numel())
+            mask = torch.cat([ctx, seen, torch.eye(F, dtype=torch.bool, device=dev)[None].expand(B, F, F)], dim=2)
+            pos = (self.len + dd - 1)[:, None].expand(B, F)
+            h, kk, vv = d.step(out[:, self.parents[nxt - 1]], tok[:, nxt], pos, torch.cat([self.Kc, Kp], 2),
+                               torch.cat([self.Vc, Vp], 2), mask)
+            Kp, Vp, pend = torch.cat([Kp, kk], 2), torch.cat([Vp, vv], 2), torch.cat([pend, nxt])
+            out[:, nxt] = h
+            top, ran = d.logits(h).topk(R, dim=-1).indices, nxt
+        return Draft(tokens=tok[:, 1:], parents=self.parents[None].expand(B, -1))
+
     # ------------------------------------------------------------------ the dynamic tree
     def propose(self, state: BatchState) -> Draft:
+        if self.tree is not None:
+            return self._propose_static()
         d, k, dev = self.d, self.top_k, self.device
         vid = d.vocab_ids.to(dev)
         h0 = self.h_last
@@ -225,7 +289,8 @@ class Eagle(Proposer):
         return Draft(tokens=tok.gather(1, order), parents=parents, valid=valid)
 
     def describe(self) -> dict:
-        return {"top_k": self.top_k, "depth": self.depth, "total_tokens": self.total, "checkpoint_format": self.format,
-                "version": 3 if self.format == "eagle3" else 2,
+        return {"tree": self.tree or "dynamic", "top_k": self.top_k, "depth": self.depth, "total_tokens": self.total,
+                "checkpoint_format": self.format,
+                "version": 3 if self.format in EAGLE3_FORMATS else 2,
                 "drafter_params": sum(p.numel() for p in self.d.parameters()),
                 "draft_vocab": int(self.d.vocab_ids.numel())}

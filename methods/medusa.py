@@ -18,9 +18,7 @@ candidate passes when p(x) > min(eps, delta * exp(-H(p)))), recorded ``lossless:
 from __future__ import annotations
 
 import functools
-import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -44,10 +42,9 @@ AUTO_CPU_TREE = 7
 
 @functools.cache
 def named_trees() -> dict[str, list[list[int]]]:
-    """Medusa's published candidate trees by name (``specbench/drafters/trees/medusa.json``, made
-    by ``tests/fixtures/make_trees.py`` from the authors' repository): each path a list of top-k
-    ranks, one per head. EAGLE's trees of the same names are other trees, kept apart."""
-    return json.loads((Path(published.__file__).parent / "trees" / "medusa.json").read_text())["trees"]
+    """Medusa's published candidate trees by name (rank i of path position k: the (i+1)-th
+    likeliest token of head k)."""
+    return published.named_trees("medusa")
 
 
 class Medusa(Proposer):

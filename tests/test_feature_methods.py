@@ -148,17 +148,18 @@ def test_eagle_block_is_the_same_on_both_paths():
 
 
 @torch.no_grad()
-@torch.no_grad()
-def unrolled_chain(d, f, seq, depth: int) -> list[int]:
-    """The greedy chain a drafter's training-time unrolling predicts after ``seq`` (``f``: the
-    target features of ``seq[:-1]``): step s's prediction at the last position, s = 0..depth-1."""
+def unrolled_chain(d, f, seq, depth: int, ranks=None) -> list[int]:
+    """The chain a drafter's training-time unrolling predicts after ``seq`` (``f``: the target
+    features of ``seq[:-1]``): step s's prediction at the last position, s = 0..depth-1; the
+    likeliest token, or the ``ranks[s]``-th (0 = likeliest)."""
     toks = list(seq)
     for s in range(depth):
         T = len(toks) - 1
         feats = torch.zeros(1, T, f.shape[-1])
         feats[0, : f.shape[1]] = f[0]
         out = d.train_forward(feats, torch.tensor([toks[1:]]), torch.ones(1, T, dtype=torch.bool), steps=s + 1)
-        toks.append(int(d.vocab_ids[d.logits(out[s, 0, T - 1]).argmax()]))
+        r = 0 if ranks is None else ranks[s]
+        toks.append(int(d.vocab_ids[d.logits(out[s, 0, T - 1]).topk(r + 1).indices[r]]))
     return toks[len(seq):]
 
 
@@ -183,6 +184,38 @@ def test_eagle_tree_expansion_matches_training_unroll(model):
     prop.start(st, Hidden({"final": f}, torch.tensor([f.shape[1]])))
     chain = prop.propose(st).tokens[0].tolist()
     assert unrolled_chain(d, f, seq, depth) == chain
+
+
+def test_eagle1_static_tree_nodes_are_the_ranked_unroll(model):
+    """eagle.tree=mc_sim_7b_63 (EAGLE-1's 25 nodes, depth 5): the node of path (r1, ..., rj) must
+    be the rj-th likeliest token of the drafter unrolled along its ancestors; and decoding with
+    the static tree stays token-identical to AR."""
+    from methods.base import BatchState
+    from specbench.drafters import published
+    from specbench.hidden import Hidden
+
+    paths = sorted(map(tuple, published.named_trees("eagle")["mc_sim_7b_63"]), key=lambda p: (len(p), p))
+    assert len(paths) == 25 and max(map(len, paths)) == 5
+    d = random_eagle(model, seed=4)
+    prompt = prompts_of([9], seed=5)[0]
+    seq = prompt + reference_greedy(model, prompt, 1)
+    with Tap(model, ["final"]) as tap:
+        model(torch.tensor([seq[:-1]]))
+        f = tap.take()["final"]
+    c = eagle_cfg(tree="mc_sim_7b_63")
+    prop = Eagle(c, model, None, CPU, torch.float32, drafter=d)
+    assert (prop.top_k, prop.depth, prop.total) == (4, 5, 25) and Eagle.spec_len(c, CPU) == 5
+    st = BatchState(seqs=[list(seq)], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=CPU)
+    prop.start(st, Hidden({"final": f}, torch.tensor([f.shape[1]])))
+    draft = prop.propose(st)
+    toks, parents = draft.tokens[0].tolist(), draft.parents[0].tolist()
+    for i, p in enumerate(paths):
+        assert parents[i] == (paths.index(p[:-1]) + 1 if len(p) > 1 else 0)
+        assert toks[i] == unrolled_chain(d, f, seq, len(p), ranks=p)[-1], p
+    for bs in (1, 3):
+        prompts = prompts_of([5, 9, 3][:bs], seed=1)
+        res = run_engine(model, Eagle(c, model, None, CPU, torch.float32, drafter=d), prompts, 12)
+        assert [r.tokens for r in res] == [reference_greedy(model, p, 12) for p in prompts]
 
 
 def test_medusa_sparse_tree():

@@ -94,6 +94,32 @@ def test_our_heads_exported_load_back_with_our_logits(target, tmp_path):
         assert torch.allclose(back(f)[..., vocab], ours(f), rtol=1e-5, atol=1e-5)
 
 
+def test_our_eagle_exported_loads_back_with_our_outputs(target, tmp_path):
+    """export --format eagle: a drafter without an input norm, written in EAGLE-1's layout (the
+    reference fixture's key set and config), loads back through the published loader with the
+    same features and, on the draft vocabulary, the same logits; one with an input norm is refused."""
+    from specbench.drafters.eagle import EagleDrafter
+
+    torch.manual_seed(0)
+    vocab = torch.arange(3, 90, 2)
+    ours = EagleDrafter(target, vocab, input_norm=False)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_(0, 0.2)
+    published.save_eagle1(tmp_path / "out", ours, dtype=torch.float32)
+    ref_keys = set(torch.load(EAGLE1 / "pytorch_model.bin", weights_only=True)) - {"embed_tokens.weight"}
+    assert set(torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)) == ref_keys
+    assert published.detect(tmp_path / "out") == "eagle1"
+    back = published.load_eagle1(tmp_path / "out", target, CPU, torch.float32)
+    ref = {"hidden": torch.randn(2, 6, 64), "input_ids": torch.randint(0, 96, (2, 6))}
+    h_back, h_ours = causal_step(back, ref), causal_step(ours.eval(), ref)
+    assert torch.allclose(h_back, h_ours, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert torch.allclose(back.logits(h_back)[..., vocab], ours.logits(h_ours), rtol=1e-5, atol=1e-5)
+    with pytest.raises(published.FormatError, match="train it with drafter.input_norm=false"):
+        published.save_eagle1(tmp_path / "normed", EagleDrafter(target, vocab))
+
+
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity_with_published_heads(target, bs):
     """Through the method's own loading (``medusa.checkpoint`` = the fixture): a published
@@ -170,15 +196,18 @@ def test_eagle1_refusals(target, tmp_path):
         Eagle.check(eagle_cfg(three), target.config)
 
 
-@pytest.mark.parametrize("bs", [1, 4])
-def test_greedy_identity_with_a_published_eagle(target, bs):
+@pytest.mark.parametrize("bs,tree", [(1, None), (4, None), (4, "mc_sim_7b_63")])
+def test_greedy_identity_with_a_published_eagle(target, bs, tree):
     from methods.eagle import Eagle
 
     prompts, refs = greedy_cases(target, 20)[bs]
-    cfg = eagle_cfg(EAGLE1)
+    cfg = eagle_cfg(EAGLE1, tree=tree)
     Eagle.check(cfg, target.config)
     prop = Eagle(cfg, target, None, CPU, torch.float32)
-    assert prop.describe()["checkpoint_format"] == "eagle1"
+    assert prop.describe()["checkpoint_format"] == "eagle1" and prop.describe()["tree"] == (tree or "dynamic")
+    if tree:
+        with pytest.raises(ConfigError, match="EAGLE-1 static tree \\(mc_sim_7b_63\\), got 'vicuna_7b_stage2'"):
+            Eagle.check(eagle_cfg(EAGLE1, tree="vicuna_7b_stage2"), target.config)  # Medusa's, not EAGLE's
     res = run_engine(target, prop, prompts, 20)
     assert [r.tokens for r in res] == refs
 
@@ -284,3 +313,51 @@ def test_sampling_with_a_published_eagle3_follows_the_target(target8):
     V = target8.config.vocab_size
     assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[1] for r in res]), minlength=V), m2) > 1e-3
     assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V), m3) > 1e-3
+
+
+SPECULATORS3 = FIXTURES / "speculators-eagle3"
+
+
+def test_speculators_eagle3_gives_the_reference_outputs_and_runs(target8):
+    """vLLM's speculators format, as its own converter wrote the EAGLE-3 fixture (the target
+    layers named in config.json): the same features and logits as SafeAILab's reference, and
+    greedy identity through method=eagle eagle.version=3."""
+    from methods.eagle import Eagle
+
+    assert published.detect(SPECULATORS3) == "speculators-eagle3"
+    d = published.load_eagle3(SPECULATORS3, target8, CPU, torch.float32)
+    assert d.taps == (1, 3, 4)  # eagle_aux_hidden_state_layer_ids [2, 4, 5]: the inputs of those layers
+    ref = torch.load(EAGLE3 / "reference.pt", weights_only=True)
+    h = causal_step(d, ref)
+    with torch.no_grad():
+        assert torch.allclose(d.logits(h), ref["logits"], rtol=1e-4, atol=1e-4)
+    assert torch.allclose(h, ref["out"], rtol=1e-4, atol=1e-4)
+    cfg = eagle_cfg(SPECULATORS3, version=3)
+    Eagle.check(cfg, target8.config)
+    prop = Eagle(cfg, target8, None, CPU, torch.float32)
+    assert prop.describe()["checkpoint_format"] == "speculators-eagle3" and prop.describe()["version"] == 3
+    prompts, refs = greedy_cases(target8, 20)[4]
+    assert [r.tokens for r in run_engine(target8, prop, prompts, 20)] == refs
+    with pytest.raises(ConfigError, match="holds an EAGLE-3 drafter; set eagle.version=3"):
+        Eagle.check(eagle_cfg(SPECULATORS3), target8.config)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"norm_before_fc": True}, r"variant specbench does not draft with \(norm_before_fc=true\)"),
+    ({"speculators_model_type": "mtp"}, "a speculators 'mtp' checkpoint; specbench reads speculators' eagle3"),
+    ({"eagle_aux_hidden_state_layer_ids": [2, 4, 9]}, r"inputs of layers \[2, 4, 9\]: a target of 8 layers"),
+    ({"draft_vocab_size": 40}, "missing|lm_head is"),
+])
+def test_speculators_refusals(target8, tmp_path, change, match):
+    import json
+
+    from methods.eagle import Eagle
+
+    bad = tmp_path / "bad"
+    shutil.copytree(SPECULATORS3, bad)
+    raw = json.loads((bad / "config.json").read_text())
+    raw.update(change)
+    (bad / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=match) as e:
+        Eagle.check(eagle_cfg(bad, version=3), target8.config)
+    assert "\n" not in str(e.value)

@@ -202,4 +202,4 @@ class EagleDrafter(Drafter):
 
 
 def build(meta: dict, state: dict, target) -> EagleDrafter:
-    return EagleDrafter(target, state["vocab_ids"])
+    return EagleDrafter(target, state["vocab_ids"], input_norm="block.ln1.weight" in state)

@@ -25,14 +25,18 @@ from specbench.drafters import Drafter, borrow
 from specbench.hf import text_config
 
 
-def tap_layers(num_layers: int) -> tuple[int, int, int]:
+def tap_layers(num_layers: int, layers=None) -> tuple[int, ...]:
     """The decoder-layer OUTPUTS (``specbench.hidden`` tap indices) that are the inputs of
-    layers 2, L//2 and L-3: layer i's input is layer i-1's output."""
-    layers = (2, num_layers // 2, num_layers - 3)
-    if len(set(layers)) < 3 or min(layers) < 1:
-        raise ValueError(f"EAGLE-3 reads the inputs of layers 2, L//2 and L-3: a target of {num_layers} layers has "
-                         "no three distinct ones")
-    return tuple(i - 1 for i in layers)
+    ``layers`` (default: EAGLE-3's 2, L//2 and L-3): layer i's input is layer i-1's output."""
+    if layers is None:
+        layers = (2, num_layers // 2, num_layers - 3)
+        if len(set(layers)) < 3 or min(layers) < 1:
+            raise ValueError(f"EAGLE-3 reads the inputs of layers 2, L//2 and L-3: a target of {num_layers} layers "
+                             "has no three distinct ones")
+    elif len(set(layers)) != len(layers) or min(layers) < 1 or max(layers) >= num_layers:
+        raise ValueError(f"the drafter reads the inputs of layers {list(layers)}: a target of {num_layers} layers "
+                         "has no such distinct layers above the first")
+    return tuple(int(i) - 1 for i in layers)
 
 
 class Eagle3Layer(nn.Module):
@@ -77,14 +81,15 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(Drafter):
     kind = "eagle3"
 
-    def __init__(self, target, config, draft_vocab: int, target_hidden: int | None = None):
+    def __init__(self, target, config, draft_vocab: int, target_hidden: int | None = None, layers=None):
+        """``layers``: the target layers whose inputs are fused (None: 2, L//2 and L-3)."""
         super().__init__()
         cfg = text_config(config)
         tcfg = text_config(target.config)
         d = cfg.hidden_size
         self.config = cfg
-        self.taps = tap_layers(int(tcfg.num_hidden_layers))
-        self.fc = nn.Linear(3 * (target_hidden or d), d, bias=False)
+        self.taps = tap_layers(int(tcfg.num_hidden_layers), layers)
+        self.fc = nn.Linear(len(self.taps) * (target_hidden or d), d, bias=False)
         self.block = Eagle3Layer(cfg)
         self.norm = nn.RMSNorm(d, eps=float(getattr(cfg, "rms_norm_eps", 1e-6)))
         self.lm_head = nn.Linear(d, draft_vocab, bias=False)

@@ -32,13 +32,21 @@ from specbench.hf import text_config
 MEDUSA1_HEADS = "medusa_lm_head.pt"
 
 
+def named_trees(method: str) -> dict[str, list[list[int]]]:
+    """The candidate trees ``method``'s authors published, by name (``trees/<method>.json``, made by
+    ``tests/fixtures/make_trees.py`` from their repository): each path a list of top-k ranks, one
+    per depth. Medusa's and EAGLE-1's share a name (``mc_sim_7b_63``) but are different trees."""
+    return json.loads((Path(__file__).parent / "trees" / f"{method}.json").read_text())["trees"]
+
+
 class FormatError(ValueError):
     """A published checkpoint that does not match its format or its target (one line)."""
 
 
 def detect(folder) -> str | None:
     """The published format of ``folder``: ``medusa1``, ``eagle1`` (EAGLE-1 and EAGLE-2 ship one
-    layout), ``eagle3``; None: not a published drafter."""
+    layout), ``eagle3``, ``speculators-<algorithm>`` (vLLM's format; ``speculators-eagle3`` is
+    read); None: not a published drafter."""
     p = Path(str(folder)).expanduser()
     if (p / MEDUSA1_HEADS).exists() and (p / "config.json").exists():
         return "medusa1"
@@ -168,12 +176,18 @@ def _eagle_file(folder) -> Path | None:
 
 
 def _eagle_state(folder) -> dict:
+    """The weights, under SafeAILab's key names (a ``speculators`` checkpoint's ``layers.0.`` is
+    EAGLE-3's ``midlayer.``)."""
     f = _eagle_file(folder)
     if f.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(f))
-    return torch.load(f, map_location="cpu", weights_only=True, mmap=True)  # mapped: read as used
+        state = load_file(str(f))
+    else:
+        state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)  # mapped: read as used
+    if _speculators_raw(folder) is not None:
+        state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
+    return state
 
 
 def _eagle_keys(folder) -> set[str]:
@@ -191,6 +205,9 @@ def _eagle_detect(folder) -> str | None:
     p = Path(str(folder)).expanduser()
     if not (p / "config.json").exists() or _eagle_file(p) is None:
         return None
+    raw = _speculators_raw(p)
+    if raw is not None:  # vLLM's speculators format declares its algorithm
+        return f"speculators-{raw['speculators_model_type']}"
     keys = _eagle_keys(p)
     if any(k.startswith("midlayer.") for k in keys):
         return "eagle3"
@@ -234,6 +251,33 @@ def check_eagle1(folder, target_config, state: dict | None = None):
     return cfg, bias
 
 
+EAGLE1_NAMES = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o",
+                "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down",
+                "post_attention_layernorm": "ln2"}
+
+
+def save_eagle1(folder, drafter, dtype=torch.float16) -> None:
+    """Write an ``EagleDrafter`` without an input norm in SafeAILab's EAGLE-1/2 layout
+    (config.json + pytorch_model.bin, as the authors ship it): ``fc`` and layer 0; the
+    embedding and output layer stay the target's."""
+    if drafter.block.ln1 is not None:
+        raise FormatError("the drafter normalises its fused input (an RMSNorm that EAGLE-1's layer 0 does not have, "
+                          "and no key of the layout holds): train it with drafter.input_norm=false to export it")
+    own = drafter.state_dict()
+    state = {"fc.weight": own["fc.weight"], **({"fc.bias": own["fc.bias"]} if "fc.bias" in own else {})}
+    state |= {f"layers.0.{theirs}.weight": own[f"block.{ours}.weight"] for theirs, ours in EAGLE1_NAMES.items()}
+    if drafter.block.q.bias is not None:
+        raise FormatError("the drafter's attention has biases, which EAGLE-1's layout has no keys for")
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().to(dtype).cpu().contiguous() for k, v in state.items()}, out / "pytorch_model.bin.tmp")
+    (out / "pytorch_model.bin.tmp").rename(out / "pytorch_model.bin")
+    raw = drafter.config.to_dict()
+    raw.update({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "bias": "fc.bias" in own})
+    raw.pop("layer_types", None)  # one layer now
+    (out / "config.json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
+
+
 def load_eagle1(folder, target, device, dtype):
     """An ``EagleDrafter`` holding a published EAGLE-1/2 checkpoint: the layer and ``fc`` as
     shipped, no input norm, RoPE from its own config, the target's embedding and output layer
@@ -244,10 +288,8 @@ def load_eagle1(folder, target, device, dtype):
     cfg, bias = check_eagle1(folder, target.config, state)
     d = EagleDrafter(target, torch.arange(int(text_config(target.config).vocab_size)), config=cfg, fc_bias=bias,
                      input_norm=False)
-    names = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o",
-             "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down", "post_attention_layernorm": "ln2"}
     mine = {"fc.weight": state["fc.weight"], **({"fc.bias": state["fc.bias"]} if bias else {})}
-    mine |= {f"block.{ours}.weight": state[f"layers.0.{theirs}.weight"] for theirs, ours in names.items()}
+    mine |= {f"block.{ours}.weight": state[f"layers.0.{theirs}.weight"] for theirs, ours in EAGLE1_NAMES.items()}
     mine["vocab_ids"] = d.vocab_ids
     missing, unexpected = d.load_state_dict(mine, strict=False)
     bad = [k for k in missing if not k.startswith(("block.q.bias", "block.k.bias", "block.v.bias"))]
@@ -277,20 +319,69 @@ EAGLE3_LAYER = ("input_layernorm.weight", "hidden_norm.weight", "post_attention_
 
 
 def eagle3_config(folder):
+    """(drafter layer's LlamaConfig, draft vocabulary size, target hidden size or None, the target
+    layers whose inputs it reads or None for EAGLE-3's default 2, L//2, L-3)."""
     from transformers import LlamaConfig
 
+    raw = _speculators_raw(folder)
+    if raw is not None:
+        return speculators_eagle3_config(folder, raw)
     raw = json.loads((Path(folder).expanduser() / "config.json").read_text())
     fields = {k: v for k, v in raw.items() if k not in ("architectures", "bias", "torch_dtype", "dtype")}
     cfg = LlamaConfig(**fields)
     dv = int(raw.get("draft_vocab_size") or raw.get("vocab_size") or 0)
-    return cfg, dv, raw.get("target_hidden_size")
+    return cfg, dv, raw.get("target_hidden_size"), None
+
+
+# ---------------------------------------------------------------- vLLM's speculators format
+#
+# ``config.json`` with ``speculators_model_type`` (the algorithm), the drafter layer's config under
+# ``transformer_layer_config``, ``draft_vocab_size``, ``target_hidden_size``,
+# ``eagle_aux_hidden_state_layer_ids`` (the target layers whose inputs are fused; null = 2, L//2,
+# L-3) and the variant flags below; ``model.safetensors`` with EAGLE-3's weights, the layer under
+# ``layers.0.`` instead of ``midlayer.``. What ``speculators convert --eagle3`` writes from an
+# authors' checkpoint and what vLLM reads. Read by hand (the ``speculators`` package pulls CUDA
+# builds of torchvision/torchaudio and a pinned transformers; its converter made the fixture).
+# The variants whose drafter computes something else (extra norms, a fed-back normed output,
+# more than one layer) are refused, naming the setting.
+
+SPECULATORS_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def _speculators_raw(folder) -> dict | None:
+    p = Path(str(folder)).expanduser() / "config.json"
+    if not p.exists():
+        return None
+    raw = json.loads(p.read_text())
+    return raw if "speculators_model_type" in raw else None
+
+
+def speculators_eagle3_config(folder, raw):
+    from transformers import LlamaConfig
+
+    kind = raw["speculators_model_type"]
+    if kind != "eagle3":
+        raise FormatError(f"{folder}: a speculators '{kind}' checkpoint; specbench reads speculators' eagle3 "
+                          "(method=eagle eagle.version=3)")
+    on = [f for f in SPECULATORS_FLAGS if raw.get(f)]
+    tl = dict(raw.get("transformer_layer_config") or {})
+    if on or int(tl.get("num_hidden_layers", 1)) != 1:
+        what = f"{', '.join(f + '=true' for f in on)}" if on else f"{tl.get('num_hidden_layers')} layers"
+        raise FormatError(f"{folder}: a speculators eagle3 variant specbench does not draft with ({what}); "
+                          "it reads EAGLE-3 as published: one layer, none of " + ", ".join(SPECULATORS_FLAGS))
+    if tl.get("model_type", "llama") != "llama":
+        raise FormatError(f"{folder}: the drafter layer is a {tl.get('model_type')} layer; specbench's EAGLE-3 layer "
+                          "is Llama's")
+    cfg = LlamaConfig(**{k: v for k, v in tl.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")})
+    layers = raw.get("eagle_aux_hidden_state_layer_ids")
+    return cfg, int(raw["draft_vocab_size"]), raw.get("target_hidden_size"), (tuple(layers) if layers else None)
 
 
 def check_eagle3(folder, target_config, state: dict | None = None):
     """(drafter config, draft vocabulary size, target hidden size or None) when the checkpoint
     matches EAGLE-3's layout and fits ``target_config``; else FormatError in one line.
     ``state``: the weights when the caller has read them (read once)."""
-    cfg, dv, th = eagle3_config(folder)
+    cfg, dv, th, layers = eagle3_config(folder)
     state = state if state is not None else _eagle_state(folder)
     tc = text_config(target_config)
     d, V = int(tc.hidden_size), int(tc.vocab_size)
@@ -302,8 +393,8 @@ def check_eagle3(folder, target_config, state: dict | None = None):
         missing, unexpected = sorted(want - have), sorted(have - want)
         raise FormatError(f"{folder}: not EAGLE-3's layout (draft_vocab_size={dv}): missing {missing[:4]}, "
                           f"unexpected {unexpected[:4]}")
-    tin = int(th or cfg.hidden_size)
-    if tin != d or tuple(state["fc.weight"].shape) != (cfg.hidden_size, 3 * d):
+    tin, n_in = int(th or cfg.hidden_size), len(layers or (0, 0, 0))
+    if tin != d or tuple(state["fc.weight"].shape) != (cfg.hidden_size, n_in * d):
         raise FormatError(f"{folder}: fc is {tuple(state['fc.weight'].shape)}, made for a target of hidden size {tin}; "
                           f"the target's hidden size is {d}: a drafter for another target")
     if tuple(state["lm_head.weight"].shape) != (dv, cfg.hidden_size):
@@ -317,15 +408,15 @@ def check_eagle3(folder, target_config, state: dict | None = None):
     emb = state.get("embed_tokens.weight")
     if cfg.hidden_size != d and (emb is None or tuple(emb.shape) != (V, cfg.hidden_size)):
         raise FormatError(f"{folder}: a drafter narrower than its target needs its own embedding [{V}, {cfg.hidden_size}]")
-    tap_layers(int(tc.num_hidden_layers))  # a target with three distinct tap layers
-    return cfg, dv, th
+    tap_layers(int(tc.num_hidden_layers), layers)  # a target with the tap layers it names
+    return cfg, dv, th, layers
 
 
-def tap_layers(n: int):
+def tap_layers(n: int, layers=None):
     from specbench.drafters.eagle3 import tap_layers as taps
 
     try:
-        return taps(n)
+        return taps(n, layers)
     except ValueError as e:
         raise FormatError(str(e)) from None
 
@@ -364,8 +455,8 @@ def load_eagle3(folder, target, device, dtype):
     from specbench.drafters.eagle3 import Eagle3Drafter
 
     state = _eagle_state(folder)
-    cfg, dv, th = check_eagle3(folder, target.config, state)
-    d = Eagle3Drafter(target, cfg, dv, target_hidden=th)
+    cfg, dv, th, layers = check_eagle3(folder, target.config, state)
+    d = Eagle3Drafter(target, cfg, dv, target_hidden=th, layers=layers)
     names = EAGLE3_NAMES
     mine = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
             "lm_head.weight": state["lm_head.weight"],

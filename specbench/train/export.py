@@ -2,12 +2,24 @@
 that read those layouts) can run them:
 
     python -m specbench.train.export --format medusa checkpoints/smollm2-135m/medusa OUT
+    python -m specbench.train.export --format eagle  <an EAGLE drafter trained with drafter.input_norm=false> OUT
+    python -m specbench.train.export --format eagle3 <an EAGLE-3 drafter> OUT
 
-``medusa``: Medusa-1's ``config.json`` + ``medusa_lm_head.pt`` (``specbench.drafters.published``).
-Our heads score a draft vocabulary through the target's output layer; Medusa-1 gives every head a
-full-vocabulary output layer of its own, so the export writes the target's whole output layer
-into each: on the draft vocabulary's tokens the exported heads' logits are ours, and the other
-tokens get the target's scores of the head's state. (EAGLE's layouts: not yet.)
+(``specbench.drafters.published`` holds the layouts.)
+
+``medusa``: Medusa-1's ``config.json`` + ``medusa_lm_head.pt``. Our heads score a draft vocabulary
+through the target's output layer; Medusa-1 gives every head a full-vocabulary output layer of
+its own, so the export writes the target's whole output layer into each: on the draft
+vocabulary's tokens the exported heads' logits are ours, and the other tokens get the target's
+scores of the head's state.
+
+``eagle``: SafeAILab's EAGLE-1/2 ``config.json`` + ``pytorch_model.bin`` (``fc`` and layer 0).
+That layer has no input norm, so only a drafter trained without one exports (the default
+``drafter=eagle`` normalises its input: refused, saying so). EAGLE-1 drafts over the target's
+whole vocabulary; ours over the draft vocabulary's rows of it: the same scores on those tokens.
+
+``eagle3``: the trainer already writes SafeAILab's EAGLE-3 layout; the export checks it
+against the target and writes it again (e.g. into another folder, as bf16).
 """
 
 from __future__ import annotations
@@ -18,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-FORMATS = ("medusa",)
+FORMATS = ("medusa", "eagle", "eagle3")
+KINDS = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3"}  # --format -> the drafter kind it exports
 
 
 def export_medusa(heads, target, out, base_model: str) -> None:
@@ -42,18 +55,27 @@ def main(argv=None) -> int:
     from specbench.models import load_model, model_cfg
     from specbench.paths import resolve_path
 
+    from specbench.drafters import published
+
     folder = resolve_path(a.checkpoint)
+    cpu = torch.device("cpu")
     try:
         if not drafters.is_draft_checkpoint(folder):
-            raise ConfigError(f"{a.checkpoint} is not a specbench drafter checkpoint")
+            raise ConfigError(f"{a.checkpoint} is not a specbench drafter checkpoint (no drafter.json)")
         meta = drafters.read_meta(folder)
-        if meta.get("kind") != "medusa":
-            raise ConfigError(f"{a.checkpoint} holds a {meta.get('kind')} drafter; --format {a.format} exports medusa")
+        if meta.get("kind") != KINDS[a.format]:
+            raise ConfigError(f"{a.checkpoint} holds a {meta.get('kind')} drafter; --format {a.format} exports "
+                              f"a {KINDS[a.format]} drafter")
         mcfg = model_cfg(meta["target"])
-        target = load_model(mcfg, torch.device("cpu"), torch.float32)
-        heads = drafters.load(folder, target, torch.device("cpu"), torch.float32, kind="medusa")
-        export_medusa(heads, target, Path(a.out), str(mcfg.get("path") or meta["target"]))
-    except ConfigError as e:
+        target = load_model(mcfg, cpu, torch.float32)
+        if a.format == "medusa":
+            heads = drafters.load(folder, target, cpu, torch.float32, kind="medusa")
+            export_medusa(heads, target, Path(a.out), str(mcfg.get("path") or meta["target"]))
+        elif a.format == "eagle":
+            published.save_eagle1(Path(a.out), drafters.load(folder, target, cpu, torch.float32, kind="eagle"))
+        else:
+            published.save_eagle3(Path(a.out), published.load_eagle3(folder, target, cpu, torch.float32))
+    except (ConfigError, published.FormatError) as e:
         print(f"specbench.train.export: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {a.out} ({a.format})")

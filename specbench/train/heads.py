@@ -128,7 +128,7 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], device, prog
     V = int(target.config.get_text_config().vocab_size)
     vocab_ids = vocab_by_frequency([it["tokens"] for it in items], dr.draft_vocab, V, eos)
     if dr.kind == "eagle":
-        model = EagleDrafter(target, vocab_ids)
+        model = EagleDrafter(target, vocab_ids, input_norm=bool(dr.get("input_norm", True)))
         # start from the target's last layer: a decoder layer that already reads its features
         if dr.get("init") == "target":
             model.block.load_from(target.model.layers[-1])
