@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 
 import torch
 
@@ -64,7 +65,11 @@ class Medusa(Proposer):
         if not 0 < float(m.eps) < 1 or float(m.delta) <= 0:
             raise ConfigError(f"medusa.eps must be in (0, 1) and medusa.delta > 0, got {m.eps}, {m.delta}")
         folder = resolve_path(m.checkpoint)
-        if published.detect(folder) == "medusa1":  # the authors' layout (FasterDecoding's Medusa-1)
+        fmt = published.detect(folder)
+        if fmt == "medusa2" and Path(resolve_path(cfg.model.get("path") or "")).resolve() != Path(folder).resolve():
+            raise ConfigError(f"medusa.checkpoint '{m.checkpoint}' is a Medusa-2 model (heads trained with a fine-tuned "
+                              f"target, inside it): set model.path={m.checkpoint} too, so the heads read that target")
+        if fmt in ("medusa1", "medusa2"):  # the authors' layouts (FasterDecoding's Medusa-1, Medusa-2)
             try:
                 published.check_medusa1(folder, target_config)
             except published.FormatError as e:
@@ -77,7 +82,7 @@ class Medusa(Proposer):
         """K, or the checkpoint's head count where K asks for more (the drafts use min(K, heads))."""
         folder = resolve_path(cfg.method.checkpoint)
         try:
-            if published.detect(folder) == "medusa1":
+            if published.detect(folder) in ("medusa1", "medusa2"):
                 heads = published.medusa1_shape(folder)[0]
             else:
                 heads = int(drafters.read_meta(folder)["drafter"]["heads"])
@@ -90,12 +95,13 @@ class Medusa(Proposer):
         m = cfg.method
         self.format = "specbench"
         folder = resolve_path(m.checkpoint) if heads is None else None
-        if folder is not None and published.detect(folder) == "medusa1":
+        fmt = published.detect(folder) if folder is not None else None
+        if fmt in ("medusa1", "medusa2"):
             heads = published.load_medusa1(folder, target, device, dtype)
             backends.apply(heads, backends.kernel_of(target))  # on the target's kernel path
-            self.format, size = "medusa1", None
+            self.format, size = fmt, None
             if m.tree == "default":  # no measured accuracies to build the sparse tree from
-                print("[specbench] medusa: a Medusa-1 checkpoint carries no head accuracies; drafting a chain "
+                print("[specbench] medusa: a published Medusa checkpoint carries no head accuracies; drafting a chain "
                       "of each head's top-1 (or name a published tree: medusa.tree=mc_sim_7b_63)", file=sys.stderr)
         elif heads is None:
             heads = drafters.load(folder, target, device, dtype, kind="medusa")

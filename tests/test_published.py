@@ -361,3 +361,42 @@ def test_speculators_refusals(target8, tmp_path, change, match):
     with pytest.raises(ConfigError, match=match) as e:
         Eagle.check(eagle_cfg(bad, version=3), target8.config)
     assert "\n" not in str(e.value)
+
+
+MEDUSA2 = FIXTURES / "medusa2"
+
+
+def test_medusa2_heads_inside_their_model(target, tmp_path):
+    """A Medusa-2 folder (the fine-tuned target with ``medusa_head.*`` in its own weights): the
+    target loads from it, the heads give the Medusa-1 reference logits they were made from, decoding
+    is token-identical to AR; a target from elsewhere and a missing head key are refused in one line."""
+    from transformers import LlamaForCausalLM
+
+    assert published.detect(MEDUSA2) == "medusa2"
+    model = LlamaForCausalLM.from_pretrained(MEDUSA2).eval()  # its medusa_head.* keys are not the model's
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), target.state_dict().values()))
+    heads = published.load_medusa1(MEDUSA2, model, CPU, torch.float32)
+    ref = torch.load(MEDUSA1[0] / "reference.pt", weights_only=True)
+    with torch.no_grad():
+        assert torch.allclose(heads(ref["hidden"]), ref["logits"], rtol=1e-4, atol=1e-4)
+    cfg = medusa_cfg(MEDUSA2, tree="mc_sim_7b_63")
+    with pytest.raises(ConfigError, match="is a Medusa-2 model .*: set model.path=.*medusa2 too"):
+        Medusa.check(cfg, model.config)
+    cfg.model.path = str(MEDUSA2)
+    Medusa.check(cfg, model.config)
+    prop = Medusa(cfg, model, None, CPU, torch.float32)
+    assert prop.describe()["checkpoint_format"] == "medusa2"
+    prompts, refs = greedy_cases(model, 20)[4]
+    assert [r.tokens for r in run_engine(model, prop, prompts, 20)] == refs
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(MEDUSA2, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    del state["medusa_head.2.1.weight"]
+    save_file(state, str(bad / "model.safetensors"))
+    cfg = medusa_cfg(bad)
+    cfg.model.path = str(bad)
+    with pytest.raises(ConfigError) as e:
+        Medusa.check(cfg, model.config)
+    assert "\n" not in str(e.value) and "not the Medusa-2 layout" in str(e.value) and "missing ['medusa_head.2.1.weight']" in str(e.value)

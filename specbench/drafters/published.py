@@ -4,7 +4,13 @@ is missing and what is unexpected (the reference loaders' ``strict=False`` hides
 
 Formats (``detect``):
 
-- ``eagle1``: SafeAILab's EAGLE-1/EAGLE-2 drafters (below, with the code that reads them).
+- ``eagle1``: SafeAILab's EAGLE-1/EAGLE-2 drafters (below, with the code that reads them), and
+  HASS's (Zhang et al. 2024; HArmonizedSS/HASS@38922e4 ``model/cnets_hass.py`` is EAGLE-1's
+  drafter: ``fc`` with a bias, layer 0 without an input norm, no head of its own; HASS changes
+  the training, not the layout. The extra norms speculators' converter offers are its own
+  EAGLE variant's, not in HASS's release).
+- ``medusa2``: Medusa-2, the heads inside the fine-tuned target's folder (below).
+- ``speculators-eagle3``: vLLM's speculators format (below).
 - ``eagle3``: SafeAILab's EAGLE-3 drafters (below).
 - ``medusa1``: FasterDecoding's Medusa-1 heads (Cai et al. 2024), e.g.
   ``FasterDecoding/medusa-vicuna-7b-v1.3``: ``config.json`` with ``medusa_num_heads`` and
@@ -50,6 +56,9 @@ def detect(folder) -> str | None:
     p = Path(str(folder)).expanduser()
     if (p / MEDUSA1_HEADS).exists() and (p / "config.json").exists():
         return "medusa1"
+    if (p / "config.json").exists() and "medusa_num_heads" in json.loads((p / "config.json").read_text()) \
+            and any(k.startswith(MEDUSA2_PREFIX) for k in _model_keys(p)):
+        return "medusa2"
     return _eagle_detect(p)
 
 
@@ -70,13 +79,61 @@ def medusa1_keys(heads: int, layers: int) -> set[str]:
     return keys
 
 
+# Medusa-2 (Cai et al. 2024, the heads trained jointly with the target, e.g.
+# ``FasterDecoding/medusa-1.0-vicuna-7b-v1.5``): the fine-tuned target itself, an HF model folder
+# whose config.json adds ``medusa_num_heads`` / ``medusa_num_layers`` and whose weights hold the
+# heads beside the model's own, under ``medusa_head.`` with Medusa-1's key layout. The target must
+# be that fine-tuned model (``model.path`` = the same folder): its heads read its states.
+
+MEDUSA2_PREFIX = "medusa_head."
+
+
+def _weight_files(p: Path) -> list[Path]:
+    """An HF folder's weight files (one or sharded; safetensors preferred, as transformers does)."""
+    st = sorted(p.glob("model*.safetensors"))
+    return st or sorted(p.glob("pytorch_model*.bin"))
+
+
+def _model_keys(p: Path) -> set[str]:
+    keys = set()
+    for f in _weight_files(p):
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt") as h:
+                keys |= set(h.keys())
+        else:
+            keys |= set(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+    return keys
+
+
+def _medusa2_state(p: Path) -> dict:
+    """The ``medusa_head.`` tensors of a Medusa-2 model folder, under Medusa-1's key names."""
+    state = {}
+    for f in _weight_files(p):
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt") as h:
+                state |= {k[len(MEDUSA2_PREFIX):]: h.get_tensor(k) for k in h.keys() if k.startswith(MEDUSA2_PREFIX)}
+        else:
+            part = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            state |= {k[len(MEDUSA2_PREFIX):]: v for k, v in part.items() if k.startswith(MEDUSA2_PREFIX)}
+    return state
+
+
 def _read_medusa1(folder) -> tuple[dict, int, int]:
+    """(heads' state under Medusa-1's key names, heads, blocks) of a Medusa-1 or Medusa-2 folder."""
     heads, layers = medusa1_shape(folder)
-    state = torch.load(Path(folder).expanduser() / MEDUSA1_HEADS, map_location="cpu", weights_only=True)
+    p = Path(folder).expanduser()
+    two = not (p / MEDUSA1_HEADS).exists()
+    state = _medusa2_state(p) if two else torch.load(p / MEDUSA1_HEADS, map_location="cpu", weights_only=True)
     want, have = medusa1_keys(heads, layers), set(state)
     if want != have:
         missing, unexpected = sorted(want - have), sorted(have - want)
-        raise FormatError(f"{folder}: not the Medusa-1 layout its config.json declares ({heads} heads x {layers} "
+        if two:
+            missing, unexpected = [MEDUSA2_PREFIX + k for k in missing], [MEDUSA2_PREFIX + k for k in unexpected]
+        raise FormatError(f"{folder}: not the Medusa-{2 if two else 1} layout its config.json declares ({heads} heads x {layers} "
                           f"blocks): missing {missing[:4]}{' ...' if len(missing) > 4 else ''}, unexpected "
                           f"{unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
     return state, heads, layers
