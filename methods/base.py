@@ -94,6 +94,22 @@ class Proposer:
     def select_rows(self, keep: list[int]) -> None:
         """Finished rows left the batch: keep only the rows at these indices."""
 
+    def add_rows(self, state: BatchState, hidden=None) -> None:
+        """Rows joined the running batch (``batching=continuous``), after the rows already there:
+        ``state`` holds only the new rows (prompt + first token each, as ``start`` sees a batch),
+        ``hidden`` their prompts' states. A method with per-row state (one that overrides
+        ``start`` or ``select_rows``) must extend it here; the default suits one without."""
+        if not self.joins_rows():
+            raise NotImplementedError(f"method {self.name} keeps per-row state but has no add_rows")
+
+    @classmethod
+    def joins_rows(cls) -> bool:
+        """Whether rows can join a running batch: the method says how (``add_rows``) or keeps no
+        per-row state (overrides neither ``start`` nor ``select_rows``)."""
+        if cls.add_rows is not Proposer.add_rows:
+            return True
+        return cls.start is Proposer.start and cls.select_rows is Proposer.select_rows
+
     def describe(self) -> dict:
         """Method-specific fields recorded with the job."""
         return {}

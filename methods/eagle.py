@@ -170,6 +170,20 @@ class Eagle(Proposer):
         self.len = self.len + counts
         self.h_last = h[torch.arange(B, device=dev), counts - 1]
 
+    def add_rows(self, state: BatchState, hidden=None) -> None:
+        """The new rows' drafter caches are built from their prompts alone, then appended (the
+        caches are right-padded to the wider one: a row sees only its first ``len`` slots)."""
+        old = (self.Kc, self.Vc, self.len, self.h_last)
+        self.start(state, hidden)
+        Ka, Va, la, ha = old
+        C = max(Ka.shape[2], self.Kc.shape[2])
+
+        def pad(t):
+            return torch.nn.functional.pad(t, (0, 0, 0, C - t.shape[2]))
+
+        self.Kc, self.Vc = torch.cat([pad(Ka), pad(self.Kc)]), torch.cat([pad(Va), pad(self.Vc)])
+        self.len, self.h_last = torch.cat([la, self.len]), torch.cat([ha, self.h_last])
+
     def select_rows(self, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.len = self.len[idx]

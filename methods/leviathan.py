@@ -99,6 +99,12 @@ class Leviathan(Proposer):
         self.dcache.prefill(prompts, room=state.max_new_tokens + self.K + 2)
         self.fed = [list(p) for p in prompts]
 
+    def add_rows(self, state: BatchState, hidden=None) -> None:
+        running, fed = self.dcache, self.fed
+        self.start(state, hidden)  # the new rows' draft cache, from their prompts alone
+        running.add_rows(self.dcache, room=state.max_new_tokens + self.K + 2)
+        self.dcache, self.fed = running, fed + self.fed
+
     def _pick(self, logits: torch.Tensor, state: BatchState):
         """The draft's next token (and the distribution q it was drawn from), over the
         target's vocabulary: a wider draft output layer is cut, a narrower one (same

@@ -116,8 +116,12 @@ class Lookahead(Proposer):
         self.n_window: list[int] = []  # window nodes each row had in the last draft
 
     def start(self, state: BatchState, hidden=None) -> None:
-        self.levels, self.pools = [], []
+        self.levels, self.pools, self.n_window = [], [], []
+        self.add_rows(state)
+
+    def add_rows(self, state: BatchState, hidden=None) -> None:
         for s, plen in zip(state.seqs, state.prompt_lens):
+            self.n_window.append(0)
             prompt = s[:plen]
             rng = random.Random(len(prompt) * 1000003 + sum(prompt[-64:]))
             self.levels.append([[rng.choice(prompt) for _ in range(self.W)]])

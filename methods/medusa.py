@@ -143,6 +143,9 @@ class Medusa(Proposer):
     def select_rows(self, keep: list[int]) -> None:
         self.f = self.f[torch.tensor(keep, dtype=torch.long, device=self.device)]
 
+    def add_rows(self, state: BatchState, hidden=None) -> None:
+        self.f = torch.cat([self.f, hidden.last("final")])
+
     def propose(self, state: BatchState) -> Draft:
         logits = self.heads(self.f.to(next(self.heads.parameters()).dtype))[: self.K]  # [K, B, V']
         top = logits.topk(self.ranks, dim=-1).indices  # [K, B, R]

@@ -76,6 +76,9 @@ class PromptLookup(Proposer):
     def select_rows(self, keep: list[int]) -> None:
         self.index = [self.index[i] for i in keep]
 
+    def add_rows(self, state: BatchState, hidden=None) -> None:
+        self.index += [NgramIndex(self.max_ngram, self.min_ngram) for _ in state.seqs]
+
     def propose(self, state: BatchState) -> Draft | None:
         rows = [ix.lookup(s, self.K, state.eos) for ix, s in zip(self.index, state.seqs)]
         if not any(rows):

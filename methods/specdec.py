@@ -64,6 +64,12 @@ class SpecDec(Proposer):
         self.dcache.prefill([s[:-1] for s in state.seqs])
         self.fed = [len(s) - 1 for s in state.seqs]
 
+    def add_rows(self, state: BatchState, hidden=None) -> None:
+        running, fed = self.dcache, self.fed
+        self.start(state, hidden)  # the new rows' drafter cache, from their prompts alone
+        running.add_rows(self.dcache)
+        self.dcache, self.fed = running, fed + self.fed
+
     def propose(self, state: BatchState) -> Draft:
         B, K, dev = len(state.seqs), self.K, self.device
         news = [s[f:] for s, f in zip(state.seqs, self.fed)]  # committed, not yet seen: 1..K+1 per row

@@ -1,9 +1,15 @@
 """The one engine every method runs through: prefill, then per step propose -> verify (one
-target forward over all draft nodes, tree attention) -> accept -> commit -> update."""
+target forward over all draft nodes, tree attention) -> accept -> commit -> update.
+
+``generate`` runs one batch until its last row finishes (``batching=static``: the batch drains).
+``serve`` holds up to ``concurrency`` requests in flight (``batching=continuous``): whenever rows
+finish, requests that have arrived are prefilled (a forward of their own) and join the running
+batch, its cache (``RaggedCache.add_rows``) and the method (``Proposer.add_rows``)."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -23,9 +29,39 @@ class RowResult:
     accept_lens: list[int] = field(default_factory=list)  # accepted draft tokens per step
     drafted: list[int] = field(default_factory=list)  # candidate nodes proposed per step
     nodes: list[int] = field(default_factory=list)  # draft nodes in the verify forward per step (+ non-candidates)
-    t_first: float = 0.0  # seconds from batch start to first token
-    t_done: float = 0.0  # seconds from batch start to the last token
+    t_first: float = 0.0  # seconds from the engine's start to the first token
+    t_done: float = 0.0  # seconds from the engine's start to the last token
     hit_eos: bool = False
+    t_arrival: float = 0.0  # when the request arrived (static: the batch's start)
+    t_admit: float = 0.0  # when its prefill began
+    chunks: list[float] = field(default_factory=list)  # when each decoding step's tokens came out
+
+
+@dataclass
+class Request:
+    key: object  # the caller's name for it
+    prompt: list[int]
+    arrival: float = 0.0  # seconds after the engine's start
+
+
+class Requests:
+    """The requests ``Engine.serve`` takes from, FIFO by arrival. ``add`` may be called while it
+    serves (a follow-up turn once its first turn is answered)."""
+
+    def __init__(self, requests=()):
+        self.q = deque(sorted(requests, key=lambda r: r.arrival))
+
+    def add(self, request: Request) -> None:
+        self.q.append(request)
+
+    def take(self, k: int, now: float) -> list[Request]:
+        out = []
+        while self.q and len(out) < k and self.q[0].arrival <= now:
+            out.append(self.q.popleft())
+        return out
+
+    def next_arrival(self) -> float | None:
+        return self.q[0].arrival if self.q else None
 
 
 class Engine:
@@ -44,22 +80,34 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  gen: torch.Generator | None = None) -> list[RowResult]:
-        with Tap(self.target, self.proposer.hidden_layers) as tap:
-            return self._generate(prompts, max_new_tokens, gen, tap)
+        """One static batch: every prompt starts together and the batch runs until its last row
+        finishes. Results in the prompts' order."""
+        out = self.serve(Requests([Request(i, p) for i, p in enumerate(prompts)]), max_new_tokens, gen,
+                         concurrency=max(1, len(prompts)))
+        return [out[i] for i in range(len(prompts))]
 
-    def _generate(self, prompts, max_new_tokens, gen, tap: Tap) -> list[RowResult]:
-        B = len(prompts)
-        res = [RowResult() for _ in range(B)]
-        live = list(range(B))  # original index of each active row
+    @torch.inference_mode()
+    def serve(self, requests: Requests, max_new_tokens: int, gen: torch.Generator | None = None,
+              concurrency: int = 1, on_done=None) -> dict:
+        """Up to ``concurrency`` requests in flight until ``requests`` is empty; a request joins as
+        soon as it has arrived and a row is free. ``on_done(key, result, now)`` hears of each
+        finished request (it may add more). Returns {key: RowResult}; ``self.trace`` holds
+        (time, rows in flight, tokens emitted) per decoding step."""
+        with Tap(self.target, self.proposer.hidden_layers) as tap:
+            return self._serve(requests, max_new_tokens, gen, concurrency, on_done, tap)
+
+    def _admit(self, reqs, max_new_tokens, gen, tap, t0):
+        """Prefill ``reqs`` in a forward of their own: (cache, first tokens, hidden states of the
+        prompts or None, results)."""
         s = self.sampling
+        prompts = [r.prompt for r in reqs]
+        now = time.perf_counter() - t0
+        res = [RowResult(t_arrival=r.arrival, t_admit=now) for r in reqs]
         cache = RaggedCache(self.target, self.device, self.dtype)
-        sync(self.device)
-        t0 = time.perf_counter()
         with self.timer.phase("prefill"):
             out = cache.prefill(prompts, room=max_new_tokens + self.widest + 1)
             last = out.logits[:, -1]
             first = greedy_pick(last) if s.greedy else sample(warp(last, s), gen)
-            first = first.tolist()
             hidden = None
             if tap.names:  # left-padded prompts: each row's own positions, left-aligned
                 lens = torch.tensor([len(p) for p in prompts], device=self.device)
@@ -67,77 +115,126 @@ class Engine:
                 idx = (torch.arange(P, device=self.device)[None] + (P - lens)[:, None]).clamp(max=P - 1)
                 hidden = Hidden(tap.take(), torch.ones_like(lens)).gather(idx, lens)
         now = time.perf_counter() - t0
-        seqs = [list(p) + [t] for p, t in zip(prompts, first)]
-        for b, t in enumerate(first):
-            res[b].tokens.append(t)
-            res[b].t_first = res[b].t_done = now
-            res[b].hit_eos = t in self.eos
-        state = BatchState(seqs=seqs, prompt_lens=[len(p) for p in prompts], sampling=s, gen=gen,
-                           device=self.device, eos=self.eos, max_new_tokens=max_new_tokens)
-        done = [res[b].hit_eos or max_new_tokens <= 1 for b in range(B)]
-        with self.timer.phase("prefill"):  # the method's own prefill (a draft model's cache) is prefill too
-            self.proposer.start(state, hidden)
-        pending = torch.tensor(first, dtype=torch.long, device=self.device)
-        pending = self._drop_finished(done, live, state, cache, pending)
+        for r, t in zip(res, first.tolist()):
+            r.tokens.append(t)
+            r.t_first = r.t_done = now
+            r.hit_eos = t in self.eos
+        return cache, first, hidden, res
 
-        while live:
-            self.iterations += 1
-            with self.timer.phase("draft"):
-                draft = self.proposer.propose(state)
-                if draft is not None:
-                    draft.check(len(live))
-                    draft = self._trim(draft, [max_new_tokens - len(res[b].tokens) for b in live])
-            with self.timer.phase("verify"):
-                if draft is None:
-                    tokens = pending[:, None]
-                    depth = torch.zeros_like(tokens)
+    def _serve(self, requests, max_new_tokens, gen, concurrency, on_done, tap) -> dict:
+        s = self.sampling
+        results: dict = {}
+        live: list = []  # the request key of each row in flight
+        res: list[RowResult] = []  # their results, row by row
+        cache = state = pending = None
+        self.trace = []
+        sync(self.device)
+        t0 = time.perf_counter()
+
+        def finish(done: list[bool]):
+            nonlocal pending
+            gone = [(live[i], res[i]) for i, d in enumerate(done) if d]
+            pending = self._drop_finished(done, live, state, cache, pending, res)
+            for key, r in gone:
+                results[key] = r
+                if on_done is not None:
+                    on_done(key, r, time.perf_counter() - t0)
+
+        while True:
+            joining = requests.take(concurrency - len(live), time.perf_counter() - t0) if len(live) < concurrency else []
+            if joining:
+                sub, first, hidden, new_res = self._admit(joining, max_new_tokens, gen, tap, t0)
+                new_state = BatchState(seqs=[list(r.prompt) + [t] for r, t in zip(joining, first.tolist())],
+                                       prompt_lens=[len(r.prompt) for r in joining], sampling=s, gen=gen,
+                                       device=self.device, eos=self.eos, max_new_tokens=max_new_tokens)
+                with self.timer.phase("prefill"):  # the method's own prefill (a draft model's cache) is prefill too
+                    if not live:
+                        cache, state, pending = sub, new_state, first
+                        self.proposer.start(state, hidden)
+                    else:
+                        cache.add_rows(sub, room=max_new_tokens + self.widest + 1)
+                        state.seqs += new_state.seqs
+                        state.prompt_lens += new_state.prompt_lens
+                        pending = torch.cat([pending, first])
+                        self.proposer.add_rows(new_state, hidden)
+                live += [r.key for r in joining]
+                res += new_res
+                finish([r.hit_eos or max_new_tokens <= 1 for r in res])
+                continue  # more may have arrived, and rows may be free again
+            if not live:
+                nxt = requests.next_arrival()
+                if nxt is None:
+                    break
+                time.sleep(max(0.0, nxt - (time.perf_counter() - t0)))  # idle until the next arrival
+                continue
+            extra, done = self._step(state, cache, pending, res, live, max_new_tokens, gen, tap, t0)
+            with self.timer.phase("accept"):
+                pending = extra
+                finish(done)
+        sync(self.device)
+        return results
+
+    def _step(self, state, cache, pending, res, live, max_new_tokens, gen, tap, t0):
+        """One decoding step of the rows in flight: propose, verify, accept, commit, update.
+        Returns (each row's pending token, which rows finished)."""
+        s = self.sampling
+        self.iterations += 1
+        with self.timer.phase("draft"):
+            draft = self.proposer.propose(state)
+            if draft is not None:
+                draft.check(len(live))
+                draft = self._trim(draft, [max_new_tokens - len(r.tokens) for r in res])
+        with self.timer.phase("verify"):
+            if draft is None:
+                tokens = pending[:, None]
+                depth = torch.zeros_like(tokens)
+                anc = None
+            else:
+                tokens = torch.cat([pending[:, None], draft.tokens], dim=1)
+                if draft.is_chain:
+                    depth = torch.arange(tokens.shape[1], device=self.device)[None].expand_as(tokens)
                     anc = None
                 else:
-                    tokens = torch.cat([pending[:, None], draft.tokens], dim=1)
-                    if draft.is_chain:
-                        depth = torch.arange(tokens.shape[1], device=self.device)[None].expand_as(tokens)
-                        anc = None
-                    else:
-                        depth, anc = draft.geometry()
-                self.widest = max(self.widest, tokens.shape[1])
-                out = cache.forward(tokens, depth, anc)
-            with self.timer.phase("accept"):
-                v = verify(out.logits, draft, s, gen)
-                cache.commit(v.keep, v.counts)
-                extra = v.extra.tolist()
-                now = time.perf_counter() - t0
-                n_cand = draft.accept_mask().sum(1).tolist() if draft is not None else [0] * len(live)
-                n_all = [0] * len(live) if draft is None else [draft.n] * len(live) if draft.valid is None \
-                    else draft.valid.sum(1).tolist()
-                done = []
-                for i, b in enumerate(live):
-                    r = res[b]
-                    new = v.accepted[i] + [extra[i]]
-                    room = max_new_tokens - len(r.tokens)
-                    for j, t in enumerate(new[:room]):
-                        if t in self.eos:
-                            new = new[: j + 1]
-                            r.hit_eos = True
-                            break
-                    new = new[:room]
-                    r.tokens.extend(new)
-                    state.seqs[i].extend(new)
-                    r.steps += 1
-                    # drafts kept: an EOS or the token budget cuts the rest
-                    r.accept_lens.append(min(len(v.accepted[i]), len(new)))
-                    r.drafted.append(int(n_cand[i]))
-                    r.nodes.append(int(n_all[i]))
-                    r.t_done = now
-                    done.append(r.hit_eos or len(r.tokens) >= max_new_tokens)
-                hidden = Hidden(tap.take(), v.counts).gather(v.keep, v.counts) if tap.names else None
-            with self.timer.phase("draft"):  # the method's own work after a step (a drafter's cache) is drafting
-                state.logits = out.logits
-                self.proposer.update(state, v.accepted, hidden)
-                state.logits = None
-            with self.timer.phase("accept"):
-                pending = self._drop_finished(done, live, state, cache, v.extra)
-        sync(self.device)
-        return res
+                    depth, anc = draft.geometry()
+            self.widest = max(self.widest, tokens.shape[1])
+            out = cache.forward(tokens, depth, anc)
+        with self.timer.phase("accept"):
+            v = verify(out.logits, draft, s, gen)
+            cache.commit(v.keep, v.counts)
+            extra = v.extra.tolist()
+            now = time.perf_counter() - t0
+            n_cand = draft.accept_mask().sum(1).tolist() if draft is not None else [0] * len(live)
+            n_all = [0] * len(live) if draft is None else [draft.n] * len(live) if draft.valid is None \
+                else draft.valid.sum(1).tolist()
+            done = []
+            emitted = 0
+            for i, r in enumerate(res):
+                new = v.accepted[i] + [extra[i]]
+                room = max_new_tokens - len(r.tokens)
+                for j, t in enumerate(new[:room]):
+                    if t in self.eos:
+                        new = new[: j + 1]
+                        r.hit_eos = True
+                        break
+                new = new[:room]
+                r.tokens.extend(new)
+                state.seqs[i].extend(new)
+                r.steps += 1
+                # drafts kept: an EOS or the token budget cuts the rest
+                r.accept_lens.append(min(len(v.accepted[i]), len(new)))
+                r.drafted.append(int(n_cand[i]))
+                r.nodes.append(int(n_all[i]))
+                r.t_done = now
+                r.chunks.append(now)
+                emitted += len(new)
+                done.append(r.hit_eos or len(r.tokens) >= max_new_tokens)
+            self.trace.append((now, len(live), emitted))
+            hidden = Hidden(tap.take(), v.counts).gather(v.keep, v.counts) if tap.names else None
+        with self.timer.phase("draft"):  # the method's own work after a step (a drafter's cache) is drafting
+            state.logits = out.logits
+            self.proposer.update(state, v.accepted, hidden)
+            state.logits = None
+        return v.extra, done
 
     def _trim(self, draft: Draft, room: list[int]) -> Draft | None:
         """A chain never verifies more drafts than the token budget can still take (the
@@ -160,14 +257,15 @@ class Engine:
             draft.valid = ok if draft.valid is None else draft.valid & ok
         return draft
 
-    def _drop_finished(self, done: list[bool], live: list[int], state: BatchState, cache: RaggedCache,
-                       pending: torch.Tensor) -> torch.Tensor:
+    def _drop_finished(self, done: list[bool], live: list, state: BatchState, cache: RaggedCache,
+                       pending: torch.Tensor, res: list) -> torch.Tensor:
         """Finished rows leave the batch (engine, cache and method); returns the pending
         tokens of the rows that stay."""
         if not any(done):
             return pending
         keep = [i for i, d in enumerate(done) if not d]
         live[:] = [live[i] for i in keep]
+        res[:] = [res[i] for i in keep]
         state.seqs[:] = [state.seqs[i] for i in keep]
         state.prompt_lens[:] = [state.prompt_lens[i] for i in keep]
         if keep:

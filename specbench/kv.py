@@ -391,6 +391,37 @@ class RaggedCache:
             return 0
         return int(layers[0].keys.shape[2])
 
+    def add_rows(self, other: "RaggedCache", room: int = 0) -> None:
+        """Rows join the batch (``batching=continuous``): ``other``'s rows (a prefill of their
+        prompts alone) are appended after this cache's. The two are aligned at their ends: the
+        shorter is left-padded to the wider's slots (each row's own start moves, its positions do
+        not). The buffers are made anew, ``room`` slots past the merged width, so the batch's next
+        forwards append in place."""
+        if other.batch_size == 0:
+            return
+        if self.batch_size == 0:
+            self.__dict__.update({k: v for k, v in other.__dict__.items() if k != "model"})
+            return
+        C, Co = self.C, other.C
+        W = max(C, Co)
+        mine, theirs = self.cache.layers, other.cache.layers
+        merged = _slab_cache(W + room)
+        for a, b in zip(mine, theirs):
+            ka, va, kb, vb = a.keys[:, :, :C], a.values[:, :, :C], b.keys[:, :, :Co], b.values[:, :, :Co]
+            Ba, Bb = ka.shape[0], kb.shape[0]
+            k = ka.new_zeros(Ba + Bb, ka.shape[1], W + room, ka.shape[3])
+            v = va.new_zeros(Ba + Bb, va.shape[1], W + room, va.shape[3])
+            k[:Ba, :, W - C:W], v[:Ba, :, W - C:W] = ka, va
+            k[Ba:, :, W - Co:W], v[Ba:, :, W - Co:W] = kb, vb
+            layer = merged.layer_class_to_replicate()
+            layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
+            layer._k, layer._v, layer._span = k, v, (0, W)
+            merged.layers.append(layer)
+        self.cache = merged
+        self.start = [s + W - C for s in self._start] + [s + W - Co for s in other._start]
+        self.length = self._length + other._length
+        self.C = W
+
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only the rows ``keep`` (finished rows leave the batch), compacted in place."""
         rows = (keep.nonzero().flatten() if keep.dtype == torch.bool else keep).tolist()

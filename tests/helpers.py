@@ -49,6 +49,20 @@ def run_engine(model, proposer: Proposer | None, prompts, n, sampling=None, eos=
     return eng.generate(prompts, n, gen)
 
 
+def serve_engine(model, proposer: Proposer | None, prompts, n, concurrency, arrivals=None, sampling=None, eos=(),
+                 gen=None):
+    """``batching=continuous``: the prompts as requests (arriving at ``arrivals`` seconds, else at
+    once), at most ``concurrency`` in flight. Results in the prompts' order."""
+    from specbench.engine import Request, Requests
+
+    proposer = proposer or Proposer(cfg_for(), model, None, CPU, torch.float32)
+    eng = Engine(model, proposer, sampling or Sampling(), CPU, torch.float32, set(eos), PhaseTimer(CPU))
+    arrivals = arrivals or [0.0] * len(prompts)
+    out = eng.serve(Requests([Request(i, p, a) for i, (p, a) in enumerate(zip(prompts, arrivals))]), n, gen,
+                    concurrency=concurrency)
+    return [out[i] for i in range(len(prompts))], eng
+
+
 def prompts_of(lengths, vocab=96, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lengths]

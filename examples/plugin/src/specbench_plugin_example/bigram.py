@@ -77,5 +77,9 @@ class BigramChain(Proposer):
         self.tables = [self.tables[i] for i in keep]
         self.seen = [self.seen[i] for i in keep]
 
+    def add_rows(self, state: BatchState, hidden=None) -> None:  # rows joining (batching=continuous)
+        self.tables += [{} for _ in state.seqs]
+        self.seen += [0] * len(state.seqs)
+
     def describe(self) -> dict:
         return {"successor": "latest" if self.latest else "first"}
