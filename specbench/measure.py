@@ -5,6 +5,8 @@ metrics of a record."""
 from __future__ import annotations
 
 import hashlib
+import math
+import random
 import sys
 import threading
 import time
@@ -125,12 +127,101 @@ class MethodRun:
         self.rep_tokens, self.rep_wall = [0] * self.repeats, [0.0] * self.repeats
         self.mem, self.nvml = PeakMemory(device), NvmlMonitor(device)
         self.graphs_timed = 0  # graphs torch.compile made inside the timing (shapes the warm-up did not meet)
+        self.continuous = cfg.get("batching", "static") == "continuous"
+        self.rate = rate_of(cfg)
+        self.trace: list[tuple[float, int, int]] = []  # (step duration, rows in flight, tokens) of every decoding step
 
     def units(self) -> list[tuple[int, int]]:
-        """(repeat, first question) of every batch, in order; repeats=N measures the set N times."""
+        """(repeat, first question) of every batch, in order; repeats=N measures the set N times.
+        ``batching=continuous``: the whole set is one stream of requests per repeat."""
+        if self.continuous:
+            return [(rep, 0) for rep in range(self.repeats)]
         return [(rep, start) for rep in range(self.repeats) for start in range(0, len(self.questions), self.cfg.bs)]
 
+    def _take_trace(self) -> None:
+        """The engine's per-step trace of its last call, as step durations."""
+        prev = 0.0
+        for t, rows, n in self.eng.trace:
+            self.trace.append((t - prev, rows, n))
+            prev = t
+
+    def _check_positions(self, prompt: list[int]) -> None:
+        if len(prompt) + self.cfg.max_new_tokens + self.reach + 1 > self.npos:
+            raise ConfigError(f"a prompt of {len(prompt)} tokens + max_new_tokens={self.cfg.max_new_tokens} + "
+                              f"{self.reach} draft positions exceeds the {self.npos} positions of the job's models")
+
+    def _request(self, q, turn: int, unit: int, rep: int, prompt: list[int], r) -> dict:
+        """A finished request's record (and its scratch fields for the job's metrics)."""
+        toks = r.tokens
+        n = len(toks)
+        text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        self.rep_tokens[rep] += n
+        itl = [b - a for a, b in zip([r.t_first] + r.chunks[:-1], r.chunks)]
+        return {
+            "id": q.id, "turn": turn + 1, "batch": unit,
+            **({"repeat": rep} if self.repeats > 1 else {}),
+            "category": q.category, "prompt_tokens": len(prompt),
+            "new_tokens": n, "steps": r.steps, "wall_s": r.t_done - r.t_arrival, "ttft_s": r.t_first - r.t_arrival,
+            "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
+            **({"arrival_s": r.t_arrival, "queue_s": r.t_admit - r.t_arrival} if self.continuous else {}),
+            "accepted": sum(r.accept_lens), "accepts": encode_accepts(r.accept_lens),
+            "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
+            "prompt_sha": hashlib.sha1(str(prompt).encode()).hexdigest()[:16],
+            "tokens": toks,
+            "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_text": text, "_itl": itl,
+        }
+
+    def _run_stream(self, rep: int, progress=None) -> None:
+        """``batching=continuous``: every question's first turn a request, arriving at ``rate``
+        (Poisson, seeded; inf: all at once), at most ``bs`` in flight; a later turn is a new request
+        that arrives when the turn before it is answered (it holds that answer)."""
+        cfg, tokenizer = self.cfg, self.tokenizer
+        from specbench.engine import Request, Requests
+
+        rng = random.Random(int(cfg.seed))
+        history = [[] for _ in self.questions]
+        prompts, reqs, t = {}, [], 0.0
+        for i, q in enumerate(self.questions):
+            prompt = q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], self.chat)
+            self._check_positions(prompt)
+            prompts[(i, 0)] = prompt
+            reqs.append(Request((i, 0), prompt, t))
+            t += rng.expovariate(self.rate) if math.isfinite(self.rate) else 0.0
+        queue = Requests(reqs)
+
+        def on_done(key, r, now):
+            i, turn = key
+            q = self.questions[i]
+            rec = self._request(q, turn, i, rep, prompts[key], r)
+            history[i].append((q.turns[turn], rec["_text"]))
+            self.requests.append(rec)
+            if turn + 1 < len(q.turns) and cfg.ctx is None:
+                nxt = D.render(tokenizer, history[i], q.turns[turn + 1], self.chat)
+                self._check_positions(nxt)
+                prompts[(i, turn + 1)] = nxt
+                queue.add(Request((i, turn + 1), nxt, now))
+            if progress is not None:
+                progress.update(1)
+
+        _set_rng_state(self.device, self._rng)
+        with self.timer.watching([self.model, *self.proposer.modules()]), self.mem, self.nvml:
+            graphs = compiled_graphs() if self.compiled else 0
+            sync(self.device)
+            t0 = time.perf_counter()
+            self.eng.serve(queue, int(cfg.max_new_tokens), self.gen, concurrency=int(cfg.bs), on_done=on_done)
+            sync(self.device)
+            dt = time.perf_counter() - t0
+            if self.compiled:
+                self.graphs_timed += compiled_graphs() - graphs
+        self._take_trace()
+        self.wall += dt
+        self.rep_wall[rep] += dt
+        self.n_batches += 1
+        self._rng = _rng_state(self.device)
+
     def run_unit(self, unit: tuple[int, int], progress=None) -> None:
+        if self.continuous:
+            return self._run_stream(unit[0], progress)
         cfg, device, tokenizer = self.cfg, self.device, self.tokenizer
         rep, start = unit
         batch = self.questions[start:start + cfg.bs]
@@ -144,11 +235,7 @@ class MethodRun:
                     prompts = [batch[i].ctx_ids for i in rows]
                 else:
                     prompts = [D.render(tokenizer, history[i], batch[i].turns[turn], self.chat) for i in rows]
-                longest = max(len(p) for p in prompts)
-                if longest + cfg.max_new_tokens + self.reach + 1 > self.npos:
-                    raise ConfigError(f"a prompt of {longest} tokens + max_new_tokens={cfg.max_new_tokens} + "
-                                      f"{self.reach} draft positions exceeds the {self.npos} positions of the "
-                                      "job's models")
+                self._check_positions(max(prompts, key=len))
                 graphs = compiled_graphs() if self.compiled else 0
                 sync(device)
                 t = time.perf_counter()
@@ -160,26 +247,12 @@ class MethodRun:
                 self.wall += dt
                 self.rep_wall[rep] += dt
                 self.n_batches += 1
+                self._take_trace()
                 for i, r in zip(rows, out):
                     q = batch[i]
-                    toks = r.tokens
-                    text = tokenizer.decode(toks, skip_special_tokens=True)
-                    history[i].append((q.turns[turn], text))
-                    n = len(toks)
-                    self.rep_tokens[rep] += n
-                    prompt = prompts[rows.index(i)]
-                    self.requests.append({
-                        "id": q.id, "turn": turn + 1, "batch": n_batches_q,
-                        **({"repeat": rep} if self.repeats > 1 else {}),
-                        "category": q.category, "prompt_tokens": len(prompt),
-                        "new_tokens": n, "steps": r.steps, "wall_s": r.t_done, "ttft_s": r.t_first,
-                        "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
-                        "accepted": sum(r.accept_lens), "accepts": encode_accepts(r.accept_lens),
-                        "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
-                        "prompt_sha": hashlib.sha1(str(prompt).encode()).hexdigest()[:16],
-                        "tokens": toks,
-                        "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_text": text,
-                    })
+                    rec = self._request(q, turn, n_batches_q, rep, prompts[rows.index(i)], r)
+                    history[i].append((q.turns[turn], rec["_text"]))
+                    self.requests.append(rec)
                 if progress is not None:
                     progress.update(len(rows))
         self._rng = _rng_state(device)
@@ -201,6 +274,7 @@ class MethodRun:
         time_s["forward"] = times.get("forward", 0.0)
         ttfts = [rq["ttft_s"] for rq in requests]
         tpots = [rq["tpot_s"] for rq in requests if rq["tpot_s"] is not None]
+        itls = [x for rq in requests for x in rq.pop("_itl")]
         metrics = {
             "new_tokens": new_tokens,
             "wall_s": wall,
@@ -219,6 +293,11 @@ class MethodRun:
             "engine_overhead": (wall - time_s["forward"]) / wall if wall > 0 else None,
             "ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
             "tpot_s": sum(tpots) / len(tpots) if tpots else None,
+            "latency": {"ttft_s": percentiles(ttfts), "tpot_s": percentiles(tpots), "itl_s": percentiles(itls),
+                        "e2e_s": percentiles([rq["wall_s"] for rq in requests])},
+            "requests_per_s": len(requests) / wall if wall > 0 else None,
+            "goodput": goodput(self.cfg, requests, wall),
+            "in_flight": in_flight(self.trace, int(self.cfg.bs)),
             "peak_mem_bytes": self.mem.peak,
             "energy_j": self.nvml.energy_j,
             "nvml": self.nvml.result,
@@ -234,6 +313,58 @@ class MethodRun:
         if self.repeats > 1:  # each pass over the prompt set on its own: the spread between repeats
             metrics["repeat_tokens_per_s"] = [t / w if w > 0 else None for t, w in zip(self.rep_tokens, self.rep_wall)]
         return metrics, requests
+
+
+def rate_of(cfg) -> float:
+    """``rate``: requests per second (Poisson arrivals) or ``inf`` (all at once)."""
+    r = cfg.get("rate", "inf")
+    return math.inf if r is None or str(r).lower() in ("inf", "infinity") else float(r)
+
+
+def percentiles(xs: list[float]) -> dict | None:
+    """Mean and p50 / p90 / p99 (nearest rank) of ``xs``; None when empty."""
+    if not xs:
+        return None
+    v = sorted(xs)
+
+    def at(p):
+        return v[min(len(v) - 1, max(0, math.ceil(p / 100 * len(v)) - 1))]
+
+    return {"mean": sum(v) / len(v), "p50": at(50), "p90": at(90), "p99": at(99), "n": len(v)}
+
+
+def goodput(cfg, requests: list[dict], wall: float) -> dict | None:
+    """Requests per second that met the SLO (``slo.ttft_ms``, ``slo.tpot_ms``; null = no bound),
+    and their share; None when no bound is set."""
+    slo = cfg.get("slo") or {}
+    ttft, tpot = slo.get("ttft_ms"), slo.get("tpot_ms")
+    if ttft is None and tpot is None:
+        return None
+
+    def ok(rq):
+        return (ttft is None or rq["ttft_s"] * 1e3 <= ttft) and \
+            (tpot is None or rq["tpot_s"] is None or rq["tpot_s"] * 1e3 <= tpot)
+
+    good = sum(1 for rq in requests if ok(rq))
+    return {"slo": {"ttft_ms": ttft, "tpot_ms": tpot}, "requests_per_s": good / wall if wall > 0 else None,
+            "share": good / len(requests) if requests else None}
+
+
+def in_flight(trace: list[tuple[float, int, int]], cap: int) -> dict | None:
+    """Rows in flight over the decoding steps: time-weighted mean, the time share at each count
+    (1..cap), and output tokens/s over the steps run at the cap (the steady part: a static batch's
+    drain, a stream's ramp-up and tail left out)."""
+    total = sum(dt for dt, _, _ in trace)
+    if not trace or total <= 0:
+        return None
+    share = [0.0] * (cap + 1)
+    for dt, rows, _ in trace:
+        share[min(rows, cap)] += dt / total
+    full = [(dt, n) for dt, rows, n in trace if rows >= cap]
+    t_full = sum(dt for dt, _ in full)
+    return {"mean": sum(dt * rows for dt, rows, _ in trace) / total, "time_share": share[1:],
+            "steady_tokens_per_s": sum(n for _, n in full) / t_full if t_full > 0 else None,
+            "steady_time_share": t_full / total}
 
 
 @torch.inference_mode()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import math
 import sys
 import time
 import traceback
@@ -21,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 import methods
 from specbench import backends, loggers, quality
 from specbench import records as R
-from specbench.measure import (MethodRun, PeakMemory, _spec_len, build_requests, run_methods,  # noqa: F401
+from specbench.measure import (MethodRun, PeakMemory, _spec_len, build_requests, rate_of, run_methods,  # noqa: F401
                                warm_compiled)
 from specbench.errors import ConfigError  # noqa: F401
 from specbench.models import cached_model, load_tokenizer, resolve_device, resolve_dtype  # noqa: F401
@@ -87,8 +88,17 @@ def _record_base(cfg, method_name, device, dtype, sweep_id, resolve_kernel: bool
         "seed": int(cfg.seed), "dataset_cfg": OmegaConf.to_container(cfg.dataset, resolve=True),
         "model_cfg": OmegaConf.to_container(cfg.model, resolve=True), "lossless": True, "method_cfg": {},
         **({"repeats": int(cfg.repeats)} if int(cfg.get("repeats") or 1) > 1 else {}),
+        **({"serving": serving_of(cfg)} if cfg.get("batching", "static") == "continuous" else {}),
         "env": R.env_info(device), "metrics": None, "requests": [],
     }
+
+
+def serving_of(cfg) -> dict:
+    """How a continuous job was loaded (in the record and its AR pairing key): requests in flight
+    (``bs``), arrivals, and how joining requests are prefilled (a forward of their own)."""
+    rate = rate_of(cfg)
+    return {"batching": "continuous", "concurrency": int(cfg.bs), "rate": rate if math.isfinite(rate) else "inf",
+            "prefill": "separate"}
 
 
 def measure(cfg, names: list[str], model, tokenizer, device, dtype, questions, sweep_id, progress=None) -> list[dict]:

@@ -52,6 +52,12 @@ class Draft:
 
 
 @dataclass
+class Slo:
+    ttft_ms: Optional[float] = setting(above=0)
+    tpot_ms: Optional[float] = setting(above=0)
+
+
+@dataclass
 class Run:
     model: Model
     dataset: Dataset
@@ -60,6 +66,9 @@ class Run:
     logger: Any
     K: int = setting(lo=1)
     bs: int = setting(lo=1)
+    batching: Literal["static", "continuous"]
+    rate: Any  # inf or a number > 0: checked in check()
+    slo: Slo
     ctx: Optional[int] = setting(lo=1)
     limit: Optional[int] = setting(lo=1)
     max_new_tokens: int = setting(lo=1)
@@ -150,4 +159,11 @@ def check(cfg: DictConfig) -> None:
     """Hold a composed run config to ``Run``; one ConfigError line for the first setting that
     does not fit (its name, what it must be, what it got)."""
     _check_node(cfg, Run, "", None)
+    rate = cfg.get("rate", "inf")
+    if not (str(rate).lower() in ("inf", "infinity") or (isinstance(rate, (int, float)) and not isinstance(rate, bool)
+                                                         and rate > 0)):
+        raise ConfigError(f"rate must be inf or a number of requests per second > 0, got {rate!r}")
+    if cfg.get("batching", "static") == "static" and str(rate).lower() not in ("inf", "infinity"):
+        raise ConfigError("rate applies to batching=continuous (requests arriving while others run); "
+                          "add batching=continuous")
 

@@ -99,6 +99,10 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
 @pytest.mark.parametrize("over,msg", [
     ({"K": 0}, "K must be an integer >= 1"),
     ({"bs": 0}, "bs must be an integer >= 1"),
+    ({"batching": "dynamic"}, "unknown batching 'dynamic'; choices: static, continuous"),
+    ({"batching": "continuous", "rate": 0}, "rate must be inf or a number of requests per second > 0, got 0"),
+    ({"rate": 2.0}, "rate applies to batching=continuous"),
+    ({"slo": {"tpot_ms": -1, "ttft_ms": None}}, "slo.tpot_ms must be a number > 0 or null"),
     ({"ctx": 100000}, "exceeds the 512 positions of the job's models"),
     ({"K": True}, "K must be an integer >= 1, got True"),
     ({"K": 2.5}, "K must be an integer >= 1, got 2.5"),
@@ -827,3 +831,36 @@ def test_mt_bench_default_order_covers_every_category_first():
     assert {q.category for q in in_file} == {"writing"}
     qs = [D.Question(str(i), c, ["t"]) for i, c in enumerate("aaabbc")]
     assert [q.id for q in D.by_category(qs)] == ["0", "3", "5", "1", "4", "2"]
+
+
+def test_continuous_batching_records_serving_metrics_and_pairs_its_own_ar(tiny_dirs, tmp_path):
+    """batching=continuous: the job serves every turn as a request at concurrency bs (the second
+    turn arrives when the first is answered), token-identical to the static job; records the
+    serving settings (in the AR pairing key: a continuous job never pairs with a static AR),
+    latency percentiles, goodput under the SLO and rows in flight; Poisson arrivals are seeded."""
+    pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
+    static = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, **pld), sweep_id="s")
+    cont = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, batching="continuous", slo={"ttft_ms": 1e6, "tpot_ms": 1e-6},
+                               **pld), sweep_id="s")
+    assert [r["method"] for r in cont] == ["ar", "pld"]  # its own AR: the static one does not pair
+    for s_rec, c_rec in zip(static, cont):
+        assert "serving" not in s_rec and c_rec["serving"] == {"batching": "continuous", "concurrency": 2,
+                                                               "rate": "inf", "prefill": "separate"}
+        key = lambda rq: (rq["id"], rq["turn"])  # noqa: E731
+        assert {key(rq): rq["tokens"] for rq in c_rec["requests"]} == {key(rq): rq["tokens"] for rq in s_rec["requests"]}
+        m = c_rec["metrics"]
+        assert m["match_ar"] == 1.0 and len(c_rec["requests"]) == 8
+        assert m["latency"]["ttft_s"]["p50"] <= m["latency"]["ttft_s"]["p99"] and m["latency"]["itl_s"]["n"] > 0
+        assert m["goodput"]["share"] == 0.0  # no request meets a TPOT under a nanosecond
+        assert m["in_flight"]["mean"] <= 2 and abs(sum(m["in_flight"]["time_share"]) - 1) < 1e-6
+        assert all(rq["queue_s"] >= 0 for rq in c_rec["requests"])
+        assert s_rec["metrics"]["goodput"] is None and s_rec["metrics"]["latency"]["e2e_s"]["n"] == 8
+    second = [rq for rq in cont[1]["requests"] if rq["turn"] == 2]
+    first = {rq["id"]: rq for rq in cont[1]["requests"] if rq["turn"] == 1}
+    for rq in second:  # a follow-up turn arrives once its first turn is answered
+        assert rq["arrival_s"] >= first[rq["id"]]["arrival_s"] + first[rq["id"]]["wall_s"] - 1e-6
+    poisson = [runner.job(tiny_cfg(tiny_dirs, tmp_path / f"p{i}", bs=2, batching="continuous", rate=50.0,
+                                   method={"name": "ar"}), sweep_id="p") for i in range(2)]
+    arrivals = [sorted(rq["arrival_s"] for rq in run[0]["requests"] if rq["turn"] == 1) for run in poisson]
+    assert arrivals[0] == arrivals[1] and arrivals[0][0] == 0 and arrivals[0][-1] > 0  # seeded, spread
+    assert poisson[0][0]["serving"]["rate"] == 50.0
