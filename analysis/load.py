@@ -27,6 +27,17 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         row["kernel"] = R.current(r, "kernel") or "torch"  # records before kernels ran torch's path
         row["kernel_isa"] = r.get("kernel_isa")  # native tiles: AVX2 or AVX-512 (None: records before it was kept)
         row["compile"] = bool(r.get("compile", False))  # the target's forward through torch.compile
+        serving = r.get("serving") or {}
+        row["batching"] = serving.get("batching", "static")
+        row["rate"] = serving.get("rate")
+        lat = m.get("latency") or {}
+        for name, key in (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("itl", "itl_s"), ("e2e", "e2e_s")):
+            for p in ("p50", "p90", "p99"):
+                row[f"{name}_{p}"] = (lat.get(key) or {}).get(p)
+        row["requests_per_s"] = m.get("requests_per_s")
+        row["goodput_rps"] = (m.get("goodput") or {}).get("requests_per_s")
+        row["in_flight_mean"] = (m.get("in_flight") or {}).get("mean")
+        row["steady_tokens_per_s"] = (m.get("in_flight") or {}).get("steady_tokens_per_s")
         row.update({k: m.get(k) for k in ("new_tokens", "wall_s", "tokens_per_s", "steps", "iterations", "tau",
                                           "draft_nodes", "forward_nodes",
                                           "speedup", "match_ar", "verify_share", "engine_overhead", "ttft_s",
@@ -67,6 +78,14 @@ def k_label(row, sep: str = " ") -> str:
 
 
 def label(row) -> str:
+    base = _label(row)
+    if row.get("batching") == "continuous":  # a serving job is its own series
+        rate = row.get("rate")
+        return base + (" [continuous]" if rate in (None, "inf") else f" [continuous, {rate:g} req/s]")
+    return base
+
+
+def _label(row) -> str:
     if row["method"] == "ar":
         return "ar"
     if row["method"] == "leviathan" and row.get("draft"):
@@ -123,7 +142,9 @@ def add_theory(df: pd.DataFrame) -> pd.DataFrame:
     for _, r in df.iterrows():  # 95% bootstrap interval of the speedup, over batches, paired with AR
         ci = None
         base = ar_of(r)
-        if base is not None and r["requests"]:
+        # a serving job's requests share one stream (their latencies overlap): no independent
+        # units to resample within it, so no interval (its repeats would be the units)
+        if base is not None and r["requests"] and r.get("batching") != "continuous":
             ci = theory.bootstrap_speedup(r["requests"], base["requests"], int(r["bs"]))
         lo.append(ci[0] if ci else float("nan"))
         hi.append(ci[1] if ci else float("nan"))

@@ -222,6 +222,15 @@ def _ar_step(base) -> float:
 STATE_GAP = 1.15
 
 
+def batch_of(r) -> int:
+    """The batch a job's steps ran at: ``bs``, or for a serving job (``batching=continuous``) its
+    measured time-weighted rows in flight (requests that have not yet arrived leave rows empty)."""
+    m = r.get("in_flight_mean")
+    if r.get("batching") == "continuous" and m is not None and m == m:
+        return max(1, int(round(m)))
+    return int(r["bs"])
+
+
 def _priced(df, curves):
     """Per job: (its row, the curve its batch-aware bound reads, the AR record it is read
     against), the curve and record None where no bound applies (AR itself, no curve for its
@@ -233,7 +242,7 @@ def _priced(df, curves):
                           bool(r.get("compile", False)))
         base = ar_of(r)
         if r["method"] != "ar" and cand and r.get("iterations") and base is not None:
-            yield r, nearest_state(cand, int(r["bs"]), base), base
+            yield r, nearest_state(cand, batch_of(r), base), base
         else:
             yield r, None, None
 
@@ -245,7 +254,7 @@ def curve_state_gap(df, curves) -> pd.Series:
     vals = []
     for r, c, base in _priced(df, curves):
         step = _ar_step(base) if c is not None else math.nan
-        vals.append(interp(c["target"], int(r["bs"]), 1) / step if step > 0 else math.nan)
+        vals.append(interp(c["target"], batch_of(r), 1) / step if step > 0 else math.nan)
     return pd.Series(vals, index=df.index)
 
 
@@ -260,20 +269,69 @@ def batch_aware(df, curves) -> pd.Series:
         s = math.nan
         if c is not None:
             T = c["target"]
-            t_ar = interp(T, int(r["bs"]), 1)
+            B = batch_of(r)
+            t_ar = interp(T, B, 1)
             nodes = r.get("forward_nodes")  # a tree verifies its nodes (and Lookahead's window), a chain K
             if nodes is None or nodes != nodes or nodes <= 0:
                 nodes = r.get("draft_nodes")  # records written before forward_nodes
             width = nodes + 1 if nodes is not None and nodes == nodes and nodes > 0 else (spec_len(r) or 0) + 1
-            t_ver = interp(T, int(r["bs"]), width)
+            t_ver = interp(T, B, width)
             t_draft = r["t_draft"] / r["iterations"]
             first, first_ar = len(r["requests"]), len(base["requests"])  # the prefill gives each turn its first token
-            s = theory.batch_aware_job(r["tau"], t_ar, t_draft, t_ver, int(r["bs"]),
+            s = theory.batch_aware_job(r["tau"], t_ar, t_draft, t_ver, B,
                                        r["new_tokens"], r["new_tokens"] - first, r.get("t_prefill") or 0.0,
                                        base["new_tokens"], base["new_tokens"] - first_ar,
                                        base.get("t_prefill") or 0.0)
         vals.append(s)
     return pd.Series(vals, index=df.index)
+
+
+def fig_serving(df, out, written):
+    """The serving plot: output tokens/s against median TPOT, one line per method (and batching
+    mode), points at each concurrency (labelled); up and left is better."""
+    d = df.dropna(subset=["tpot_p50", "tokens_per_s"])
+    d = d[d.groupby("label")["bs"].transform("nunique") >= 2]
+    if d.empty:
+        return
+    cmap = colors(d["label"])
+    fig, ax = plt.subplots(figsize=(4.8, 3.4))
+    for lab, g in d.groupby("label"):
+        g = g.groupby("bs", as_index=False)[["tpot_p50", "tokens_per_s"]].mean().sort_values("bs")
+        ls = "--" if "[continuous" in lab else "-"
+        ax.plot(g["tpot_p50"] * 1e3, g["tokens_per_s"], marker="o", ms=4, lw=1.4, ls=ls, color=cmap[lab], label=lab)
+        for _, p in g.iterrows():
+            ax.annotate(f"{int(p['bs'])}", (p["tpot_p50"] * 1e3, p["tokens_per_s"]), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("TPOT p50 (ms per output token)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"Throughput against latency (points: concurrency; dashed: continuous)\n{subtitle(df)}")
+    ax.legend(frameon=False, fontsize=6.5, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    save(fig, out, "throughput_vs_tpot", written)
+
+
+def fig_speedup_vs_concurrency(df, out, written):
+    """Speedup of each serving job against its concurrency, with the batch-aware bound read at the
+    batch its steps really ran at (the measured rows in flight)."""
+    d = _sd(df[df["batching"] == "continuous"]).dropna(subset=["speedup"]) if "batching" in df else pd.DataFrame()
+    d = d[d.groupby("series")["bs"].transform("nunique") >= 2] if not d.empty else d
+    if d.empty:
+        return
+    cmap = colors(d["series"])
+    fig, ax = plt.subplots(figsize=(4.6, 3.2))
+    for lab, g in d.groupby("series"):
+        g = g.groupby("bs", as_index=False)[["speedup", "bound_batch"]].mean().sort_values("bs")
+        ax.plot(g["bs"], g["speedup"], marker="o", ms=4, lw=1.5, color=cmap[lab], label=lab)
+        if g["bound_batch"].notna().any():
+            ax.plot(g["bs"], g["bound_batch"], ls=":", lw=1.2, color=cmap[lab])
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(d["bs"].unique()))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("concurrency (requests in flight, log2)")
+    ax.set_ylabel("speedup over AR at the same load")
+    ax.set_title(f"Serving speedup (dotted: batch-aware bound at the measured rows in flight)\n{subtitle(df)}")
+    ax.legend(frameon=False, fontsize=7, loc="best")
+    save(fig, out, "speedup_vs_concurrency", written)
 
 
 def fig_bounds(df, out, written):
@@ -599,6 +657,8 @@ def build(records, out: Path, **filters) -> list[Path]:
               f"paired AR's own step (another host state); profile the curve again beside the job "
               f"(make bench-cpu does, after its jobs)", file=sys.stderr)
     fig_bounds(df, out, written)
+    fig_serving(df, out, written)
+    fig_speedup_vs_concurrency(df, out, written)
     fig_hist(df, out, written)
     fig_quality(df, out, written)
     sim = simulated(df, curves)

@@ -864,3 +864,13 @@ def test_continuous_batching_records_serving_metrics_and_pairs_its_own_ar(tiny_d
     arrivals = [sorted(rq["arrival_s"] for rq in run[0]["requests"] if rq["turn"] == 1) for run in poisson]
     assert arrivals[0] == arrivals[1] and arrivals[0][0] == 0 and arrivals[0][-1] > 0  # seeded, spread
     assert poisson[0][0]["serving"]["rate"] == 50.0
+    # the report: the serving plot and speedup against concurrency (two concurrencies per line)
+    runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=1, batching="continuous", **pld), sweep_id="s")
+    runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=1, **pld), sweep_id="s")
+    from analysis import report
+    from analysis.load import load
+
+    df = load(tmp_path / "records.jsonl")
+    assert set(df["label"]) >= {"ar", "ar [continuous]"} and df["label"].str.endswith("[continuous]").sum() >= 4
+    written = {p.name for p in report.build(tmp_path / "records.jsonl", tmp_path / "report")}
+    assert {"throughput_vs_tpot.png", "speedup_vs_concurrency.png"} <= written
