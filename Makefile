@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: setup run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline train-draft report regress regress-baseline profile clean-cache
+.PHONY: setup run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline bench-serving bench-eagle3 train-draft report regress regress-baseline profile clean-cache
 
 setup: $(STAMP)
 
@@ -115,6 +115,25 @@ bench-headline: setup
 	$(BIN)/python -m specbench method=pld,lookahead,rest,eagle,medusa,specdec,leviathan max_new_tokens=128 \
 		ar_baseline=paired progress=false results_dir=$(BENCH_HEADLINE_DIR) $(ARGS)
 	$(BIN)/python -m analysis.report $(BENCH_HEADLINE_DIR) --out $(BENCH_HEADLINE_DIR)/report
+
+# Serving load (issue 32): ShareGPT first turns at concurrency 1-16, the batch draining
+# (static) against requests held in flight (continuous), each job with its own AR
+BENCH_SERVING_DIR := results/bench-serving
+bench-serving: setup
+	$(BIN)/python -m specbench dataset=sharegpt limit=32 max_new_tokens=64 method=pld,eagle,lookahead \
+		batching=static,continuous bs=1,4,8,16 ar_baseline=paired progress=false results_dir=$(BENCH_SERVING_DIR) $(ARGS)
+	$(BIN)/python -m analysis.report $(BENCH_SERVING_DIR) --out $(BENCH_SERVING_DIR)/report
+
+# EAGLE-2 (the shipped head) against an EAGLE-3 head (EAGLE3=<its folder>) on MT-Bench and
+# HumanEval, each job with its own AR
+BENCH_EAGLE3_DIR := results/bench-eagle3
+EAGLE3 ?= checkpoints/smollm2-135m/eagle3
+bench-eagle3: setup
+	$(BIN)/python -m specbench method=eagle dataset=mt_bench,humaneval limit=10 max_new_tokens=128 \
+		ar_baseline=paired progress=false results_dir=$(BENCH_EAGLE3_DIR) $(ARGS)
+	$(BIN)/python -m specbench method=eagle eagle.version=3 eagle.checkpoint=$(EAGLE3) dataset=mt_bench,humaneval \
+		limit=10 max_new_tokens=128 ar_baseline=paired progress=false results_dir=$(BENCH_EAGLE3_DIR) $(ARGS)
+	$(BIN)/python -m analysis.report $(BENCH_EAGLE3_DIR) --out $(BENCH_EAGLE3_DIR)/report
 
 BENCH_FLOOR_DIR := results/bench-floor
 FLOOR_ARGS := dataset=mt_bench dataset.order=file limit=10 dataset.max_turns=1 max_new_tokens=96 progress=false results_dir=$(BENCH_FLOOR_DIR)

@@ -11,8 +11,9 @@ from specbench import records as R
 
 
 def summary_table(recs: list[dict]) -> str:
-    cols = ["method", "model", "dataset", "bs", "K", "ctx", "tok/s", "speedup", "tau", "verify", "match_ar", "score",
-            "status"]
+    serving = any(r.get("serving") for r in recs)  # a serving sweep: its load and latency too
+    cols = ["method", "model", "dataset", "bs", *(["batching", "rate", "TPOT p50", "TTFT p99"] if serving else []),
+            "K", "ctx", "tok/s", "speedup", "tau", "verify", "match_ar", "score", "status"]
     rows = []
     for r in recs:
         m = r.get("metrics") or {}
@@ -20,7 +21,14 @@ def summary_table(recs: list[dict]) -> str:
         def f(x, fmt):
             return "-" if x is None else format(x, fmt)
 
-        rows.append([r.get("method"), str(r.get("model")).split("/")[-1], r.get("dataset"), str(r.get("bs")),
+        lat = m.get("latency") or {}
+        srv = r.get("serving") or {}
+        def ms(x):
+            return "-" if x is None else f"{x * 1e3:.0f} ms"
+
+        load = [srv.get("batching", "static"), str(srv.get("rate", "-")), ms((lat.get("tpot_s") or {}).get("p50")),
+                ms((lat.get("ttft_s") or {}).get("p99"))] if serving else []
+        rows.append([r.get("method"), str(r.get("model")).split("/")[-1], r.get("dataset"), str(r.get("bs")), *load,
                      f(r.get("K"), "d"), f(r.get("ctx"), "d"), f(m.get("tokens_per_s"), ".1f"),
                      f(m.get("speedup"), ".2f") + ("x" if m.get("speedup") is not None else ""),
                      f(m.get("tau"), ".2f"), f(m.get("verify_share"), ".0%"), f(m.get("match_ar"), ".0%"),
