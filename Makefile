@@ -127,8 +127,8 @@ bench-serving: setup
 # EAGLE-2 (the shipped head) against an EAGLE-3 head (EAGLE3=<its folder>) on MT-Bench and
 # HumanEval, each job with its own AR
 BENCH_EAGLE3_DIR := results/bench-eagle3
-EAGLE3 ?= checkpoints/smollm2-135m/eagle3
 bench-eagle3: setup
+	@test -n "$(EAGLE3)" || { echo "make bench-eagle3: set EAGLE3=<an EAGLE-3 drafter folder> (python -m specbench.train drafter=eagle3 writes one)"; exit 2; }
 	$(BIN)/python -m specbench method=eagle dataset=mt_bench,humaneval limit=10 max_new_tokens=128 \
 		ar_baseline=paired progress=false results_dir=$(BENCH_EAGLE3_DIR) $(ARGS)
 	$(BIN)/python -m specbench method=eagle eagle.version=3 eagle.checkpoint=$(EAGLE3) dataset=mt_bench,humaneval \
