@@ -95,6 +95,10 @@ def _label(row) -> str:
         return f"specdec (beta={mc['beta']}, tol={mc['tol']:g})"
     if row["method"] == "medusa" and mc.get("accept") == "typical":
         return "medusa (typical)"
+    if row["method"] == "eagle":  # EAGLE-3's drafter, and EAGLE-1's static tree, are their own series
+        name = "eagle-3" if mc.get("version") == 3 else "eagle"
+        tree = mc.get("tree")
+        return name + (f" ({tree})" if tree not in (None, "dynamic") else "")
     return str(row["method"])
 
 
