@@ -163,15 +163,21 @@ def unrolled_chain(d, f, seq, depth: int, ranks=None) -> list[int]:
     return toks[len(seq):]
 
 
-def test_eagle_tree_expansion_matches_training_unroll(model):
-    """With top_k=1 the dynamic tree is a chain; each drafted token must be what the
-    training-time unrolling (the same drafter, the same real prefix) predicts."""
-    d = random_eagle(model, seed=4)
+def real_prefix(model):
+    """A prompt, it plus the target's next greedy token, and the target's final states of all but
+    that last token (what the drafter reads)."""
     prompt = prompts_of([9], seed=5)[0]
     seq = prompt + reference_greedy(model, prompt, 1)
     with Tap(model, ["final"]) as tap:
         model(torch.tensor([seq[:-1]]))
-        f = tap.take()["final"]
+        return prompt, seq, tap.take()["final"]
+
+
+def test_eagle_tree_expansion_matches_training_unroll(model):
+    """With top_k=1 the dynamic tree is a chain; each drafted token must be what the
+    training-time unrolling (the same drafter, the same real prefix) predicts."""
+    d = random_eagle(model, seed=4)
+    prompt, seq, f = real_prefix(model)
     depth = 4
     prop = Eagle(eagle_cfg(top_k=1, depth=depth, total_tokens=depth), model, None, CPU, torch.float32, drafter=d)
     res = run_engine(model, prop, [prompt], 2)
@@ -197,11 +203,7 @@ def test_eagle1_static_tree_nodes_are_the_ranked_unroll(model):
     paths = sorted(map(tuple, published.named_trees("eagle")["mc_sim_7b_63"]), key=lambda p: (len(p), p))
     assert len(paths) == 25 and max(map(len, paths)) == 5
     d = random_eagle(model, seed=4)
-    prompt = prompts_of([9], seed=5)[0]
-    seq = prompt + reference_greedy(model, prompt, 1)
-    with Tap(model, ["final"]) as tap:
-        model(torch.tensor([seq[:-1]]))
-        f = tap.take()["final"]
+    prompt, seq, f = real_prefix(model)
     c = eagle_cfg(tree="mc_sim_7b_63")
     prop = Eagle(c, model, None, CPU, torch.float32, drafter=d)
     assert (prop.top_k, prop.depth, prop.total) == (4, 5, 25) and Eagle.spec_len(c, CPU) == 5
