@@ -397,11 +397,6 @@ class RaggedCache:
         shorter is left-padded to the wider's slots (each row's own start moves, its positions do
         not). The buffers are made anew, ``room`` slots past the merged width, so the batch's next
         forwards append in place."""
-        if other.batch_size == 0:
-            return
-        if self.batch_size == 0:
-            self.__dict__.update({k: v for k, v in other.__dict__.items() if k != "model"})
-            return
         C, Co = self.C, other.C
         W = max(C, Co)
         mine, theirs = self.cache.layers, other.cache.layers
