@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: setup run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline bench-serving bench-eagle3 train-draft report regress regress-baseline profile clean-cache
+.PHONY: setup run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline bench-serving bench-tune bench-eagle3 train-draft report regress regress-baseline profile clean-cache
 
 setup: $(STAMP)
 
@@ -125,6 +125,17 @@ bench-serving: setup
 	$(BIN)/python -m specbench dataset=mt_bench dataset.max_turns=1 limit=32 max_new_tokens=64 method=pld,eagle,lookahead \
 		batching=static,continuous bs=1,4,16 ar_baseline=paired progress=false results_dir=$(BENCH_SERVING_DIR) $(ARGS)
 	$(BIN)/python -m analysis.report $(BENCH_SERVING_DIR) --out $(BENCH_SERVING_DIR)/report
+
+# K=auto against fixed speculation at concurrency 1, 4, 16 (continuous batching), each job with
+# its own AR: PLD over K, EAGLE over its tree's (depth, total_tokens); pilots on held-out questions
+BENCH_TUNE_DIR := results/bench-tune
+BENCH_TUNE = $(BIN)/python -m specbench dataset=mt_bench dataset.max_turns=1 limit=24 max_new_tokens=64 \
+	batching=continuous bs=1,4,16 ar_baseline=paired progress=false results_dir=$(BENCH_TUNE_DIR) $(ARGS)
+bench-tune: setup
+	$(BENCH_TUNE) method=pld K=1,2,4,8,auto
+	$(BENCH_TUNE) method=eagle K=auto
+	for shape in 1,2 2,6 4,16; do $(BENCH_TUNE) method=eagle eagle.depth=$${shape%,*} eagle.total_tokens=$${shape#*,}; done
+	$(BIN)/python -m analysis.report $(BENCH_TUNE_DIR) --out $(BENCH_TUNE_DIR)/report
 
 # EAGLE-2 (the shipped head) against an EAGLE-3 head (EAGLE3=<its folder>) on MT-Bench and
 # HumanEval, each job with its own AR

@@ -47,6 +47,9 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         q = m.get("quality") or {}
         row["quality"], row["quality_ar"], row["quality_metric"] = q.get("value"), q.get("ar_value"), q.get("metric")
         row["method_cfg"] = r.get("method_cfg") or {}
+        row["method_opts"] = r.get("method_opts") or {}
+        row["K_auto"] = bool(r.get("K_auto"))  # K=auto: the setting was chosen per job (tuned.chosen)
+        row["tuned_chosen"] = (r.get("tuned") or {}).get("chosen")
         row["alphas"] = m.get("accept_rate_per_pos") or []
         row["hist"] = m.get("accept_len_hist") or []
         row["requests"] = r.get("requests") or []
@@ -78,7 +81,7 @@ def k_label(row, sep: str = " ") -> str:
 
 
 def label(row) -> str:
-    base = _label(row)
+    base = _label(row) + (" (K=auto)" if row.get("K_auto") else "")
     if row.get("batching") == "continuous":  # a serving job is its own series
         rate = row.get("rate")
         return base + (" [continuous]" if rate in (None, "inf") else f" [continuous, {rate:g} req/s]")
@@ -100,6 +103,18 @@ def _label(row) -> str:
         tree = mc.get("tree")
         return name + (f" ({tree})" if tree not in (None, "dynamic") else "")
     return str(row["method"])
+
+
+def setting_of(row, keys) -> str:
+    """A job's values of a tuned setting's keys (``K``, ``method.<key>``), as K=auto writes them."""
+    def value(k):
+        return row.get("K") if k == "K" else (row.get("method_opts") or {}).get(k.removeprefix("method."))
+
+    out = []
+    for k in keys:
+        v = value(k)
+        out.append(f"{k.removeprefix('method.')}={int(v) if isinstance(v, float) and v == v and v.is_integer() else v}")
+    return " ".join(out)
 
 
 def ar_baselines(df: pd.DataFrame):

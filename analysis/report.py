@@ -25,8 +25,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis import simulate, theory  # noqa: E402
-from analysis.load import ar_baselines, k_label, load, load_cost_curves, spec_len  # noqa: E402
-from analysis.profile import interp  # noqa: E402
+from analysis.load import ar_baselines, k_label, load, load_cost_curves, setting_of, spec_len  # noqa: E402
+from specbench.costs import interp  # noqa: E402
 from specbench import records as R  # noqa: E402
 
 PHASES = ["prefill", "draft", "verify", "accept", "other"]
@@ -332,6 +332,61 @@ def fig_speedup_vs_concurrency(df, out, written):
     ax.set_title(f"Serving speedup (dotted: batch-aware bound at the measured rows in flight)\n{subtitle(df)}")
     ax.legend(frameon=False, fontsize=7, loc="best")
     save(fig, out, "speedup_vs_concurrency", written)
+
+
+def tuned_table(df) -> pd.DataFrame:
+    """K=auto against fixed settings: per tuned series and batch size, the tuned job's speedup and
+    chosen setting beside the best fixed setting measured (same series otherwise) and their ratio."""
+    sd = _sd(df).dropna(subset=["speedup"])
+    if sd.empty or not sd["K_auto"].any():
+        return pd.DataFrame()
+    rows = []
+    for (series, bs), a in sd[sd["K_auto"]].groupby(["series", "bs"]):
+        keys = list(a.iloc[-1]["tuned_chosen"] or {})
+        fixed = sd[(~sd["K_auto"]) & (sd["series"] == series.replace(" (K=auto)", "", 1)) & (sd["bs"] == bs)]
+        best = fixed.loc[fixed["speedup"].idxmax()] if not fixed.empty else None
+        t = a["speedup"].mean()
+        rows.append({"method": series, "bs": int(bs), "chosen": setting_of(a.iloc[-1], keys),
+                     "tuned speedup": t, "best fixed": setting_of(best, keys) if best is not None else "-",
+                     "best fixed speedup": best["speedup"] if best is not None else math.nan,
+                     "fixed settings": len(fixed.groupby(fixed.apply(lambda r: setting_of(r, keys), axis=1))),
+                     "tuned / best": t / best["speedup"] if best is not None else math.nan})
+    return pd.DataFrame(rows)
+
+
+def fig_tuned(df, out, written):
+    """K=auto against fixed settings: per tuned method, speedup against batch size for every fixed
+    setting measured (thin) and for K=auto (bold, its choice written at each point)."""
+    sd = _sd(df).dropna(subset=["speedup"])
+    if sd.empty or not sd["K_auto"].any():
+        return
+    tuned = sorted(sd[sd["K_auto"]]["series"].unique())
+    fig, axes = plt.subplots(1, len(tuned), figsize=(4.4 * len(tuned), 3.3), squeeze=False)
+    for ax, series in zip(axes[0], tuned):
+        a = sd[sd["series"] == series]
+        keys = list(a.iloc[-1]["tuned_chosen"] or {})
+        fixed = sd[(~sd["K_auto"]) & (sd["series"] == series.replace(" (K=auto)", "", 1))].copy()
+        fixed["setting"] = fixed.apply(lambda r: setting_of(r, keys), axis=1)
+        shades = plt.cm.viridis(np.linspace(0.1, 0.85, max(1, fixed["setting"].nunique())))
+        for shade, (st, g) in zip(shades, fixed.groupby("setting")):
+            g = g.groupby("bs", as_index=False)["speedup"].mean().sort_values("bs")
+            ax.plot(g["bs"], g["speedup"], marker=".", lw=1.0, color=shade, label=st)
+        g = a.groupby("bs", as_index=False).agg(speedup=("speedup", "mean")).sort_values("bs")
+        ax.plot(g["bs"], g["speedup"], marker="o", ms=5, lw=2.2, color="#222222", label="K=auto")
+        for _, r in a.drop_duplicates("bs", keep="last").iterrows():
+            ax.annotate(setting_of(r, keys), (r["bs"], r["speedup"]), fontsize=6, xytext=(3, 4),
+                        textcoords="offset points")
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        if sd["bs"].nunique() > 1:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted(a["bs"].unique()))
+            ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("batch size / concurrency (log2)")
+        ax.set_ylabel("speedup over AR")
+        ax.set_title(series.replace(" (K=auto)", ""), fontsize=9)
+        ax.legend(frameon=False, fontsize=6, loc="best")
+    fig.suptitle(f"K=auto (bold) against each fixed setting\n{subtitle(df)}", fontsize=9)
+    save(fig, out, "tuned_vs_fixed", written)
 
 
 def fig_bounds(df, out, written):
@@ -659,6 +714,7 @@ def build(records, out: Path, **filters) -> list[Path]:
     fig_bounds(df, out, written)
     fig_serving(df, out, written)
     fig_speedup_vs_concurrency(df, out, written)
+    fig_tuned(df, out, written)
     fig_hist(df, out, written)
     fig_quality(df, out, written)
     sim = simulated(df, curves)
@@ -681,6 +737,9 @@ def build(records, out: Path, **filters) -> list[Path]:
     if not ident.empty:
         tables["identity"] = (ident, "Greedy outputs identical to AR's, and the first divergence (floor: AR at "
                                      "another batch size, AR through the verify path)")
+    tuned = tuned_table(df)
+    if not tuned.empty:
+        tables["tuned"] = (tuned, "K=auto against the best fixed setting measured at each batch size")
     if not sim.empty:
         tables["simulator"] = (sim, "Trace-driven simulation: measured, fixed-K and oracle-K speedups")
     for name, (t, cap) in tables.items():

@@ -55,6 +55,16 @@ class Proposer:
         return int(cfg.K)
 
     @classmethod
+    def tune_space(cls, cfg, device: torch.device) -> list[dict]:
+        """The settings ``K=auto`` chooses among (``specbench.tune``), narrowest first, each a dict
+        of config overrides: ``{"K": 3}``, or a tree method's own keys (``{"method.depth": 2}``).
+        By default the lengths in ``tune.K`` for a method whose drafts are ``cfg.K`` long (one
+        that keeps the default ``spec_len``); [] for one with nothing to size."""
+        if cls.spec_len.__func__ is not Proposer.spec_len.__func__:
+            return []
+        return [{"K": int(k)} for k in (cfg.get("tune") or {}).get("K") or (1, 2, 3, 4, 6, 8)]
+
+    @classmethod
     def reach(cls, cfg, device: torch.device) -> int:
         """How far past a row's committed tokens a verify forward can place a node (the deepest
         node's depth, candidates or not): the run is refused where prompt + max_new_tokens +

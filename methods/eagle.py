@@ -37,6 +37,9 @@ from specbench.paths import resolve_path
 # (3, 6) 1.00x 1.89; the third level's drafting costs more than its tau gains.
 EAGLE3_FORMATS = ("eagle3", "speculators-eagle3")  # SafeAILab's layout, vLLM's speculators format
 AUTO = {"cuda": {"top_k": 10, "depth": 5, "total_tokens": 60}, "cpu": {"top_k": 4, "depth": 2, "total_tokens": 6}}
+# the (depth, total_tokens) trees K=auto chooses among, around each device's AUTO
+TUNE = {"cuda": [(3, 16), (4, 32), (5, 60), (6, 80), (7, 100)],
+        "cpu": [(1, 2), (1, 4), (2, 4), (2, 6), (3, 8), (3, 12), (4, 16)]}
 
 
 class Eagle(Proposer):
@@ -85,6 +88,14 @@ class Eagle(Proposer):
             return 1 + max(p[-1] for p in paths), max(map(len, paths)), len(paths)
         auto = AUTO.get(device.type, AUTO["cpu"])
         return tuple(auto[k] if m[k] == "auto" else int(m[k]) for k in ("top_k", "depth", "total_tokens"))
+
+    @classmethod
+    def tune_space(cls, cfg, device) -> list[dict]:
+        """K=auto sizes EAGLE-2's dynamic tree: (depth, total_tokens) pairs, top_k as set; a
+        static tree (eagle.tree) has nothing to size."""
+        if cfg.method.get("tree") is not None:
+            return []
+        return [{"method.depth": d, "method.total_tokens": n} for d, n in TUNE.get(device.type, TUNE["cpu"])]
 
     @classmethod
     def spec_len(cls, cfg, device) -> int:

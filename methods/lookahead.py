@@ -43,6 +43,9 @@ from specbench.verify import greedy_pick
 # passes of at most 4, so (2, 3, 2)'s 8 nodes + the root cost a third pass (T(9) ~1.17x T(8)); on 10
 # questions (1, 3, 2) 1.17x (tau 1.65) against (2, 3, 2) 1.04x (tau 1.70): (1, 3, 2), 7 rows.
 AUTO = {"cuda": {"W": 7, "N": 4, "G": 7}, "cpu": {"W": 1, "N": 3, "G": 2}}
+# the (W, N, G) K=auto chooses among, around each device's AUTO
+TUNE = {"cuda": [(3, 3, 3), (5, 4, 5), (7, 4, 7), (10, 5, 10), (15, 5, 15)],
+        "cpu": [(1, 2, 1), (1, 3, 1), (1, 3, 2), (2, 3, 2), (2, 4, 2), (3, 4, 3)]}
 
 
 def _positive_int(name, v, lo):
@@ -95,6 +98,11 @@ class Lookahead(Proposer):
             if W * (N - 1) + G * (N - 1) > 512:
                 raise ConfigError(f"lookahead: W*(N-1) + G*(N-1) = {W * (N - 1) + G * (N - 1)} nodes per step "
                                   "is more than 512; lower W, N or G")
+
+    @classmethod
+    def tune_space(cls, cfg, device) -> list[dict]:
+        """K=auto sizes the window and the guesses: (W, N, G) triples."""
+        return [{"method.W": w, "method.N": n, "method.G": g} for w, n, g in TUNE.get(device.type, TUNE["cpu"])]
 
     @classmethod
     def spec_len(cls, cfg, device) -> int:

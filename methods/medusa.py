@@ -39,6 +39,7 @@ from specbench.paths import resolve_path
 # this host (analysis.profile, n = 1..16). On 10 questions: 7 nodes 1.04x (tau 1.50) against 8
 # nodes 0.83x (tau 1.52); so 7, which keeps the verify at 8 rows.
 AUTO_CPU_TREE = 7
+TUNE_TREE = {"cuda": [8, 16, 32, 64], "cpu": [2, 4, 7, 12, 20]}  # default-tree sizes K=auto chooses among
 
 
 @functools.cache
@@ -78,17 +79,33 @@ class Medusa(Proposer):
             drafters.check_fits(folder, cfg, target_config, "medusa", "medusa.checkpoint")
 
     @classmethod
+    def tune_space(cls, cfg, device) -> list[dict]:
+        """K=auto sizes the default sparse tree (tree_size), or a chain's length (K, at most the
+        heads); a published tree has nothing to size."""
+        tree = cfg.method.tree
+        if tree == "default":
+            return [{"method.tree_size": n} for n in TUNE_TREE.get(device.type, TUNE_TREE["cpu"])]
+        if tree == "chain":
+            heads = cls.heads(cfg) or 10 ** 6
+            return [{"K": int(k)} for k in (cfg.get("tune") or {}).get("K") or (1, 2, 3, 4, 6, 8) if k <= heads]
+        return []
+
+    @classmethod
     def spec_len(cls, cfg, device) -> int:
         """K, or the checkpoint's head count where K asks for more (the drafts use min(K, heads))."""
+        heads = cls.heads(cfg)
+        return int(cfg.K) if heads is None else min(int(cfg.K), heads)
+
+    @classmethod
+    def heads(cls, cfg) -> int | None:
+        """The checkpoint's head count (None: no readable checkpoint, which check() reports)."""
         folder = resolve_path(cfg.method.checkpoint)
         try:
             if published.detect(folder) in ("medusa1", "medusa2"):
-                heads = published.medusa1_shape(folder)[0]
-            else:
-                heads = int(drafters.read_meta(folder)["drafter"]["heads"])
-        except (OSError, KeyError, TypeError, ValueError):  # no readable checkpoint: check() says so
-            return int(cfg.K)
-        return min(int(cfg.K), heads)
+                return published.medusa1_shape(folder)[0]
+            return int(drafters.read_meta(folder)["drafter"]["heads"])
+        except (OSError, KeyError, TypeError, ValueError):
+            return None
 
     def __init__(self, cfg, target, tokenizer, device, dtype, heads=None, acc=None):
         super().__init__(cfg, target, tokenizer, device, dtype)

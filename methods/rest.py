@@ -44,6 +44,7 @@ MAX_VOCAB = 2**31 - 1
 # takes a verify's rows in passes of at most 4, so 8 nodes + the root cost a third pass (T(9) ~1.17x
 # T(8)); on 10 questions 7 nodes 1.06x (tau 1.59) against 8 nodes 0.99x (tau 1.69): 7.
 AUTO_NUM_DRAFT = {"cuda": 64, "cpu": 7}
+TUNE_NUM_DRAFT = {"cuda": [16, 32, 64, 96], "cpu": [2, 4, 7, 12, 20]}  # what K=auto chooses among
 
 
 def _datastore_path(spec: str) -> Path | None:
@@ -165,6 +166,11 @@ class Rest(Proposer):
     @classmethod
     def draft_label(cls, cfg) -> str:
         return f"datastore:{cfg.method.datastore}"
+
+    @classmethod
+    def tune_space(cls, cfg, device) -> list[dict]:
+        """K=auto sizes the trie nodes verified per step (num_draft)."""
+        return [{"method.num_draft": n} for n in TUNE_NUM_DRAFT.get(device.type, TUNE_NUM_DRAFT["cpu"])]
 
     @classmethod
     def spec_len(cls, cfg, device) -> None:

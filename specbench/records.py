@@ -265,7 +265,7 @@ def env_key(rec: dict) -> tuple:
 
 
 # A job is the same job when these match too (with the same machine and code).
-JOB_KEYS = BASELINE_KEYS + ("method", "K", "draft", "method_opts")
+JOB_KEYS = BASELINE_KEYS + ("method", "K", "draft", "method_opts", "K_auto")  # K_auto: only when K=auto
 
 
 def job_key(rec: dict) -> tuple:

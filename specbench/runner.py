@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import methods
-from specbench import backends, loggers, quality
+from specbench import backends, loggers, quality, tune
 from specbench import records as R
 from specbench.measure import (MethodRun, PeakMemory, _spec_len, build_requests, rate_of, run_methods,  # noqa: F401
                                warm_compiled)
@@ -89,6 +89,8 @@ def _record_base(cfg, method_name, device, dtype, sweep_id, resolve_kernel: bool
         "model_cfg": OmegaConf.to_container(cfg.model, resolve=True), "lossless": True, "method_cfg": {},
         **({"repeats": int(cfg.repeats)} if int(cfg.get("repeats") or 1) > 1 else {}),
         **({"serving": serving_of(cfg)} if cfg.get("batching", "static") == "continuous" else {}),
+        **({"K_auto": True, "tuned": OmegaConf.to_container(cfg.tuned)}  # K=auto: what was chosen, and why
+           if cfg.get("K_auto") and method_name == cfg.method.name and method_name != "ar" else {}),
         "env": R.env_info(device), "metrics": None, "requests": [],
     }
 
@@ -164,6 +166,9 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
         check_prompts(cfg, questions, tokenizer, npos, device)
         model, tokenizer = cached_model(cfg.model, device, dtype, backends.resolve(cfg.get("kernel", "torch"), device),
                                         bool(cfg.get("compile", False)))
+        if tune.wanted(cfg):  # K=auto: the setting chosen now (piloted on held-out prompts), then checked as any
+            cfg, _ = tune.choose(cfg, model, tokenizer, device, dtype)
+            check_prompts(cfg, questions, tokenizer, npos, device)
     except ConfigError as e:
         return [_fail(cfg, method_name, device, dtype, sweep_id, "error", str(e))]
     except (torch.OutOfMemoryError, MemoryError) as e:

@@ -58,17 +58,26 @@ class Slo:
 
 
 @dataclass
+class Tune:
+    K: Any  # a list of integers >= 1: checked in check()
+    prompts: int = setting(lo=1)
+    tokens: int = setting(lo=1)
+    reps: int = setting(lo=1)
+
+
+@dataclass
 class Run:
     model: Model
     dataset: Dataset
     draft: Draft
     method: Any  # checked by the method
     logger: Any
-    K: int = setting(lo=1)
+    K: Any  # an integer >= 1 or auto: checked in check()
     bs: int = setting(lo=1)
     batching: Literal["static", "continuous"]
     rate: Any  # inf or a number > 0: checked in check()
     slo: Slo
+    tune: Tune
     ctx: Optional[int] = setting(lo=1)
     limit: Optional[int] = setting(lo=1)
     max_new_tokens: int = setting(lo=1)
@@ -159,6 +168,12 @@ def check(cfg: DictConfig) -> None:
     """Hold a composed run config to ``Run``; one ConfigError line for the first setting that
     does not fit (its name, what it must be, what it got)."""
     _check_node(cfg, Run, "", None)
+    K = cfg.get("K")
+    if K != "auto" and not (_is(K, int) and K >= 1):
+        raise ConfigError(f"K must be an integer >= 1, got {K!r} (or auto: sized per method and batch size)")
+    ks = (cfg.get("tune") or {}).get("K")
+    if ks is not None and not (OmegaConf.is_list(ks) and len(ks) and all(_is(k, int) and k >= 1 for k in ks)):
+        raise ConfigError(f"tune.K must be a list of integers >= 1 (the lengths K=auto chooses among), got {ks!r}")
     rate = cfg.get("rate", "inf")
     if not (str(rate).lower() in ("inf", "infinity") or (isinstance(rate, (int, float)) and not isinstance(rate, bool)
                                                          and rate > 0)):

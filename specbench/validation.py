@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 import methods
 from specbench import data as D
-from specbench import backends, loggers, schema
+from specbench import backends, loggers, schema, tune
 from specbench.errors import ConfigError
 from specbench.hf import check_rollback
 from specbench.models import check_compile, load_config, resolve_device, resolve_dtype
@@ -37,10 +37,15 @@ def validate(cfg: DictConfig) -> int:
     check_compile(compile_, backends.resolve(cfg.get("kernel", "torch"), device) if compile_ is True else None)
     mconf = load_config(cfg.model)
     check_rollback(mconf)
-    method.check(cfg, mconf)  # a method owns its own config checks
+    cands = []  # K=auto: each candidate setting the method lists, those that pass its checks
+    if tune.wanted(cfg):
+        cands = [c for _, c in tune.check(cfg, mconf, device)]
+    if not cands:
+        method.check(cfg, mconf)  # a method owns its own config checks
+        cands = [cfg]
     npos = method.positions(cfg, mconf)
     if cfg.ctx is not None:
-        reach = method.reach(cfg, device)
+        reach = max(method.reach(c, device) for c in cands)
         if cfg.ctx + cfg.max_new_tokens + reach + 1 > npos:
             raise ConfigError(f"ctx={cfg.ctx} + max_new_tokens={cfg.max_new_tokens} + {reach} draft positions "
                               f"exceeds the {npos} positions of the job's models")
@@ -50,7 +55,9 @@ def validate(cfg: DictConfig) -> int:
 def check_prompts(cfg, questions, tokenizer, npos: int, device) -> None:
     """Refuse, before any weights load, a first-turn prompt too long for the models' positions
     with max_new_tokens and the method's deepest draft node (later turns, which hold the
-    answers, are checked as they come)."""
+    answers, are checked as they come). ``K=auto``: after the setting is chosen."""
+    if tune.wanted(cfg):
+        return
     reach = methods.get(cfg.method.name).reach(cfg, device)
     chat = bool(cfg.model.get("chat", True))
     for q in questions:

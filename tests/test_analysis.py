@@ -11,7 +11,7 @@ import torch
 
 from analysis import compare, report, simulate, theory
 from analysis.load import load
-from analysis.profile import interp
+from specbench.costs import interp
 from specbench import records as R
 
 FIX = Path(__file__).parent / "fixtures"

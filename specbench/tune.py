@@ -1,0 +1,172 @@
+"""``K=auto``: speculation sized per method and batch size. The best K (or tree size) falls as
+the batch grows, because a wider verify stops being nearly free; a fair comparison of methods
+compares each at its best.
+
+For each setting the method lists (``Proposer.tune_space``: speculation lengths, or a tree
+method's own size keys), a short untimed pilot decodes held-out prompts, the questions after
+the job's ``limit`` (never the measured ones), at the job's batch size and measures the
+method's acceptance (tau, acceptance per position), its verify width and its draft time per
+step. The target's step cost T(bs, n) is profiled on the spot, in the host state of the job,
+at the widths the candidates verify. Each candidate is priced with the batch-aware bound
+
+    S = tau T(bs, 1) / (T_draft + T(bs, width))
+
+and the largest S wins (the narrower setting on a tie). The record keeps every candidate's
+numbers under ``tuned``, so the choice can be checked and redone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+import methods
+from specbench.costs import forward_time
+from specbench.errors import ConfigError
+
+
+def wanted(cfg) -> bool:
+    return str(cfg.get("K")) == "auto"
+
+
+def with_setting(cfg: DictConfig, setting: dict) -> DictConfig:
+    """``cfg`` with one candidate's overrides (dotted keys) applied, as a new config."""
+    c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    for key, v in setting.items():
+        OmegaConf.update(c, key, v, merge=False, force_add=True)
+    return c
+
+
+def candidates(cfg: DictConfig, device) -> list[tuple[dict, DictConfig]]:
+    """(setting, config) of every candidate the method lists for ``K=auto``; [] for a method
+    with nothing to size (AR). Refuses a method that reads K but lists no settings."""
+    method = methods.get(cfg.method.name)
+    space = method.tune_space(cfg, device)
+    if not space:
+        probe = with_setting(cfg, {"K": 1})
+        if method.spec_len(probe, device) is not None:
+            raise ConfigError(f"K=auto: method {cfg.method.name} (as configured) lists no settings to choose among "
+                              "(Proposer.tune_space); give K a number")
+        return []
+    return [(s, with_setting(cfg, {"K": 1, **s})) for s in space]  # K=1 where the setting sizes other keys
+
+
+def check(cfg: DictConfig, target_config, device) -> list[tuple[dict, DictConfig]]:
+    """The candidates that pass the method's own checks (one ConfigError line when none does)."""
+    method = methods.get(cfg.method.name)
+    ok, why = [], []
+    for s, c in candidates(cfg, device):
+        try:
+            method.check(c, target_config)
+            ok.append((s, c))
+        except ConfigError as e:
+            why.append(f"{s}: {e}")
+    if why and not ok:
+        raise ConfigError(f"K=auto: no candidate setting of {cfg.method.name} passes its checks ({why[0]})")
+    return ok
+
+
+def held_out(cfg: DictConfig, tokenizer) -> list:
+    """The pilot's prompts: first turns of the ``tune.prompts`` questions after the measured
+    ``limit`` ones (the pilot never sees a measured prompt)."""
+    from specbench.measure import build_requests
+
+    if cfg.limit is None:
+        raise ConfigError("K=auto pilots on questions held out from the measured ones, and limit=null measures "
+                          "them all: set limit=N (the pilot takes the questions after the first N)")
+    n = int(cfg.tune.prompts)
+    c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    c.limit = int(cfg.limit) + n
+    qs = build_requests(c, tokenizer)[int(cfg.limit):]
+    if not qs:
+        raise ConfigError(f"K=auto: dataset={cfg.dataset.name} has no questions after limit={cfg.limit} to pilot "
+                          "on; lower limit")
+    return [dataclasses.replace(q, turns=q.turns[:1]) for q in qs]
+
+
+def _pilot(cfg, name, model, tokenizer, device, dtype, questions) -> dict:
+    """One candidate decoded over the held-out prompts at the job's batch size (untimed)."""
+    from specbench.measure import MethodRun
+
+    bs = int(cfg.bs)
+    rows = [questions[i % len(questions)] for i in range(bs)]
+    pcfg = with_setting(cfg, {"max_new_tokens": int(cfg.tune.tokens), "batching": "static", "rate": "inf",
+                              "repeats": 1, "limit": bs, "ctx": cfg.ctx})
+    run = MethodRun(pcfg, name, model, tokenizer, device, dtype, rows)
+    for unit in run.units():
+        run.run_unit(unit)
+    m = run.metrics()[0]
+    it = max(1, int(m["iterations"]))
+    width = (m.get("forward_nodes") or 0.0) + 1.0
+    return {"tau": m["tau"], "accept_rate_per_pos": m["accept_rate_per_pos"], "width": width,
+            "t_draft": m["time_s"]["draft"] / it, "t_verify_pilot": m["time_s"]["verify"] / it,
+            "spec_len": run.K or None}
+
+
+def _priced(T: dict, width: float) -> float:
+    """T(bs, width) from the profiled integer widths, linear in between."""
+    lo, hi = math.floor(width), math.ceil(width)
+    if lo == hi:
+        return T[lo]
+    return T[lo] + (T[hi] - T[lo]) * (width - lo)
+
+
+def choose(cfg: DictConfig, model, tokenizer, device, dtype) -> tuple[DictConfig, dict | None]:
+    """The job's config with the chosen setting, and what was chosen and why (None: nothing to
+    size). Progress and the table of candidates go to stderr."""
+    name = cfg.method.name
+    cands = check(cfg, model.config, device)
+    if not cands:
+        return cfg, None
+    t0 = time.perf_counter()
+    qs = held_out(cfg, tokenizer)
+    bs = int(cfg.bs)
+    rows = []
+    for s, c in cands:
+        print(f"[specbench] K=auto: piloting {name} {_show(s)} at bs={bs} on {len(qs)} held-out prompt(s)",
+              file=sys.stderr, flush=True)
+        rows.append({"setting": s, **_pilot(c, name, model, tokenizer, device, dtype, qs)})
+    # the target's step cost, now, at the widths the candidates verify (and 1: AR's step)
+    from specbench.data import render
+
+    chat = bool(cfg.model.get("chat", True))
+    ctx = cfg.ctx or round(sum(len(render(tokenizer, [], q.turns[0], chat)) for q in qs) / len(qs))
+    ctx = int(ctx + int(cfg.tune.tokens) // 2)  # the pilot's mean prefix over its decoding
+    widths = sorted({1} | {w for r in rows for w in (math.floor(r["width"]), math.ceil(r["width"]))})
+    vocab = int(model.config.vocab_size)
+    T = {w: forward_time(model, bs, w, ctx, device, dtype, int(cfg.tune.reps), vocab) for w in widths}
+    for r in rows:
+        r["t_verify"] = _priced(T, r["width"])
+        r["bound"] = r["tau"] * T[1] / (r["t_draft"] + r["t_verify"])
+    best = max(range(len(rows)), key=lambda i: (round(rows[i]["bound"], 6), -i))
+    chosen = rows[best]["setting"]
+    info = {"by": "batch-aware bound: tau T(bs,1) / (T_draft + T(bs, width))", "bs": bs, "chosen": chosen,
+            "prompts": [q.id for q in qs], "pilot_tokens": int(cfg.tune.tokens), "ctx": ctx,
+            "cost_s": {str(w): t for w, t in T.items()}, "candidates": rows,
+            "seconds": time.perf_counter() - t0}
+    print(table(info), file=sys.stderr, flush=True)
+    out = with_setting(cfg, {"K": 1, **chosen})
+    with open_dict(out):
+        out.K_auto = True
+        out.tuned = info
+    return out, info
+
+
+def _show(s: dict) -> str:
+    return " ".join(f"{k.removeprefix('method.')}={v}" for k, v in s.items())
+
+
+def table(info: dict) -> str:
+    """The candidates as the pilot measured and priced them, the chosen one marked."""
+    head = f"{'setting':<24} {'tau':>5} {'width':>6} {'draft ms':>9} {'verify ms':>10} {'bound':>6}"
+    lines = [f"K=auto at bs={info['bs']} (T(bs,1) = {info['cost_s']['1'] * 1e3:.1f} ms; "
+             f"{info['seconds']:.0f} s of pilots on {len(info['prompts'])} held-out prompt(s))", head]
+    for r in info["candidates"]:
+        mark = " <- chosen" if r["setting"] == info["chosen"] else ""
+        lines.append(f"{_show(r['setting']):<24} {r['tau']:>5.2f} {r['width']:>6.2f} {r['t_draft'] * 1e3:>9.2f} "
+                     f"{r['t_verify'] * 1e3:>10.2f} {r['bound']:>5.2f}x{mark}")
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""K=auto (specbench.tune): each setting a method lists is piloted on held-out prompts at the
+job's batch size and priced with the batch-aware bound; the job runs the best and records why."""
+
+import pytest
+
+from specbench import runner, tune
+from specbench.errors import ConfigError
+from test_config import tiny_cfg
+
+PLD = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
+
+
+def test_auto_pilots_held_out_prompts_and_records_the_choice(tiny_dirs, tmp_path):
+    cfg = tiny_cfg(tiny_dirs, tmp_path, bs=2, K="auto", **{"tune.K": [1, 2, 4], "tune.tokens": 8}, **PLD)
+    ar, rec = runner.job(cfg, sweep_id="s")
+    assert ar["method"] == "ar" and "tuned" not in ar and "K_auto" not in ar
+    t = rec["tuned"]
+    assert rec["K_auto"] is True and [c["setting"] for c in t["candidates"]] == [{"K": 1}, {"K": 2}, {"K": 4}]
+    best = max(t["candidates"], key=lambda c: c["bound"])
+    assert t["chosen"] == best["setting"] and rec["K"] == best["setting"]["K"]
+    # the pilot's prompt is the question after limit=4, never a measured one
+    assert t["prompts"] == ["4"] and "4" not in {rq["id"] for rq in rec["requests"]}
+    for c in t["candidates"]:  # each candidate's own bound from its measured tau and costs
+        assert c["bound"] == pytest.approx(c["tau"] * t["cost_s"]["1"] / (c["t_draft"] + c["t_verify"]))
+        assert len(c["accept_rate_per_pos"]) >= c["setting"]["K"]
+    assert rec["metrics"]["match_ar"] == 1.0 and t["bs"] == 2
+    # a fixed-K job with the chosen K is another job (resume does not take one for the other)
+    from specbench import records as R
+    fixed = dict(rec, K_auto=None)
+    fixed.pop("K_auto")
+    assert R.job_key(fixed) != R.job_key(rec)
+    # the report: K=auto beside every fixed K measured at that batch size
+    for k in (1, 4):
+        runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, K=k, **PLD), sweep_id="s")
+    from analysis import report
+    from specbench.summary import summary_table
+
+    written = {p.name for p in report.build(tmp_path / "records.jsonl", tmp_path / "report")}
+    assert {"tuned_vs_fixed.png", "tuned.md"} <= written
+    table = (tmp_path / "report" / "tuned.md").read_text()
+    assert "pld (K=auto)" in table and f"K={rec['K']}" in table and "| 2 |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| pld (K=auto)"))
+    assert row.split("|")[7].strip() == "2"  # both fixed settings measured at bs=2 are compared
+    assert f"auto:{rec['K']}" in summary_table([rec])
+
+
+def test_auto_picks_the_largest_bound(tiny_dirs, tmp_path, monkeypatch):
+    """The choice is the bound's argmax: a long K with the best tau loses when its verify costs
+    more than its tokens are worth (a narrower tie wins)."""
+    taus = {1: 1.6, 2: 2.0, 4: 2.4}
+    monkeypatch.setattr(tune, "_pilot", lambda c, *a: {"tau": taus[int(c.K)], "accept_rate_per_pos": [], "width": int(c.K) + 1,
+                                                       "t_draft": 0.0, "t_verify_pilot": 0.0, "spec_len": int(c.K)})
+    cost = {1: 1.0, 2: 1.1, 3: 1.2, 5: 2.4}  # T(bs, n): a wide verify is dear
+    monkeypatch.setattr(tune, "forward_time", lambda model, bs, n, *a: cost[n])
+    cfg = tiny_cfg(tiny_dirs, tmp_path, K="auto", **{"tune.K": [1, 2, 4]}, **PLD)
+    from specbench.models import load_model, load_tokenizer
+    import torch
+
+    model, tok = load_model(cfg.model, torch.device("cpu"), torch.float32), load_tokenizer(cfg.model)
+    out, info = tune.choose(cfg, model, tok, torch.device("cpu"), torch.float32)
+    assert info["chosen"] == {"K": 2} and out.K == 2 and out.K_auto  # 2.0/1.2 beats 1.6/1.1 and 2.4/2.4
+    assert [round(c["bound"], 3) for c in info["candidates"]] == [round(1.6 / 1.1, 3), round(2.0 / 1.2, 3), 1.0]
+    assert "<- chosen" in tune.table(info).splitlines()[3]
+
+
+def test_auto_sizes_a_tree_method_by_its_own_keys(tiny_dirs, tmp_path):
+    cfg = tiny_cfg(tiny_dirs, tmp_path, K="auto", **{"tune.tokens": 8},
+                   method={"name": "lookahead", "W": "auto", "N": "auto", "G": "auto", "pool_cap": None,
+                           "prompt_ngrams": True})
+    ar, rec = runner.job(cfg, sweep_id="s")
+    t = rec["tuned"]
+    assert all(set(c["setting"]) == {"method.W", "method.N", "method.G"} for c in t["candidates"])
+    chosen = t["chosen"]
+    assert {k: rec["method_opts"][k.split(".")[1]] for k in chosen} == chosen
+    assert rec["K"] == chosen["method.N"] - 1 and rec["metrics"]["match_ar"] == 1.0
+
+
+@pytest.mark.parametrize("over,msg", [
+    ({"K": "x"}, "K must be an integer >= 1, got 'x' (or auto"),
+    ({"K": "auto", "tune.K": [0, 2]}, "tune.K must be a list of integers >= 1"),
+    ({"K": "auto", "limit": None}, "K=auto pilots on questions held out from the measured ones"),
+    ({"K": "auto", "limit": 5}, "has no questions after limit=5 to pilot on"),
+])
+def test_auto_refusals(tiny_dirs, tmp_path, over, msg):
+    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, **{**PLD, **over}), sweep_id="s")
+    assert recs[-1]["status"] == "error" and msg in recs[-1]["error"], recs[-1]["error"]
+
+
+def test_auto_for_ar_is_a_plain_ar_job(tiny_dirs, tmp_path):
+    (rec,) = runner.job(tiny_cfg(tiny_dirs, tmp_path, K="auto", method={"name": "ar"}), sweep_id="s")
+    assert rec["status"] == "ok" and "tuned" not in rec
+
+
+def test_auto_refuses_a_method_that_reads_k_but_lists_nothing(tiny_dirs, tmp_path, monkeypatch):
+    import methods
+
+    monkeypatch.setattr(methods.get("pld"), "tune_space", classmethod(lambda cls, cfg, device: []))
+    with pytest.raises(ConfigError, match="lists no settings to choose among"):
+        tune.candidates(tiny_cfg(tiny_dirs, tmp_path, K="auto", **PLD), __import__("torch").device("cpu"))
