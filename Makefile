@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: setup run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline bench-serving bench-tune bench-eagle3 train-draft report regress regress-baseline profile clean-cache
+.PHONY: setup run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline bench-serving bench-tune bench-training-free bench-eagle3 train-draft report regress regress-baseline profile clean-cache
 
 setup: $(STAMP)
 
@@ -136,6 +136,16 @@ bench-tune: setup
 	$(BENCH_TUNE) method=eagle K=auto
 	for shape in 1,2 2,6 4,16; do $(BENCH_TUNE) method=eagle eagle.depth=$${shape%,*} eagle.total_tokens=$${shape#*,}; done
 	$(BIN)/python -m analysis.report $(BENCH_TUNE_DIR) --out $(BENCH_TUNE_DIR)/report
+
+# The training-free methods beside PLD and REST on MT-Bench, HumanEval and GSM8K (10 each, 128
+# tokens, bs 1), each job with its own AR; SAM also with Token Recycling as its fallback (the paper's SAM[TR])
+BENCH_TF_DIR := results/bench-training-free
+BENCH_TF = $(BIN)/python -m specbench dataset=mt_bench,humaneval,gsm8k limit=10 max_new_tokens=128 \
+	ar_baseline=paired progress=false results_dir=$(BENCH_TF_DIR) $(ARGS)
+bench-training-free: setup
+	$(BENCH_TF) method=pld,rest,sam,suffix,recycle,combo
+	$(BENCH_TF) method=sam sam.fallback=recycle
+	$(BIN)/python -m analysis.report $(BENCH_TF_DIR) --out $(BENCH_TF_DIR)/report
 
 # EAGLE-2 (the shipped head) against an EAGLE-3 head (EAGLE3=<its folder>) on MT-Bench and
 # HumanEval, each job with its own AR

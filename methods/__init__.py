@@ -28,6 +28,10 @@ REGISTRY: dict[str, str] = {
     "lookahead": "methods.lookahead:Lookahead",
     "rest": "methods.rest:Rest",
     "reject": "methods.reject:Reject",
+    "recycle": "methods.recycle:TokenRecycling",
+    "sam": "methods.sam:SamDecoding",
+    "suffix": "methods.suffix:SuffixDecoding",
+    "combo": "methods.combo:Combo",
 }
 
 

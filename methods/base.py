@@ -25,6 +25,10 @@ class BatchState:
     # during update(): the target's logits [B, n+1, V] at every node of the step's verify
     # forward (root first), non-candidate nodes included (Lookahead reads its window's here)
     logits: torch.Tensor | None = None
+    # during update(): the tokens of that forward's nodes [B, n+1] (root first) and which are real
+    # (None: all); what the step verified, whoever drafted it (a wrapped method's members learn too)
+    nodes: torch.Tensor | None = None
+    node_valid: torch.Tensor | None = None
     max_new_tokens: int = 0  # the most tokens a row emits after its prompt (to size caches once)
 
 

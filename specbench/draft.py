@@ -83,6 +83,27 @@ class Draft:
         return Draft(tokens=tok.to(device), parents=par.to(device), valid=valid.to(device),
                      candidate=None if cand is None else cand.to(device))
 
+    def rows(self) -> list[tuple[list[int], list[int]]]:
+        """Each row's valid nodes as plain (tokens, parents) lists, renumbered 1.. in order (a
+        node's parent is valid where the node is): what a method that mixes the drafts of
+        several proposers per row (``from_trees``) takes apart. Deterministic candidates only
+        (no ``q``, every node a candidate)."""
+        if self.q is not None or self.candidate is not None:
+            raise ValueError("Draft.rows() takes apart deterministic candidates only")
+        toks, pars = self.tokens.tolist(), self.parents.tolist()
+        valid = [[True] * self.n] * len(toks) if self.valid is None else self.valid.tolist()
+        out = []
+        for t, p, v in zip(toks, pars, valid):
+            new = {0: 0}
+            rt, rp = [], []
+            for i, (tok, par, ok) in enumerate(zip(t, p, v), start=1):
+                if ok and par in new:
+                    new[i] = len(rt) + 1
+                    rt.append(tok)
+                    rp.append(new[par])
+            out.append((rt, rp))
+        return out
+
     @property
     def n(self) -> int:
         return int(self.tokens.shape[1])

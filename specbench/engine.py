@@ -231,9 +231,11 @@ class Engine:
             self.trace.append((now, len(live), emitted))
             hidden = Hidden(tap.take(), v.counts).gather(v.keep, v.counts) if tap.names else None
         with self.timer.phase("draft"):  # the method's own work after a step (a drafter's cache) is drafting
-            state.logits = out.logits
+            state.logits, state.nodes = out.logits, tokens
+            state.node_valid = None if draft is None or draft.valid is None else \
+                torch.cat([torch.ones_like(draft.valid[:, :1]), draft.valid], dim=1)
             self.proposer.update(state, v.accepted, hidden)
-            state.logits = None
+            state.logits = state.nodes = state.node_valid = None
         return v.extra, done
 
     def _trim(self, draft: Draft, room: list[int]) -> Draft | None:

@@ -61,7 +61,7 @@ class Slo:
 class Tune:
     K: Any  # a list of integers >= 1: checked in check()
     prompts: int = setting(lo=1)
-    tokens: int = setting(lo=1)
+    tokens: Optional[int] = setting(lo=1)
     reps: int = setting(lo=1)
 
 

@@ -94,7 +94,7 @@ def _pilot(cfg, name, model, tokenizer, device, dtype, questions) -> dict:
 
     bs = int(cfg.bs)
     rows = [questions[i % len(questions)] for i in range(bs)]
-    pcfg = with_setting(cfg, {"max_new_tokens": int(cfg.tune.tokens), "batching": "static", "rate": "inf",
+    pcfg = with_setting(cfg, {"max_new_tokens": pilot_tokens(cfg), "batching": "static", "rate": "inf",
                               "repeats": 1, "limit": bs, "ctx": cfg.ctx})
     run = MethodRun(pcfg, name, model, tokenizer, device, dtype, rows)
     for unit in run.units():
@@ -105,6 +105,12 @@ def _pilot(cfg, name, model, tokenizer, device, dtype, questions) -> dict:
     return {"tau": m["tau"], "accept_rate_per_pos": m["accept_rate_per_pos"], "width": width,
             "t_draft": m["time_s"]["draft"] / it, "t_verify_pilot": m["time_s"]["verify"] / it,
             "spec_len": run.K or None}
+
+
+def pilot_tokens(cfg) -> int:
+    """New tokens per pilot row: ``tune.tokens``, or the job's own max_new_tokens."""
+    t = cfg.tune.get("tokens")
+    return int(cfg.max_new_tokens) if t is None else int(t)
 
 
 def _priced(T: dict, width: float) -> float:
@@ -135,7 +141,7 @@ def choose(cfg: DictConfig, model, tokenizer, device, dtype) -> tuple[DictConfig
 
     chat = bool(cfg.model.get("chat", True))
     ctx = cfg.ctx or round(sum(len(render(tokenizer, [], q.turns[0], chat)) for q in qs) / len(qs))
-    ctx = int(ctx + int(cfg.tune.tokens) // 2)  # the pilot's mean prefix over its decoding
+    ctx = int(ctx + pilot_tokens(cfg) // 2)  # the pilot's mean prefix over its decoding
     widths = sorted({1} | {w for r in rows for w in (math.floor(r["width"]), math.ceil(r["width"]))})
     vocab = int(model.config.vocab_size)
     T = {w: forward_time(model, bs, w, ctx, device, dtype, int(cfg.tune.reps), vocab) for w in widths}
@@ -145,7 +151,7 @@ def choose(cfg: DictConfig, model, tokenizer, device, dtype) -> tuple[DictConfig
     best = max(range(len(rows)), key=lambda i: (round(rows[i]["bound"], 6), -i))
     chosen = rows[best]["setting"]
     info = {"by": "batch-aware bound: tau T(bs,1) / (T_draft + T(bs, width))", "bs": bs, "chosen": chosen,
-            "prompts": [q.id for q in qs], "pilot_tokens": int(cfg.tune.tokens), "ctx": ctx,
+            "prompts": [q.id for q in qs], "pilot_tokens": pilot_tokens(cfg), "ctx": ctx,
             "cost_s": {str(w): t for w, t in T.items()}, "candidates": rows,
             "seconds": time.perf_counter() - t0}
     print(table(info), file=sys.stderr, flush=True)

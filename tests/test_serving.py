@@ -8,6 +8,7 @@ import torch
 import test_engine
 import test_feature_methods
 import test_search_methods
+import test_training_free
 from helpers import CPU, prompts_of, reference_greedy, serve_engine, tiny_llama
 from methods.base import Proposer
 
@@ -31,6 +32,10 @@ def make(name, model, truth, datastore):
         return test_engine.make(name, model, truth)
     if name in ("eagle", "eagle_small_vocab", "medusa", "medusa_chain"):
         return test_feature_methods.make(name, model)
+    if name in test_training_free.NAMES or name == "suffix_own":
+        if name == "suffix_own":  # the request's own tree only: a row's drafts are its own
+            return test_training_free.make("suffix", model, **{"global": False})
+        return test_training_free.make(name, model)
     return test_search_methods.make(name, model, datastore)
 
 
@@ -45,7 +50,7 @@ def cut(ref, eos):
 @pytest.mark.parametrize("early_eos", [False, True])
 @pytest.mark.parametrize("name", ["ar", "pld", "leviathan_self", "leviathan_other", "oracle_tree", "reject", "eagle",
                                   "eagle_small_vocab", "medusa", "medusa_chain", "lookahead", "lookahead_n2", "rest",
-                                  "specdec"])
+                                  "specdec", "sam", "sam_recycle", "suffix", "suffix_own", "recycle", "combo"])
 def test_greedy_identity_with_rows_joining(model, refs, datastore, name, early_eos):
     prompts, want = refs
     truth = {tuple(p): r + [0] * 8 for p, r in zip(prompts, want)}
@@ -59,7 +64,9 @@ def test_greedy_identity_with_rows_joining(model, refs, datastore, name, early_e
     # (draftretriever 0.1.1) breaks ties between equally frequent continuations in an order that
     # changes from search to search (a hash map seeded per call, sub-indexes searched in parallel):
     # its drafts are not a function of the row alone
-    if name not in ("oracle_tree", "rest"):
+    # Token Recycling's matrix and SuffixDecoding's global tree are shared by the rows (as their
+    # papers share them across queries), and so are they in the methods that wrap them
+    if name not in ("oracle_tree", "rest", "recycle", "sam_recycle", "suffix", "combo"):
         # a row's drafts depend on that row alone: its acceptance is what it is decoded alone, so a
         # joining row's method state (a drafter's cache, a pool, an index) was built right
         from helpers import run_engine
