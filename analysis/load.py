@@ -98,6 +98,10 @@ def _label(row) -> str:
         return f"specdec (beta={mc['beta']}, tol={mc['tol']:g})"
     if row["method"] == "medusa" and mc.get("accept") == "typical":
         return "medusa (typical)"
+    if row["method"] == "sam" and mc.get("fallback") not in (None, "none"):  # the paper's SAM[Token Recycling]
+        return f"sam[{mc['fallback']}]"
+    if row["method"] == "combo" and mc.get("of"):
+        return "combo (" + "+".join(mc["of"]) + ")"
     if row["method"] == "eagle":  # EAGLE-3's drafter, and EAGLE-1's static tree, are their own series
         name = "eagle-3" if mc.get("version") == 3 else "eagle"
         tree = mc.get("tree")

@@ -161,7 +161,7 @@ class Combo(Proposer):
             self.wins[best] += 1
             toks.append(rows[best][b][0])
             pars.append(rows[best][b][1])
-        return Draft.from_trees(toks, pars, state.device)
+        return Draft.from_rows(toks, pars, state.device)
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
         if self._drafts is not None:  # every member's draft against what was committed

@@ -255,11 +255,7 @@ class SamDecoding(Proposer):
             self.used[src if t else "none"] += 1
             toks.append(t)
             pars.append(p)
-        if not any(toks):
-            return None
-        if all(p == list(range(len(p))) for p in pars):
-            return Draft.from_lists(toks, state.device)
-        return Draft.from_trees(toks, pars, state.device)
+        return Draft.from_rows(toks, pars, state.device)
 
     def describe(self) -> dict:
         m = self.cfg.method

@@ -182,11 +182,7 @@ class SuffixDecoding(Proposer):
             self.used[name] += 1
             toks.append(t)
             pars.append(p)
-        if not any(toks):
-            return None
-        if all(p == list(range(len(p))) for p in pars):
-            return Draft.from_lists(toks, state.device)
-        return Draft.from_trees(toks, pars, state.device)
+        return Draft.from_rows(toks, pars, state.device)
 
     def describe(self) -> dict:
         total = sum(self.used.values()) or 1

@@ -61,6 +61,16 @@ class Draft:
         return Draft.chain(tokens.to(device), valid.to(device))
 
     @staticmethod
+    def from_rows(tokens: list[list[int]], parents: list[list[int]], device) -> "Draft | None":
+        """A tree per row from plain lists (parents: 0 = the root), as a chain Draft when every
+        row is one; None when no row has a node."""
+        if not any(tokens):
+            return None
+        if all(p == list(range(len(p))) for p in parents):
+            return Draft.from_lists(tokens, device)
+        return Draft.from_trees(tokens, parents, device)
+
+    @staticmethod
     def from_trees(tokens: list[list[int]], parents: list[list[int]], device,
                    candidate: list[list[bool]] | None = None) -> "Draft | None":
         """A tree per row from plain lists of different lengths (padding nodes are invalid);

@@ -7,7 +7,8 @@ import random
 
 import pytest
 import torch
-from helpers import CPU, chi2_pvalue, greedy_cases, prompts_of, reference_greedy, run_engine, tiny_llama
+import test_search_methods
+from helpers import CPU, chi2_pvalue, prompts_of, reference_greedy, run_engine, tiny_llama
 from omegaconf import OmegaConf
 
 from methods import combo as C
@@ -16,7 +17,7 @@ from methods import sam as S
 from methods import suffix as SX
 from specbench.verify import Sampling
 
-N_NEW = 24
+N_NEW = test_search_methods.N_NEW
 V = 12
 
 
@@ -30,14 +31,8 @@ def cfg(name, K=4, temperature=0.0, **m):
     return OmegaConf.create({"K": K, "temperature": temperature, "method": {"name": name, **base, **m}})
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(seed=0, scale=4.0)
-
-
-@pytest.fixture(scope="module")
-def cases(model):
-    return greedy_cases(model, N_NEW)
+model = test_search_methods.model  # the same tiny target and greedy cases (N_NEW tokens)
+cases = test_search_methods.cases
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,10 @@ def test_auto_picks_the_largest_bound(tiny_dirs, tmp_path, monkeypatch):
     out, info = tune.choose(cfg, model, tok, torch.device("cpu"), torch.float32)
     assert info["chosen"] == {"K": 2} and out.K == 2 and out.K_auto  # 2.0/1.2 beats 1.6/1.1 and 2.4/2.4
     assert [round(c["bound"], 3) for c in info["candidates"]] == [round(1.6 / 1.1, 3), round(2.0 / 1.2, 3), 1.0]
-    assert "<- chosen" in tune.table(info).splitlines()[3]
+    assert "<- chosen" in tune.table(info).splitlines()[3] and info["beats_ar"]
+    cost[1] = 0.5  # AR's step so cheap that no candidate's bound reaches 1: said, and the best still runs
+    out, info = tune.choose(cfg, model, tok, torch.device("cpu"), torch.float32)
+    assert info["chosen"] == {"K": 2} and not info["beats_ar"] and "not expected to beat AR" in tune.table(info)
 
 
 def test_auto_sizes_a_tree_method_by_its_own_keys(tiny_dirs, tmp_path):
