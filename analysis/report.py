@@ -515,6 +515,7 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
     batch size; speedup from per-request tokens and wall time against the AR job."""
     rows = []
     ar_of = ar_baselines(df)
+    multi_ds = df["dataset"].nunique() > 1  # each data set's categories (and overall) on rows of their own
     for _, r in _sd(df).iterrows():
         if (ar := ar_of(r)) is None:
             continue
@@ -528,7 +529,8 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
             tps_ar = b["new_tokens"].sum() / b["wall_s"].sum()
             steps = g["steps"].sum()
             tau = 1 + g["accepted"].sum() / steps if steps else float("nan")
-            rows.append({"method": r["label"], "T": float(r["temperature"]), "K": spec_len(r), "bs": int(r["bs"]),
+            rows.append({"method": r["label"] + (f" ({r['dataset']})" if multi_ds else ""), "T": float(r["temperature"]),
+                         "K": spec_len(r), "bs": int(r["bs"]),
                          "category": cat,
                          "speedup": tps / tps_ar, "tau": tau})
     if not rows:

@@ -397,3 +397,17 @@ def test_profile_roofline_and_spread(capsys):
     assert "x roofline" in out and "read bandwidth" in out and "x floors" in out
     lo, hi = c["compute_spread_gflops"]
     assert 0 < lo <= c["compute_gflops"] <= hi
+
+
+def test_per_category_keeps_each_data_set_apart():
+    """Over several data sets, each job's categories and overall stay on rows of their own (the
+    training-free baseline: MT-Bench, HumanEval and GSM8K in one file)."""
+    from analysis.load import load
+    from analysis import report
+
+    path = Path(__file__).resolve().parent.parent / "results/baselines/bench-training-free-cpu-2026-11-26.jsonl"
+    df = load(path)
+    cat = report.per_category(df)
+    for ds in ("mt_bench", "humaneval", "gsm8k"):
+        raw = df[(df["method"] == "pld") & (df["dataset"] == ds)].iloc[0]
+        assert cat[("tau", "overall")].loc[(f"pld ({ds})", 0.0, 4, 1)] == pytest.approx(raw["tau"])
