@@ -92,7 +92,10 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
         ax.plot(g[xcol], g["speedup"], marker="o", ms=4, lw=1.5, color=cmap[lab], label=lab)
         ci = g.dropna(subset=["speedup_lo", "speedup_hi"])
         if not ci.empty:  # 95% bootstrap interval over batches
-            ax.errorbar(ci[xcol], ci["speedup"], yerr=[ci["speedup"] - ci["speedup_lo"], ci["speedup_hi"] - ci["speedup"]],
+            # a percentile interval of a ratio of ratios can miss its own point estimate (two batches
+            # resampled): the bar then starts at the point
+            ax.errorbar(ci[xcol], ci["speedup"], yerr=[(ci["speedup"] - ci["speedup_lo"]).clip(lower=0),
+                                                       (ci["speedup_hi"] - ci["speedup"]).clip(lower=0)],
                         fmt="none", ecolor=cmap[lab], elinewidth=0.9, capsize=2.5)
     ax.axhline(1.0, color="k", lw=0.8, ls="--", label="AR (1.0x)")
     if log2:

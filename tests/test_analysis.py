@@ -411,3 +411,18 @@ def test_per_category_keeps_each_data_set_apart():
     for ds in ("mt_bench", "humaneval", "gsm8k"):
         raw = df[(df["method"] == "pld") & (df["dataset"] == ds)].iloc[0]
         assert cat[("tau", "overall")].loc[(f"pld ({ds})", 0.0, 4, 1)] == pytest.approx(raw["tau"])
+
+
+def test_an_interval_that_misses_its_point_still_plots(tmp_path):
+    """A percentile interval of a ratio of ratios (two batches resampled) can lie wholly above or
+    below its point estimate: the error bar then starts at the point instead of failing."""
+    from analysis.load import load
+    from analysis import report
+
+    df = load(FIX / "records.jsonl")
+    sd = df["method"] != "ar"
+    df.loc[sd, "speedup_lo"] = df.loc[sd, "speedup"] + 0.05
+    df.loc[sd, "speedup_hi"] = df.loc[sd, "speedup"] + 0.10
+    written = []
+    report.fig_speedup_vs(df, tmp_path, written, "bs", "batch size (log2)", "speedup_vs_batch", log2=True)
+    assert any(p.name == "speedup_vs_batch.png" for p in written)
