@@ -112,3 +112,16 @@ def register(name: str, target: str) -> None:
     """Register ``name`` -> ``'module:Class'`` in this process (for tests; outside packages use
     the entry point group, which every process of a sweep sees)."""
     REGISTRY[name] = target
+
+
+def member_cfg(cfg, name: str, opts=None):
+    """``cfg`` with ``method`` replaced by method ``name``'s own settings (its yaml), ``opts`` over them."""
+    from omegaconf import OmegaConf
+
+    from specbench.paths import CONF_DIR
+
+    conf = OmegaConf.load(CONF_DIR / "method" / f"{name}.yaml") if (CONF_DIR / "method" / f"{name}.yaml").exists() \
+        else OmegaConf.create({"name": name})
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # not struct: the member's own keys
+    out.method = OmegaConf.merge(conf, opts or {})
+    return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import methods
 from methods.base import BatchState, Proposer
-from methods.sam import member_cfg
+from methods import member_cfg
 from specbench.draft import Draft
 from specbench.errors import ConfigError
 

@@ -24,13 +24,11 @@ from __future__ import annotations
 import functools
 import sys
 
-from omegaconf import OmegaConf
-
 import methods
+from methods import member_cfg
 from methods.base import BatchState, Proposer
 from specbench.draft import Draft
 from specbench.errors import ConfigError
-from specbench.paths import CONF_DIR
 
 SEP = -1  # between corpus entries: no query holds it, so no match runs across two entries
 
@@ -118,15 +116,6 @@ def corpus_automaton(spec: str, tokenizer, cap: int) -> tuple[SuffixAutomaton, l
     for t in tqdm(toks, desc=f"SAM corpus {spec}", unit="tok", unit_scale=True, file=sys.stderr, mininterval=2):
         sam.extend(t)
     return sam, toks
-
-
-def member_cfg(cfg, name: str, opts=None):
-    """``cfg`` with ``method`` replaced by method ``name``'s own settings (its yaml), ``opts`` over them."""
-    conf = OmegaConf.load(CONF_DIR / "method" / f"{name}.yaml") if (CONF_DIR / "method" / f"{name}.yaml").exists() \
-        else OmegaConf.create({"name": name})
-    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # not struct: the member's own keys
-    out.method = OmegaConf.merge(conf, opts or {})
-    return out
 
 
 class Row:
