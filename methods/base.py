@@ -127,3 +127,10 @@ class Proposer:
     def describe(self) -> dict:
         """Method-specific fields recorded with the job."""
         return {}
+
+    @classmethod
+    def vllm_config(cls, cfg) -> dict | None:
+        """``backend=vllm``: the ``speculative_config`` vLLM runs this method with for ``cfg``
+        (None: plain decoding). A method vLLM has no counterpart of leaves this as it is, and
+        ``backend=vllm`` refuses it, naming those that have one (``specbench.vllm_engine``)."""
+        raise NotImplementedError

@@ -7,6 +7,8 @@ the engine a chain with the distributions it sampled from; the engine verifies i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from methods.base import BatchState, Proposer
@@ -79,6 +81,37 @@ class Leviathan(Proposer):
         if dm is None:
             return self_layers_draft(target, int(cfg.draft.layers))
         return cached_model(dm, device, dtype, backends.kernel_of(target))[0]  # on the target's kernel path
+
+    @classmethod
+    def vllm_config(cls, cfg) -> dict:
+        """vLLM's ``draft_model`` with the job's draft as a plain HF folder (ours exported once into the
+        cache: ``drafters.draft_lm.hf_folder``)."""
+        return {"method": "draft_model", "model": cls.hf_draft_folder(cfg), "num_speculative_tokens": int(cfg.K)}
+
+    @staticmethod
+    def hf_draft_folder(cfg) -> str:
+        import hashlib
+
+        from specbench.drafters.draft_lm import hf_folder
+        from specbench.models import model_dir
+        from specbench.paths import cache_dir, file_lock
+
+        dm = hf_draft_cfg(cfg)
+        if dm is not None:
+            return model_dir(dm)
+        target = model_dir(cfg.model)
+        folder = trained_draft(cfg)
+        src = folder or f"self_layers:{cfg.draft.layers}"
+        stamp = [str(p.stat().st_mtime_ns) for p in sorted(Path(folder or target).glob("*.safetensors"))]
+        tag = hashlib.sha1(repr((target, src, stamp)).encode()).hexdigest()[:12]
+        out = cache_dir() / "hf-drafts" / f"{Path(target).name}-{Path(src).name.replace(':', '')}-{tag}"
+        with file_lock(out.with_name(out.name + ".lock")):
+            if folder:
+                from safetensors.torch import load_file
+
+                own = load_file(str(Path(folder) / "model.safetensors"))
+                return hf_folder(target, out, int(drafters.read_meta(folder)["layers"]), own)
+            return hf_folder(target, out, int(cfg.draft.layers))
 
     def __init__(self, cfg, target, tokenizer, device, dtype, draft_model=None):
         super().__init__(cfg, target, tokenizer, device, dtype)

@@ -87,3 +87,10 @@ class PromptLookup(Proposer):
 
     def describe(self) -> dict:
         return {"max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+
+    @classmethod
+    def vllm_config(cls, cfg) -> dict:
+        """vLLM's ``ngram``: the same rule (the longest suffix of max_ngram..min_ngram tokens, its
+        earliest earlier match, the K tokens after it); vLLM does not cut a draft at an EOS."""
+        return {"method": "ngram", "num_speculative_tokens": int(cfg.K),
+                "prompt_lookup_max": int(cfg.method.max_ngram), "prompt_lookup_min": int(cfg.method.get("min_ngram", 1))}

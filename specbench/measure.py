@@ -131,6 +131,9 @@ class MethodRun:
         self.rate = rate_of(cfg)
         self.trace: list[tuple[float, int, int]] = []  # (step duration, rows in flight, tokens) of every decoding step
 
+    def close(self) -> None:
+        """Release what the run holds outside this process (nothing: our engine is in it)."""
+
     def units(self) -> list[tuple[int, int]]:
         """(repeat, first question) of every batch, in order; repeats=N measures the set N times.
         ``batching=continuous``: the whole set is one stream of requests per repeat."""
@@ -409,17 +412,25 @@ def _set_rng_state(device, state: tuple) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def run_methods(cfg: DictConfig, names: list[str], model, tokenizer, device, dtype, questions, progress=None):
+def run_methods(cfg: DictConfig, names: list[str], model, tokenizer, device, dtype, questions, progress=None,
+                run_cls=None):
     """Run methods over all questions, taking turns unit by unit (ABBA: the first method runs
     first in even units, last in odd ones, so a drift of the host's speed hits them alike);
-    returns one (metrics, requests, proposer) per method."""
-    runs = [MethodRun(cfg, n, model, tokenizer, device, dtype, questions) for n in names]
-    for i, unit in enumerate(runs[0].units()):
-        for run in (runs if i % 2 == 0 else runs[::-1]):
-            if progress is not None:
-                progress.set_postfix_str(run.name)
-            run.run_unit(unit, progress)
-    return [(*run.metrics(), run.proposer) for run in runs]
+    returns one (metrics, requests, proposer) per method. ``run_cls``: ``MethodRun`` (our engine)
+    or one with its interface (``vllm_engine.VllmRun``)."""
+    runs = []
+    try:
+        for n in names:
+            runs.append((run_cls or MethodRun)(cfg, n, model, tokenizer, device, dtype, questions))
+        for i, unit in enumerate(runs[0].units()):
+            for run in (runs if i % 2 == 0 else runs[::-1]):
+                if progress is not None:
+                    progress.set_postfix_str(run.name)
+                run.run_unit(unit, progress)
+        return [(*run.metrics(), run.proposer) for run in runs]
+    finally:
+        for run in runs:
+            run.close()
 
 
 def _spec_len(cfg, method_name, device) -> int | None:

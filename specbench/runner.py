@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import methods
-from specbench import backends, loggers, quality, tune
+from specbench import backends, loggers, quality, tune, vllm_engine
 from specbench import records as R
 from specbench.measure import (MethodRun, PeakMemory, _spec_len, build_requests, rate_of, run_methods,  # noqa: F401
                                warm_compiled)
@@ -71,6 +71,8 @@ def _kernel_isa(cfg, device) -> str | None:
 def _record_base(cfg, method_name, device, dtype, sweep_id, resolve_kernel: bool = True) -> dict:
     """The record's settings and environment. ``resolve_kernel=False`` (a refused job's record)
     keeps the kernel setting as given: resolving ``auto`` can build the native extension."""
+    on_vllm = vllm_engine.wanted(cfg)
+    resolve_kernel = resolve_kernel and not on_vllm  # vLLM runs its own kernels
     return {
         "schema": R.SCHEMA, "sweep_id": sweep_id, "job_id": uuid.uuid4().hex[:16], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "status": "ok", "error": None, "method": method_name,
@@ -80,9 +82,10 @@ def _record_base(cfg, method_name, device, dtype, sweep_id, resolve_kernel: bool
         "dataset": cfg.dataset.name if cfg.dataset.name != "jsonl" else f"jsonl:{cfg.dataset.path}",
         "limit": cfg.limit, "temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
         "max_new_tokens": int(cfg.max_new_tokens), "dtype": str(dtype).replace("torch.", ""), "device": device.type,
-        "kernel": _kernel_of(cfg, device) if resolve_kernel else cfg.get("kernel"),
+        "kernel": None if on_vllm else _kernel_of(cfg, device) if resolve_kernel else cfg.get("kernel"),
         "kernel_isa": _kernel_isa(cfg, device) if resolve_kernel else None,
         **({"compile": True} if cfg.get("compile") else {}),  # only when true: older records pair as eager
+        **(_vllm_fields(cfg) if on_vllm else {}),  # only for backend=vllm: older records are our engine's
         "method_opts": OmegaConf.to_container(cfg.method, resolve=True) if method_name == cfg.method.name
         else {"name": method_name},
         "seed": int(cfg.seed), "dataset_cfg": OmegaConf.to_container(cfg.dataset, resolve=True),
@@ -93,6 +96,14 @@ def _record_base(cfg, method_name, device, dtype, sweep_id, resolve_kernel: bool
            if cfg.get("K_auto") and method_name == cfg.method.name and method_name != "ar" else {}),
         "env": R.env_info(device), "metrics": None, "requests": [],
     }
+
+
+def _vllm_fields(cfg) -> dict:
+    try:
+        ver = vllm_engine.version(vllm_engine.python_of(cfg))
+    except ConfigError:  # a refused job's record: no vLLM to ask
+        ver = None
+    return {"backend": "vllm", "backend_version": ver, "vllm_cfg": vllm_engine.settings(cfg)}
 
 
 def serving_of(cfg) -> dict:
@@ -106,8 +117,9 @@ def serving_of(cfg) -> dict:
 def measure(cfg, names: list[str], model, tokenizer, device, dtype, questions, sweep_id, progress=None) -> list[dict]:
     """One record per method of ``names`` (taking turns unit by unit when there are several)."""
     out = []
+    run_cls = vllm_engine.VllmRun if vllm_engine.wanted(cfg) else MethodRun
     for name, (metrics, requests, proposer) in zip(names, run_methods(cfg, names, model, tokenizer, device, dtype,
-                                                                     questions, progress)):
+                                                                     questions, progress, run_cls)):
         rec = _record_base(cfg, name, device, dtype, sweep_id)
         # task score (GSM8K accuracy, HumanEval pass@1) where the data set has one; outside the timing
         metrics["quality"] = quality.score(cfg.dataset.name, {q.id: q for q in questions}, requests)
@@ -164,8 +176,12 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
             raise ConfigError(f"bs={cfg.bs} is larger than the {len(questions)} prompts of dataset={cfg.dataset.name} "
                               f"limit={cfg.limit}: raise limit (null = all) or lower bs")
         check_prompts(cfg, questions, tokenizer, npos, device)
-        model, tokenizer = cached_model(cfg.model, device, dtype, backends.resolve(cfg.get("kernel", "torch"), device),
-                                        bool(cfg.get("compile", False)))
+        if vllm_engine.wanted(cfg):  # vLLM loads the model in its own process
+            model = None
+        else:
+            model, tokenizer = cached_model(cfg.model, device, dtype,
+                                            backends.resolve(cfg.get("kernel", "torch"), device),
+                                            bool(cfg.get("compile", False)))
         if tune.wanted(cfg):  # K=auto: the setting chosen now (piloted on held-out prompts), then checked as any
             cfg, _ = tune.choose(cfg, model, tokenizer, device, dtype)
             check_prompts(cfg, questions, tokenizer, npos, device)

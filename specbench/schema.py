@@ -66,6 +66,17 @@ class Tune:
 
 
 @dataclass
+class Vllm:
+    python: str
+    enforce_eager: bool
+    max_num_batched_tokens: Optional[int] = setting(lo=1)
+    block_size: Optional[int] = setting(lo=1)
+    prefix_caching: bool
+    kv_cache_gb: float = setting(above=0)
+    threads: Any  # a core list such as 0-1 (VLLM_CPU_OMP_THREADS_BIND) or null
+
+
+@dataclass
 class Run:
     model: Model
     dataset: Dataset
@@ -88,6 +99,8 @@ class Run:
     dtype: Literal[("auto",) + tuple(DTYPES)]
     device: str
     kernel: Literal[tuple(KERNELS) + tuple(ALIASES)]
+    backend: Literal["specbench", "vllm"]
+    vllm: Vllm
     compile: bool
     warmup: bool
     repeats: int = setting(lo=1)

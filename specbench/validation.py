@@ -24,7 +24,12 @@ def validate(cfg: DictConfig) -> int:
     except KeyError as e:  # unknown, or an outside class that does not import
         raise ConfigError(e.args[0]) from None
     schema.check(cfg)  # types and ranges of every setting but the method's own
-    if cfg.get("batching", "static") == "continuous" and not method.joins_rows():
+    on_vllm = cfg.get("backend", "specbench") == "vllm"
+    if on_vllm:
+        from specbench import vllm_engine
+
+        vllm_engine.check(cfg, cfg.method.name)
+    if cfg.get("batching", "static") == "continuous" and not method.joins_rows() and not on_vllm:
         raise ConfigError(f"method {cfg.method.name} keeps per-row state and has no add_rows, so rows cannot join "
                           "its running batch: run it with batching=static, or give it add_rows (methods/base.py)")
     loggers.check(cfg)

@@ -99,3 +99,56 @@ class DraftLM(Drafter):
 def build(meta: dict, state: dict, target) -> DraftLM:
     """The drafter a checkpoint describes (weights loaded by ``drafters.load``)."""
     return DraftLM(target, int(meta["layers"]), state["vocab_ids"], init_from_target=True)
+
+
+def hf_folder(target_dir: str, out, n_layers: int, own: dict | None = None) -> str:
+    """A plain HF causal-LM folder of a draft that reuses its target, for engines that load a draft
+    model by path (vLLM's ``draft_model``): the target's config with ``n_layers`` layers, its
+    tokenizer and embedding; the layers and final norm from ``own`` (a ``DraftLM`` checkpoint's
+    ``body.*`` weights) or else the target's first ``n_layers`` (``draft=self_layers``); the output
+    layer the target's, untied. ``own``'s ``vocab_ids`` keep only those rows of it, the others
+    zero: a plain head has no bias, so a token outside the draft vocabulary scores 0, not -inf
+    (under greedy, drafted only when every draft-vocabulary logit is below 0). Written once (atomically)."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    out, src = Path(out), Path(target_dir)
+    if (out / "config.json").exists():
+        return str(out)
+    weights = {}
+    for f in sorted(src.glob("*.safetensors")):
+        weights.update(load_file(f))
+    emb = weights["model.embed_tokens.weight"].float()
+    head = weights.get("lm_head.weight", emb).float()
+    keep = {"model.embed_tokens.weight": emb}
+    if own is None:
+        for k, v in weights.items():
+            if k.startswith("model.layers.") and int(k.split(".")[2]) < n_layers or k.startswith("model.norm."):
+                keep[k] = v.float()
+    else:
+        for k, v in own.items():
+            if k.startswith("body."):
+                keep["model." + k[len("body."):]] = v.float()
+        ids = own["vocab_ids"].long()
+        restricted = torch.zeros_like(head)
+        restricted[ids] = head[ids]
+        head = restricted
+    keep["lm_head.weight"] = head.contiguous()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(num_hidden_layers=n_layers, tie_word_embeddings=False, dtype="float32")
+    if cfg.get("layer_types"):
+        cfg["layer_types"] = cfg["layer_types"][:n_layers]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
+    save_file({k: v.contiguous() for k, v in keep.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in src.iterdir():  # tokenizer and generation config
+        if f.suffix in (".json", ".jinja", ".txt", ".model") and f.name not in ("config.json",) and \
+                not f.name.endswith(".safetensors.index.json"):
+            shutil.copy(f, tmp / f.name)
+    tmp.rename(out)
+    return str(out)
