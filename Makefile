@@ -54,12 +54,15 @@ test-fast: setup
 bench-peers: setup
 	$(BIN)/python -m specbench.peers --dtype fp32,bf16 $(ARGS)
 
-# Our engine beside vLLM: MT-Bench 10 first turns, 128 tokens, bs 1 and 8, AR, PLD (vLLM's ngram) and
-# Leviathan with the shipped draft (exported as a plain HF folder for vLLM's draft_model), each paired
-# with its own engine's AR; a report with the two engines side by side (~45 min on 2 cores).
+# Our engine beside vLLM: MT-Bench 10 first turns, 128 tokens, bs 1 and 8, AR, PLD (vLLM's ngram),
+# Leviathan with the shipped draft (exported as a plain HF folder for vLLM's draft_model) and the shipped
+# Medusa heads as a chain (vLLM's medusa), each paired with its own engine's AR; a report with the two
+# engines side by side (~30 min on 2 cores).
 BENCH_VLLM_DIR := results/bench-vllm
 bench-vllm: setup setup-vllm
 	$(BIN)/python -m specbench backend=specbench,vllm method=pld,leviathan bs=1,8 limit=10 dataset.max_turns=1 \
+		max_new_tokens=128 ar_baseline=paired progress=false resume=true results_dir=$(BENCH_VLLM_DIR) $(ARGS)
+	$(BIN)/python -m specbench backend=specbench,vllm method=medusa medusa.tree=chain bs=1,8 limit=10 dataset.max_turns=1 \
 		max_new_tokens=128 ar_baseline=paired progress=false resume=true results_dir=$(BENCH_VLLM_DIR) $(ARGS)
 	$(BIN)/python -m analysis.report $(BENCH_VLLM_DIR) --out $(BENCH_VLLM_DIR)/report
 

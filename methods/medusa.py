@@ -91,6 +91,34 @@ class Medusa(Proposer):
         return []
 
     @classmethod
+    def vllm_config(cls, cfg) -> dict:
+        """vLLM's ``medusa``: each of the first K heads' top-1, a chain (vLLM drafts no tree), with our
+        heads written in vLLM's layout (``drafters.medusa.vllm_folder``: the same scores)."""
+        import hashlib
+
+        from specbench.drafters.medusa import vllm_folder
+        from specbench.models import model_dir
+        from specbench.paths import cache_dir, file_lock
+
+        m = cfg.method
+        if m.tree != "chain":
+            raise ConfigError(f"vLLM's medusa drafts a chain (each head's top-1), not medusa.tree={m.tree}: with "
+                              "backend=vllm set medusa.tree=chain")
+        if m.accept != "exact":
+            raise ConfigError("medusa.accept=typical is our engine's: with backend=vllm use medusa.accept=exact")
+        folder = resolve_path(m.checkpoint)
+        if published.detect(folder) is not None:
+            raise ConfigError(f"medusa.checkpoint {m.checkpoint} is a published Medusa folder; backend=vllm takes our "
+                              "medusa checkpoints (python -m specbench.train drafter=medusa) for now")
+        k = cls.spec_len(cfg, None)
+        target = model_dir(cfg.model)
+        stamp = (Path(folder) / "model.safetensors").stat().st_mtime_ns
+        tag = hashlib.sha1(repr((target, folder, stamp, k)).encode()).hexdigest()[:12]
+        out = cache_dir() / "vllm-medusa" / f"{Path(folder).name}-k{k}-{tag}"
+        with file_lock(out.with_name(out.name + ".lock")):
+            return {"method": "medusa", "model": vllm_folder(folder, target, out, k), "num_speculative_tokens": k}
+
+    @classmethod
     def spec_len(cls, cfg, device) -> int:
         """K, or the checkpoint's head count where K asks for more (the drafts use min(K, heads))."""
         heads = cls.heads(cfg)

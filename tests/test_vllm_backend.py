@@ -83,7 +83,10 @@ def test_a_continuous_vllm_stream_serves_every_turn(tiny_dirs, tmp_path, fake_vl
 
 @pytest.mark.parametrize("over,msg", [
     ({"method": {"name": "lookahead", "W": 5, "N": 3, "G": 3}},
-     "method lookahead has no counterpart in vLLM; with backend=vllm run one of: ar, leviathan, pld"),
+     "method lookahead has no counterpart in vLLM; with backend=vllm run one of: ar, leviathan, medusa, pld"),
+    ({"method": {"name": "medusa", "checkpoint": "checkpoints/smollm2-135m/medusa", "tree": "default",
+                 "tree_size": "auto", "accept": "exact", "eps": 0.09, "delta": 0.3}},
+     "vLLM's medusa drafts a chain (each head's top-1), not medusa.tree=default: with backend=vllm set medusa.tree=chain"),
     ({"K": "auto"}, "K=auto pilots candidates on our engine: with backend=vllm give K"),
     ({"compile": True}, "compile=true is our engine's torch.compile: with backend=vllm set vllm.enforce_eager=false"),
     ({"vllm.python": "/no/such/python"}, "backend=vllm needs vLLM's environment, and /no/such/python does not exist: "
@@ -144,6 +147,42 @@ def test_our_drafts_export_as_plain_hf_folders_with_our_scores(tiny_dirs, tmp_pa
     hf2 = AutoModelForCausalLM.from_pretrained(out2, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf2(ids).logits, self_layers_draft(target, 1)(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_our_medusa_heads_export_in_vllms_layout_with_our_scores(tiny_dirs, tmp_path):
+    """vLLM's Medusa: per head x + SiLU(W x + b), then the head's output layer; on the draft
+    vocabulary the exported heads score as ours, 0 elsewhere; only the first k heads go."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from specbench.drafters.medusa import MedusaHeads, vllm_folder
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"], dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    vocab = torch.randperm(target.config.vocab_size, generator=g)[:30].sort().values
+    heads = MedusaHeads(target, vocab, 3)
+    with torch.no_grad():
+        heads.weight.copy_(0.1 * torch.randn(heads.weight.shape, generator=g))
+        heads.bias.copy_(0.1 * torch.randn(heads.bias.shape, generator=g))
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    save_file({"weight": heads.weight.detach().clone(), "bias": heads.bias.detach().clone(), "vocab_ids": vocab},
+              str(ck / "model.safetensors"))
+    out = Path(vllm_folder(ck, str(tiny_dirs["target"]), tmp_path / "vm", 2))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 2 and cfg["medusa_fc_bias"] is True
+    w = load_file(str(out / "model.safetensors"))
+    assert not any(k.startswith("blocks.2.") for k in w)
+    f = torch.randn(5, target.config.hidden_size, generator=g)
+    with torch.no_grad():
+        ours = heads(f)  # [heads, 5, draft vocab]
+    for i in range(2):
+        h = f + torch.nn.functional.silu(f @ w[f"blocks.{i}.layers.0.weight"].T + w[f"blocks.{i}.layers.0.bias"])
+        full = h @ w[f"lm_heads.{i}.weight"].T
+        torch.testing.assert_close(full[:, vocab], ours[i], rtol=1e-5, atol=1e-5)
+        rest = torch.ones(full.shape[-1], dtype=torch.bool)
+        rest[vocab] = False
+        assert full[:, rest].abs().max() == 0
 
 
 def test_the_report_puts_the_two_engines_side_by_side(tiny_dirs, tmp_path, fake_vllm):

@@ -77,3 +77,45 @@ def sparse_tree(acc: list[list[float]], size: int) -> list[tuple[int, ...]]:
 
 def build(meta: dict, state: dict, target) -> MedusaHeads:
     return MedusaHeads(target, state["vocab_ids"], int(meta["heads"]))
+
+
+def vllm_folder(checkpoint, target_dir: str, out, k: int) -> str:
+    """Our Medusa heads (a ``medusa`` checkpoint folder) in vLLM's Medusa layout, for
+    ``backend=vllm``: ``config.json`` (``model_type: medusa``, the first ``k`` heads, one residual
+    block each, with bias) and ``model.safetensors`` (``blocks.{i}.layers.0.{weight,bias}``, each
+    head's output layer ``lm_heads.{i}.weight``: the target's output rows for our draft vocabulary,
+    zeros elsewhere). On the draft vocabulary the scores are ours; elsewhere 0, not our -inf (vLLM
+    0.32's ``token_map`` would give -inf, but its loader asserts full-vocabulary heads first, so a
+    truncated head cannot load). Written once (atomically)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    out, src = Path(out), Path(target_dir)
+    if (out / "config.json").exists():
+        return str(out)
+    state = load_file(str(Path(checkpoint) / "model.safetensors"))
+    tw = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tw.update(load_file(f))
+    head = tw.get("lm_head.weight", tw["model.embed_tokens.weight"]).float()
+    ids = state["vocab_ids"].long()
+    restricted = torch.zeros_like(head)
+    restricted[ids] = head[ids]
+    w = {}
+    for i in range(k):
+        w[f"blocks.{i}.layers.0.weight"] = state["weight"][i].float().contiguous()
+        w[f"blocks.{i}.layers.0.bias"] = state["bias"][i].float().contiguous()
+        w[f"lm_heads.{i}.weight"] = restricted.clone()
+    tcfg = json.loads((src / "config.json").read_text())
+    cfg = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": int(tcfg["hidden_size"]),
+           "vocab_size": int(tcfg["vocab_size"]), "num_heads": int(k), "num_hidden_layers": 1, "medusa_fc_bias": True,
+           "dtype": "float32"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
+    save_file(w, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    tmp.rename(out)
+    return str(out)
