@@ -158,7 +158,11 @@ class SuffixDecoding(Proposer):
         best = ("none", [], [], 0.0)
         trees = [("request", r["local"])] + ([("global", self.glob)] if self.use_global else [])
         for name, t in trees:
-            node, m = t.match(seq)
+            if name == "request" and r["seen"] == len(seq):  # its cursor holds every suffix node of seq
+                node = next((c for c in reversed(r["cur"]) if c.children), None)  # deepest first
+                m = node.depth if node is not None else 0
+            else:
+                node, m = t.match(seq)
             if node is None:
                 continue
             budget = min(self.K, int(self.factor * m + self.offset))

@@ -280,3 +280,20 @@ def test_suffix_global_tree_learns_from_earlier_responses(model):
     other = [9] + p[1:]  # another prompt: its own text does not hold the answer
     res = run_engine(model, prop, [other], 16)
     assert prop.describe()["drafted_by"]["global"] > 0 and sum(res[0].accept_lens) >= 0
+
+
+def test_the_cursors_deepest_continuing_node_is_the_longest_match():
+    """SuffixDecoding's request tree is matched through its cursor (the nodes of every suffix of the
+    sequence fed so far): its deepest node with children is what match() finds by search."""
+    import random
+
+    from methods.suffix import SuffixTree
+
+    rng = random.Random(0)
+    for trial in range(200):
+        t = SuffixTree(max_depth=rng.choice([3, 6, 24]))
+        seq = [rng.randrange(6) for _ in range(rng.randrange(1, 60))]
+        cur = t.feed([], seq)
+        node = next((c for c in reversed(cur) if c.children), None)
+        want, m = t.match(seq)
+        assert node is want and (node.depth if node else 0) == m, trial
