@@ -101,6 +101,23 @@ class Eagle(Proposer):
     def spec_len(cls, cfg, device) -> int:
         return cls.tree_shape(cfg.method, device)[1]  # cfg.K plays no part: the tree is `depth` deep
 
+    @classmethod
+    def vllm_config(cls, cfg) -> dict:
+        """vLLM's ``eagle3`` with an EAGLE-3 drafter in SafeAILab's layout or vLLM's speculators format
+        (what vLLM reads), drafting a chain ``depth`` deep: vLLM's EAGLE on this path drafts each
+        step's top-1, which is EAGLE-2's dynamic tree with top_k=1 and total_tokens=depth."""
+        m = cfg.method
+        folder = resolve_path(m.checkpoint)
+        if m.get("version", 2) != 3 or published.detect(folder) not in EAGLE3_FORMATS:
+            raise ConfigError("backend=vllm runs EAGLE-3 drafters in SafeAILab's or vLLM's speculators layout (eagle.version=3 "
+                              "eagle.checkpoint=<folder>; ours: python -m specbench.train drafter=eagle3); "
+                              "the shipped EAGLE-1/2 head normalises its input, which vLLM's EAGLE-1 layout cannot hold")
+        top_k, depth, total = cls.tree_shape(m, torch.device("cpu"))
+        if m.get("tree") is not None or top_k != 1 or total != depth:
+            raise ConfigError(f"vLLM's eagle3 drafts a chain (each step's top-1): with backend=vllm set eagle.top_k=1 "
+                              f"eagle.total_tokens={depth} (eagle.depth={depth})")
+        return {"method": "eagle3", "model": folder, "num_speculative_tokens": depth}
+
     def __init__(self, cfg, target, tokenizer, device, dtype, drafter=None):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method

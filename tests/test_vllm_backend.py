@@ -83,10 +83,13 @@ def test_a_continuous_vllm_stream_serves_every_turn(tiny_dirs, tmp_path, fake_vl
 
 @pytest.mark.parametrize("over,msg", [
     ({"method": {"name": "lookahead", "W": 5, "N": 3, "G": 3}},
-     "method lookahead has no counterpart in vLLM; with backend=vllm run one of: ar, leviathan, medusa, pld"),
+     "method lookahead has no counterpart in vLLM; with backend=vllm run one of: ar, eagle, leviathan, medusa, pld"),
     ({"method": {"name": "medusa", "checkpoint": "checkpoints/smollm2-135m/medusa", "tree": "default",
                  "tree_size": "auto", "accept": "exact", "eps": 0.09, "delta": 0.3}},
      "vLLM's medusa drafts a chain (each head's top-1), not medusa.tree=default: with backend=vllm set medusa.tree=chain"),
+    ({"method": {"name": "eagle", "version": 2, "checkpoint": "checkpoints/smollm2-135m/eagle", "top_k": "auto",
+                 "depth": "auto", "total_tokens": "auto", "tree": None}},
+     "backend=vllm runs EAGLE-3 drafters in SafeAILab's or vLLM's speculators layout"),
     ({"K": "auto"}, "K=auto pilots candidates on our engine: with backend=vllm give K"),
     ({"compile": True}, "compile=true is our engine's torch.compile: with backend=vllm set vllm.enforce_eager=false"),
     ({"vllm.python": "/no/such/python"}, "backend=vllm needs vLLM's environment, and /no/such/python does not exist: "
