@@ -264,7 +264,11 @@ class _Described:
         self.spec, self.worker = spec, worker
 
     def describe(self) -> dict:
-        return {"speculative_config": self.spec, "engine": self.worker.resolved,
+        from specbench.paths import cache_dir
+
+        # a draft exported into the cache is recorded under $SPECBENCH_CACHE, not this machine's path
+        spec = json.loads(json.dumps(self.spec).replace(str(cache_dir()), "$SPECBENCH_CACHE")) if self.spec else None
+        return {"speculative_config": spec, "engine": self.worker.resolved,
                 "load_s": round(self.worker.load_s, 2)}
 
 
