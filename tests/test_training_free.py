@@ -234,6 +234,28 @@ def test_combo_refusals():
                     (["pld", "nope"], "nope")):
         with pytest.raises(ConfigError, match=msg):
             C.Combo.check(cfg("combo", of=of), None)
+    for bad in (0, -1, "3", True):
+        with pytest.raises(ConfigError, match="max_nodes"):
+            C.Combo.check(cfg("combo", of=["pld", "suffix"], max_nodes=bad), None)
+
+
+def test_cut_keeps_the_first_nodes_whose_parents_stay():
+    toks, pars = [5, 6, 7, 8, 9], [0, 1, 0, 2, 3]  # 5-6-8, 7-9
+    assert C.cut(toks, pars, 9) == (toks, pars)
+    assert C.cut(toks, pars, 3) == ([5, 6, 7], [0, 1, 0])
+    assert C.cut([5, 6, 7, 8], [0, 1, 2, 3], 2) == ([5, 6], [0, 1])
+
+
+def test_combo_max_nodes_caps_every_draft_and_stays_lossless(model, cases):
+    prompts, refs = cases[4]
+    prop = make("combo", model, max_nodes=2)
+    res = run_engine(model, prop, prompts, N_NEW)
+    for r, ref in zip(res, refs):
+        assert r.tokens == ref
+        assert max(r.nodes) <= 2
+    assert prop.describe()["max_nodes"] == 2
+    wide = run_engine(model, make("combo", model, max_nodes=None), prompts, N_NEW)
+    assert max(n for r in wide for n in r.nodes) > 2  # the cap is what kept them at 2
 
 
 # ----------------------------------------------------------------------- suffix decoding

@@ -87,6 +87,15 @@ def apply(model: torch.nn.Module, kernel: str) -> int:
     return 0
 
 
+def rows_per_pass(model: torch.nn.Module) -> int | None:
+    """How many rows (batch rows x tokens) one pass of ``model``'s linear kernel takes at once, where
+    its cost steps up with each further pass (the native tiles: 4 rows with AVX2, 9 with AVX-512);
+    None where the cost grows smoothly (torch's and oneDNN's GEMMs)."""
+    if kernel_of(model) != "native":
+        return None
+    return 9 if extension.isa() == "avx512f" else 4
+
+
 def kernel_of(model: torch.nn.Module) -> str:
     """The path ``apply`` put ``model``'s linear layers on ("torch" if none)."""
     for mod in model.modules():
