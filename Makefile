@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: setup setup-vllm bench-vllm run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline bench-serving bench-tune bench-training-free bench-eagle3 train-draft report regress regress-baseline profile clean-cache
+.PHONY: setup setup-vllm bench-vllm run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline bench-serving bench-serving-sharegpt bench-tune bench-training-free bench-eagle3 train-draft report regress regress-baseline profile clean-cache
 
 setup: $(STAMP)
 
@@ -156,6 +156,15 @@ bench-serving: setup
 	$(BIN)/python -m specbench dataset=mt_bench dataset.max_turns=1 limit=32 max_new_tokens=64 method=pld,eagle,lookahead \
 		batching=static,continuous bs=1,4,16 ar_baseline=paired progress=false results_dir=$(BENCH_SERVING_DIR) $(ARGS)
 	$(BIN)/python -m analysis.report $(BENCH_SERVING_DIR) --out $(BENCH_SERVING_DIR)/report
+
+# The serving issue's target load: 32 ShareGPT first turns (1.2k-3.5k-token prompts), each prompt
+# prefilled alone in pieces of 512 tokens (the padded group prefill would dominate), both batching modes
+BENCH_SHAREGPT_DIR := results/bench-serving-sharegpt
+bench-serving-sharegpt: setup
+	$(BIN)/python -m specbench dataset=sharegpt limit=32 max_new_tokens=64 method=pld,eagle,lookahead \
+		batching=static,continuous bs=1,4,8,16 prefill_chunk=512 ar_baseline=paired progress=false \
+		results_dir=$(BENCH_SHAREGPT_DIR) $(ARGS)
+	$(BIN)/python -m analysis.report $(BENCH_SHAREGPT_DIR) --out $(BENCH_SHAREGPT_DIR)/report
 
 # K=auto against fixed speculation at concurrency 1, 4, 16 (continuous batching), each job with
 # its own AR: PLD over K, EAGLE over its tree's (depth, total_tokens); pilots on held-out questions

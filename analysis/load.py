@@ -35,6 +35,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         serving = r.get("serving") or {}
         row["batching"] = serving.get("batching", "static")
         row["rate"] = serving.get("rate")
+        row["prefill_chunk"] = serving.get("prefill_chunk")  # None: joining prompts prefilled together, left-padded
         lat = m.get("latency") or {}
         for name, key in (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("itl", "itl_s"), ("e2e", "e2e_s")):
             for p in ("p50", "p90", "p99"):
@@ -89,10 +90,12 @@ def label(row) -> str:
     base = _label(row) + (" (K=auto)" if row.get("K_auto") else "")
     if row.get("backend") not in (None, "specbench"):  # another engine's job is its own series
         base += f" [{row['backend']}]"
+    chunk = row.get("prefill_chunk")
+    chunk = "" if chunk is None or chunk != chunk else f", prefill {int(chunk)}"  # chunked prefill: its own series
     if row.get("batching") == "continuous":  # a serving job is its own series
         rate = row.get("rate")
-        return base + (" [continuous]" if rate in (None, "inf") else f" [continuous, {rate:g} req/s]")
-    return base
+        return base + (f" [continuous{chunk}]" if rate in (None, "inf") else f" [continuous, {rate:g} req/s{chunk}]")
+    return base + (f" [{chunk[2:]}]" if chunk else "")
 
 
 def _label(row) -> str:

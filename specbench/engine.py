@@ -3,8 +3,13 @@ target forward over all draft nodes, tree attention) -> accept -> commit -> upda
 
 ``generate`` runs one batch until its last row finishes (``batching=static``: the batch drains).
 ``serve`` holds up to ``concurrency`` requests in flight (``batching=continuous``): whenever rows
-finish, requests that have arrived are prefilled (a forward of their own) and join the running
-batch, its cache (``RaggedCache.add_rows``) and the method (``Proposer.add_rows``)."""
+finish, requests that have arrived are prefilled and join the running batch, its cache
+(``RaggedCache.add_rows``) and the method (``Proposer.add_rows``).
+
+How joining requests are prefilled (``prefill_chunk``): None, together in one left-padded forward
+of their own (``separate``); N, each prompt alone (no padding) in pieces, at most N prompt tokens
+between two decoding steps of the rows in flight (``chunked``): a long prompt then never stalls
+them for more than one piece, and a short one does not wait for the group's longest."""
 
 from __future__ import annotations
 
@@ -44,6 +49,17 @@ class Request:
     arrival: float = 0.0  # seconds after the engine's start
 
 
+@dataclass
+class _Fill:
+    """A request being prefilled alone, piece by piece (``prefill_chunk``)."""
+    req: Request
+    res: RowResult
+    cache: RaggedCache | None = None
+    done: int = 0  # prompt tokens in its cache so far
+    hidden: list = field(default_factory=list)  # each piece's tapped layers ({name: [1, n, d]})
+    first: int | None = None  # its first token, once the whole prompt is in
+
+
 class Requests:
     """The requests ``Engine.serve`` takes from, FIFO by arrival. ``add`` may be called while it
     serves (a follow-up turn once its first turn is answered)."""
@@ -66,7 +82,7 @@ class Requests:
 
 class Engine:
     def __init__(self, target, proposer: Proposer, sampling: Sampling, device: torch.device,
-                 dtype: torch.dtype, eos_ids: set[int], timer: PhaseTimer):
+                 dtype: torch.dtype, eos_ids: set[int], timer: PhaseTimer, prefill_chunk: int | None = None):
         self.target = target
         self.proposer = proposer
         self.sampling = sampling
@@ -76,6 +92,9 @@ class Engine:
         self.timer = timer
         self.iterations = 0  # decoding steps of the batch (one target forward each), summed over calls
         self.widest = 64  # the most nodes a verify forward has had (at least 64): the cache's room per batch
+        if prefill_chunk is not None and int(prefill_chunk) < 1:
+            raise ValueError(f"prefill_chunk must be a positive number of tokens or None, got {prefill_chunk}")
+        self.chunk = None if prefill_chunk is None else int(prefill_chunk)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
@@ -83,18 +102,19 @@ class Engine:
         """One static batch: every prompt starts together and the batch runs until its last row
         finishes. Results in the prompts' order."""
         out = self.serve(Requests([Request(i, p) for i, p in enumerate(prompts)]), max_new_tokens, gen,
-                         concurrency=max(1, len(prompts)))
+                         concurrency=max(1, len(prompts)), together=True)
         return [out[i] for i in range(len(prompts))]
 
     @torch.inference_mode()
     def serve(self, requests: Requests, max_new_tokens: int, gen: torch.Generator | None = None,
-              concurrency: int = 1, on_done=None) -> dict:
+              concurrency: int = 1, on_done=None, together: bool = False) -> dict:
         """Up to ``concurrency`` requests in flight until ``requests`` is empty; a request joins as
-        soon as it has arrived and a row is free. ``on_done(key, result, now)`` hears of each
-        finished request (it may add more). Returns {key: RowResult}; ``self.trace`` holds
-        (time, rows in flight, tokens emitted) per decoding step."""
+        soon as it has arrived, a row is free and its prompt is prefilled. ``on_done(key, result,
+        now)`` hears of each finished request (it may add more). ``together``: the rows start
+        decoding together once every request taken is prefilled (a static batch). Returns {key:
+        RowResult}; ``self.trace`` holds (time, rows in flight, tokens emitted) per decoding step."""
         with Tap(self.target, self.proposer.hidden_layers) as tap:
-            return self._serve(requests, max_new_tokens, gen, concurrency, on_done, tap)
+            return self._serve(requests, max_new_tokens, gen, concurrency, on_done, tap, together)
 
     def _admit(self, reqs, max_new_tokens, gen, tap, t0):
         """Prefill ``reqs`` in a forward of their own: (cache, first tokens, hidden states of the
@@ -121,7 +141,52 @@ class Engine:
             r.hit_eos = t in self.eos
         return cache, first, hidden, res
 
-    def _serve(self, requests, max_new_tokens, gen, concurrency, on_done, tap) -> dict:
+    def _fill(self, filling: deque, max_new_tokens, gen, tap, t0) -> list[_Fill]:
+        """Prefill the requests in ``filling`` (each alone, first come first served) for up to
+        ``self.chunk`` prompt tokens in all; returns those whose prompt is now whole (taken out of
+        ``filling``), their first token picked."""
+        s, budget, out = self.sampling, self.chunk, []
+        with self.timer.phase("prefill"):
+            while filling and budget > 0:
+                f = filling[0]
+                prompt = f.req.prompt
+                n = min(budget, len(prompt) - f.done)
+                piece = prompt[f.done:f.done + n]
+                if f.cache is None:
+                    f.res.t_admit = time.perf_counter() - t0
+                    f.cache = RaggedCache(self.target, self.device, self.dtype)
+                    o = f.cache.prefill([piece], room=len(prompt) - n + max_new_tokens + self.widest + 1)
+                else:
+                    depth = torch.arange(n, device=self.device)[None]
+                    o = f.cache.forward(torch.tensor([piece], device=self.device), depth, None, logits_to_keep=1)
+                    f.cache.commit_all()
+                if tap.names:
+                    f.hidden.append(tap.take())
+                f.done += n
+                budget -= n
+                if f.done == len(prompt):
+                    last = o.logits[:, -1]
+                    f.first = int((greedy_pick(last) if s.greedy else sample(warp(last, s), gen))[0])
+                    f.res.tokens.append(f.first)
+                    f.res.t_first = f.res.t_done = time.perf_counter() - t0
+                    f.res.hit_eos = f.first in self.eos
+                    out.append(filling.popleft())
+        return out
+
+    def _fills_hidden(self, fills: list[_Fill]) -> Hidden | None:
+        """The prompts' tapped states of requests prefilled piece by piece, as ``_admit`` gives a
+        group's: [B, longest prompt, d] per layer, each row's own from the left."""
+        if not fills[0].hidden:
+            return None
+        lens = [len(f.req.prompt) for f in fills]
+        P = max(lens)
+        layers = {}
+        for name in fills[0].hidden[0]:
+            rows = [torch.cat([h[name] for h in f.hidden], dim=1) for f in fills]
+            layers[name] = torch.cat([torch.nn.functional.pad(r, (0, 0, 0, P - r.shape[1])) for r in rows])
+        return Hidden(layers, torch.tensor(lens, device=self.device))
+
+    def _serve(self, requests, max_new_tokens, gen, concurrency, on_done, tap, together=False) -> dict:
         s = self.sampling
         results: dict = {}
         live: list = []  # the request key of each row in flight
@@ -140,27 +205,51 @@ class Engine:
                 if on_done is not None:
                     on_done(key, r, time.perf_counter() - t0)
 
+        def join(joining, subs, first, hidden, new_res):
+            """Prefilled requests join the batch (its cache, the method) or start it."""
+            nonlocal cache, state, pending
+            new_state = BatchState(seqs=[list(r.prompt) + [t] for r, t in zip(joining, first.tolist())],
+                                   prompt_lens=[len(r.prompt) for r in joining], sampling=s, gen=gen,
+                                   device=self.device, eos=self.eos, max_new_tokens=max_new_tokens)
+            room = max_new_tokens + self.widest + 1
+            with self.timer.phase("prefill"):  # the method's own prefill (a draft model's cache) is prefill too
+                if not live:
+                    cache, state, pending = subs[0], new_state, first
+                    if len(subs) > 1:
+                        cache.add_rows(*subs[1:], room=room)
+                    self.proposer.start(state, hidden)
+                else:
+                    cache.add_rows(*subs, room=room)
+                    state.seqs += new_state.seqs
+                    state.prompt_lens += new_state.prompt_lens
+                    pending = torch.cat([pending, first])
+                    self.proposer.add_rows(new_state, hidden)
+            live.extend(r.key for r in joining)
+            res.extend(new_res)
+            finish([r.hit_eos or max_new_tokens <= 1 for r in res])
+
+        filling: deque = deque()  # requests being prefilled piece by piece (prefill_chunk)
+        ready: list = []  # whole prompts waiting for the rest of a static batch (together)
         while True:
-            joining = requests.take(concurrency - len(live), time.perf_counter() - t0) if len(live) < concurrency else []
-            if joining:
-                sub, first, hidden, new_res = self._admit(joining, max_new_tokens, gen, tap, t0)
-                new_state = BatchState(seqs=[list(r.prompt) + [t] for r, t in zip(joining, first.tolist())],
-                                       prompt_lens=[len(r.prompt) for r in joining], sampling=s, gen=gen,
-                                       device=self.device, eos=self.eos, max_new_tokens=max_new_tokens)
-                with self.timer.phase("prefill"):  # the method's own prefill (a draft model's cache) is prefill too
-                    if not live:
-                        cache, state, pending = sub, new_state, first
-                        self.proposer.start(state, hidden)
-                    else:
-                        cache.add_rows(sub, room=max_new_tokens + self.widest + 1)
-                        state.seqs += new_state.seqs
-                        state.prompt_lens += new_state.prompt_lens
-                        pending = torch.cat([pending, first])
-                        self.proposer.add_rows(new_state, hidden)
-                live += [r.key for r in joining]
-                res += new_res
-                finish([r.hit_eos or max_new_tokens <= 1 for r in res])
-                continue  # more may have arrived, and rows may be free again
+            free = concurrency - len(live) - len(filling) - len(ready)
+            joining = requests.take(free, time.perf_counter() - t0) if free > 0 else []
+            if self.chunk is None:
+                if joining:
+                    sub, first, hidden, new_res = self._admit(joining, max_new_tokens, gen, tap, t0)
+                    join(joining, [sub], first, hidden, new_res)
+                    continue  # more may have arrived, and rows may be free again
+            else:
+                now = time.perf_counter() - t0
+                filling.extend(_Fill(r, RowResult(t_arrival=r.arrival, t_admit=now)) for r in joining)
+                if filling:
+                    ready += self._fill(filling, max_new_tokens, gen, tap, t0)
+                if ready and not (together and filling):
+                    fills, ready = ready, []
+                    join([f.req for f in fills], [f.cache for f in fills],
+                         torch.tensor([f.first for f in fills], device=self.device), self._fills_hidden(fills),
+                         [f.res for f in fills])
+                if not live and (filling or ready):
+                    continue  # no rows to decode between the pieces
             if not live:
                 nxt = requests.next_arrival()
                 if nxt is None:

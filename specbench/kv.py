@@ -391,30 +391,33 @@ class RaggedCache:
             return 0
         return int(layers[0].keys.shape[2])
 
-    def add_rows(self, other: "RaggedCache", room: int = 0) -> None:
-        """Rows join the batch (``batching=continuous``): ``other``'s rows (a prefill of their
-        prompts alone) are appended after this cache's. The two are aligned at their ends: the
-        shorter is left-padded to the wider's slots (each row's own start moves, its positions do
-        not). The buffers are made anew, ``room`` slots past the merged width, so the batch's next
-        forwards append in place."""
-        C, Co = self.C, other.C
-        W = max(C, Co)
-        mine, theirs = self.cache.layers, other.cache.layers
+    def add_rows(self, *others: "RaggedCache", room: int = 0) -> None:
+        """Rows join the batch (``batching=continuous``): the rows of ``others`` (prefills of their
+        prompts alone) are appended after this cache's, in order. All are aligned at their ends: the
+        shorter are left-padded to the widest's slots (each row's own start moves, its positions do
+        not). The buffers are made anew, once, ``room`` slots past the merged width, so the batch's
+        next forwards append in place."""
+        parts = [self, *others]
+        Cs = [c.C for c in parts]
+        W = max(Cs)
         merged = _slab_cache(W + room)
-        for a, b in zip(mine, theirs):
-            ka, va, kb, vb = a.keys[:, :, :C], a.values[:, :, :C], b.keys[:, :, :Co], b.values[:, :, :Co]
-            Ba, Bb = ka.shape[0], kb.shape[0]
-            k = ka.new_zeros(Ba + Bb, ka.shape[1], W + room, ka.shape[3])
-            v = va.new_zeros(Ba + Bb, va.shape[1], W + room, va.shape[3])
-            k[:Ba, :, W - C:W], v[:Ba, :, W - C:W] = ka, va
-            k[Ba:, :, W - Co:W], v[Ba:, :, W - Co:W] = kb, vb
+        for layers in zip(*(c.cache.layers for c in parts)):
+            ks = [a.keys[:, :, :C] for a, C in zip(layers, Cs)]
+            vs = [a.values[:, :, :C] for a, C in zip(layers, Cs)]
+            B = sum(k.shape[0] for k in ks)
+            k = ks[0].new_zeros(B, ks[0].shape[1], W + room, ks[0].shape[3])
+            v = vs[0].new_zeros(B, vs[0].shape[1], W + room, vs[0].shape[3])
+            b = 0
+            for ka, va, C in zip(ks, vs, Cs):
+                k[b:b + ka.shape[0], :, W - C:W], v[b:b + ka.shape[0], :, W - C:W] = ka, va
+                b += ka.shape[0]
             layer = merged.layer_class_to_replicate()
             layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
             layer._k, layer._v, layer._span = k, v, (0, W)
             merged.layers.append(layer)
         self.cache = merged
-        self.start = [s + W - C for s in self._start] + [s + W - Co for s in other._start]
-        self.length = self._length + other._length
+        self.start = [s + W - C for c, C in zip(parts, Cs) for s in c._start]
+        self.length = [n for c in parts for n in c._length]
         self.C = W
 
     def select_rows(self, keep: torch.Tensor) -> None:

@@ -107,7 +107,8 @@ class MethodRun:
         self.reach = method.reach(mcfg, device)
 
         def engine(timer):
-            return Engine(model, self.proposer, sampling, device, dtype, eos, timer)
+            return Engine(model, self.proposer, sampling, device, dtype, eos, timer,
+                          prefill_chunk=cfg.get("prefill_chunk"))
 
         self.compiled = is_compiled(model)
         if cfg.warmup:  # the job's own shapes: a full batch of its ragged prompts (padding masks, tree masks)

@@ -91,7 +91,7 @@ def _record_base(cfg, method_name, device, dtype, sweep_id, resolve_kernel: bool
         "seed": int(cfg.seed), "dataset_cfg": OmegaConf.to_container(cfg.dataset, resolve=True),
         "model_cfg": OmegaConf.to_container(cfg.model, resolve=True), "lossless": True, "method_cfg": {},
         **({"repeats": int(cfg.repeats)} if int(cfg.get("repeats") or 1) > 1 else {}),
-        **({"serving": serving_of(cfg)} if cfg.get("batching", "static") == "continuous" else {}),
+        **({"serving": serving_of(cfg)} if serving_of(cfg) else {}),
         **({"K_auto": True, "tuned": OmegaConf.to_container(cfg.tuned)}  # K=auto: what was chosen, and why
            if cfg.get("K_auto") and method_name == cfg.method.name and method_name != "ar" else {}),
         "env": R.env_info(device), "metrics": None, "requests": [],
@@ -106,12 +106,19 @@ def _vllm_fields(cfg) -> dict:
     return {"backend": "vllm", "backend_version": ver, "vllm_cfg": vllm_engine.settings(cfg)}
 
 
-def serving_of(cfg) -> dict:
-    """How a continuous job was loaded (in the record and its AR pairing key): requests in flight
-    (``bs``), arrivals, and how joining requests are prefilled (a forward of their own)."""
+def serving_of(cfg) -> dict | None:
+    """How a job was loaded (in the record and its AR pairing key): for a continuous job, requests
+    in flight (``bs``), arrivals, and how joining requests are prefilled (``separate``: together in
+    a left-padded forward of their own; ``chunked``: each alone, ``prefill_chunk`` tokens between
+    decoding steps). A static job has it only when its prompts are prefilled in pieces; None
+    otherwise (so older records still pair)."""
+    chunk = cfg.get("prefill_chunk")
+    how = {"prefill": "chunked", "prefill_chunk": int(chunk)} if chunk is not None else {"prefill": "separate"}
+    if cfg.get("batching", "static") != "continuous":
+        return {"batching": "static", **how} if chunk is not None else None
     rate = rate_of(cfg)
     return {"batching": "continuous", "concurrency": int(cfg.bs), "rate": rate if math.isfinite(rate) else "inf",
-            "prefill": "separate"}
+            **how}
 
 
 def measure(cfg, names: list[str], model, tokenizer, device, dtype, questions, sweep_id, progress=None) -> list[dict]:

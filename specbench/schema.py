@@ -87,6 +87,7 @@ class Run:
     bs: int = setting(lo=1)
     batching: Literal["static", "continuous"]
     rate: Any  # inf or a number > 0: checked in check()
+    prefill_chunk: Optional[int] = setting(lo=1)
     slo: Slo
     tune: Tune
     ctx: Optional[int] = setting(lo=1)

@@ -99,6 +99,9 @@ def check(cfg, method_name: str) -> None:
         raise ConfigError("K=auto pilots candidates on our engine: with backend=vllm give K (e.g. K=4)")
     if cfg.get("compile"):
         raise ConfigError("compile=true is our engine's torch.compile: with backend=vllm set vllm.enforce_eager=false")
+    if cfg.get("prefill_chunk") is not None:
+        raise ConfigError("prefill_chunk is our engine's chunked prefill: with backend=vllm set "
+                          "vllm.max_num_batched_tokens (vLLM chunks prefills to it)")
     python_of(cfg)
     spec_config(cfg, method_name)
 

@@ -43,20 +43,22 @@ def cfg_for(**kw):
     return OmegaConf.create(base)
 
 
-def run_engine(model, proposer: Proposer | None, prompts, n, sampling=None, eos=(), gen=None):
+def run_engine(model, proposer: Proposer | None, prompts, n, sampling=None, eos=(), gen=None, prefill_chunk=None):
     proposer = proposer or Proposer(cfg_for(), model, None, CPU, torch.float32)
-    eng = Engine(model, proposer, sampling or Sampling(), CPU, torch.float32, set(eos), PhaseTimer(CPU))
+    eng = Engine(model, proposer, sampling or Sampling(), CPU, torch.float32, set(eos), PhaseTimer(CPU),
+                 prefill_chunk=prefill_chunk)
     return eng.generate(prompts, n, gen)
 
 
 def serve_engine(model, proposer: Proposer | None, prompts, n, concurrency, arrivals=None, sampling=None, eos=(),
-                 gen=None):
+                 gen=None, prefill_chunk=None):
     """``batching=continuous``: the prompts as requests (arriving at ``arrivals`` seconds, else at
     once), at most ``concurrency`` in flight. Results in the prompts' order."""
     from specbench.engine import Request, Requests
 
     proposer = proposer or Proposer(cfg_for(), model, None, CPU, torch.float32)
-    eng = Engine(model, proposer, sampling or Sampling(), CPU, torch.float32, set(eos), PhaseTimer(CPU))
+    eng = Engine(model, proposer, sampling or Sampling(), CPU, torch.float32, set(eos), PhaseTimer(CPU),
+                 prefill_chunk=prefill_chunk)
     arrivals = arrivals or [0.0] * len(prompts)
     out = eng.serve(Requests([Request(i, p, a) for i, (p, a) in enumerate(zip(prompts, arrivals))]), n, gen,
                     concurrency=concurrency)

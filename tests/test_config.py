@@ -102,6 +102,7 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
     ({"batching": "dynamic"}, "unknown batching 'dynamic'; choices: static, continuous"),
     ({"batching": "continuous", "rate": 0}, "rate must be inf or a number of requests per second > 0, got 0"),
     ({"rate": 2.0}, "rate applies to batching=continuous"),
+    ({"prefill_chunk": 0}, "prefill_chunk must be an integer >= 1 or null, got 0"),
     ({"slo": {"tpot_ms": -1, "ttft_ms": None}}, "slo.tpot_ms must be a number > 0 or null"),
     ({"ctx": 100000}, "exceeds the 512 positions of the job's models"),
     ({"K": True}, "K must be an integer >= 1, got True"),
@@ -875,3 +876,35 @@ def test_continuous_batching_records_serving_metrics_and_pairs_its_own_ar(tiny_d
     assert set(df["label"]) >= {"ar", "ar [continuous]"} and df["label"].str.endswith("[continuous]").sum() >= 4
     written = {p.name for p in report.build(tmp_path / "records.jsonl", tmp_path / "report")}
     assert {"throughput_vs_tpot.png", "speedup_vs_concurrency.png"} <= written
+
+
+def test_chunked_prefill_is_recorded_pairs_its_own_ar_and_keeps_the_tokens(tiny_dirs, tmp_path):
+    """prefill_chunk=N: the prompts are prefilled alone in pieces (static and continuous); the
+    record says so (in the AR pairing key: it pairs with an AR prefilled the same way), its tokens
+    are the padded prefill's, and the report labels it as its own series."""
+    pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
+    static = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, **pld), sweep_id="s")
+    chunked = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, prefill_chunk=3, **pld), sweep_id="s")
+    cont = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, batching="continuous", prefill_chunk=3, **pld), sweep_id="s")
+    assert [r["method"] for r in chunked] == ["ar", "pld"] and [r["method"] for r in cont] == ["ar", "pld"]
+    assert chunked[1]["serving"] == {"batching": "static", "prefill": "chunked", "prefill_chunk": 3}
+    assert cont[1]["serving"] == {"batching": "continuous", "concurrency": 2, "rate": "inf", "prefill": "chunked",
+                                  "prefill_chunk": 3}
+    key = lambda rq: (rq["id"], rq["turn"])  # noqa: E731
+    for recs in (chunked, cont):
+        for rec, s_rec in zip(recs, static):
+            assert {key(rq): rq["tokens"] for rq in rec["requests"]} == \
+                {key(rq): rq["tokens"] for rq in s_rec["requests"]}
+            assert rec["metrics"]["match_ar"] == 1.0
+    from analysis.load import load
+
+    labels = set(load(tmp_path / "records.jsonl")["label"])
+    assert {"pld K=4 [prefill 3]", "pld K=4 [continuous, prefill 3]"} <= labels or \
+        {"pld [prefill 3]", "pld [continuous, prefill 3]"} <= labels, labels
+    vllm = tiny_cfg(tiny_dirs, tmp_path, backend="vllm", prefill_chunk=3, method={"name": "ar"})
+    from specbench import vllm_engine
+
+    from specbench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="vllm.max_num_batched_tokens"):
+        vllm_engine.check(vllm, "ar")

@@ -119,3 +119,89 @@ def test_a_method_with_row_state_and_no_add_rows_cannot_join_rows():
     from methods.lookahead import Lookahead
 
     assert Eagle.joins_rows() and Lookahead.joins_rows()
+
+
+# ----------------------------------------------------------------------- chunked prefill
+CHUNKED = ["ar", "pld", "leviathan_self", "eagle", "medusa", "lookahead", "specdec", "sam", "suffix_own"]
+
+
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+@pytest.mark.parametrize("name", CHUNKED)
+def test_chunked_prefill_is_token_identical_and_drafts_the_same(model, refs, datastore, name, batching):
+    """prefill_chunk: each prompt prefilled alone in pieces of 4 tokens (1-4 pieces each), between
+    decoding steps when rows are in flight. The tokens are greedy's, and every row drafts and
+    accepts as with the whole-prompt prefill: the cache and the method's prompt state (a
+    drafter's cache, EAGLE's and Medusa's features, an index) are the same."""
+    from helpers import run_engine
+
+    prompts, want = refs
+    truth = {tuple(p): r + [0] * 8 for p, r in zip(prompts, want)}
+
+    def go(chunk):
+        prop = make(name, model, truth, datastore)
+        if batching == "static":
+            return run_engine(model, prop, prompts, N_NEW, prefill_chunk=chunk)
+        return serve_engine(model, prop, prompts, N_NEW, concurrency=3, prefill_chunk=chunk)[0]
+
+    whole, pieces = go(None), go(4)
+    for r, w, ref in zip(pieces, whole, want):
+        assert r.tokens == ref
+        assert r.accept_lens == w.accept_lens
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_chunked_prefill_any_piece_size(model, refs, chunk):
+    prompts, want = refs
+    res = test_feature_methods.make("eagle", model)
+    out = serve_engine(model, res, prompts, N_NEW, concurrency=4, prefill_chunk=chunk)[0]
+    assert [r.tokens for r in out] == want
+
+
+def test_chunked_prefill_keeps_rows_decoding_between_pieces(model):
+    """A long prompt joining a running batch is prefilled a piece at a time, and the row in
+    flight decodes between the pieces (the separate prefill would stall it for the whole
+    prompt). A static batch still starts decoding only once every prompt is in."""
+    short, long_ = prompts_of([4, 60], seed=5)
+    res, eng = serve_engine(model, None, [short, long_], N_NEW, concurrency=2, prefill_chunk=8)
+    assert res[1].tokens == reference_greedy(model, long_, N_NEW)
+    steps_before = sum(t < res[1].t_first for t in res[0].chunks)
+    assert steps_before >= 5  # 60 tokens in pieces of 8 (the short prompt took 4 of the first 8)
+    whole, eng2 = serve_engine(model, None, [short, long_], N_NEW, concurrency=2)
+    assert sum(t < whole[1].t_first for t in whole[0].chunks) == 0  # together, in one padded forward
+
+    from specbench.engine import Engine
+    from specbench.timing import PhaseTimer
+    from specbench.verify import Sampling
+
+    eng = Engine(model, Proposer(test_engine.cfg_for(), model, None, CPU, torch.float32), Sampling(), CPU,
+                 torch.float32, set(), PhaseTimer(CPU), prefill_chunk=8)
+    out = eng.generate([short, long_], N_NEW)
+    assert min(t for t, _, _ in eng.trace) >= max(r.t_first for r in out)  # the static batch started together
+    assert all(b == 2 for _, b, _ in eng.trace[:3])
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Engine(model, None, Sampling(), CPU, torch.float32, set(), PhaseTimer(CPU), prefill_chunk=0)
+
+
+def test_add_rows_merges_several_caches_at_once(model):
+    """``RaggedCache.add_rows(a, b)`` equals adding a then b: same rows, starts, lengths, and the
+    next forward's logits."""
+    from specbench.kv import RaggedCache
+
+    ps = prompts_of([5, 9, 3, 7], seed=8)
+
+    def cache(prompts):
+        c = RaggedCache(model, CPU, torch.float32)
+        c.prefill(prompts)
+        return c
+
+    one = cache(ps[:1])
+    one.add_rows(cache(ps[1:3]), cache(ps[3:]), room=10)
+    two = cache(ps[:1])
+    two.add_rows(cache(ps[1:3]), room=10)
+    two.add_rows(cache(ps[3:]), room=10)
+    assert one.start.tolist() == two.start.tolist() and one.length.tolist() == two.length.tolist()
+    toks = torch.tensor([[3], [4], [5], [6]])
+    depth = torch.zeros_like(toks)
+    with torch.inference_mode():
+        a, b = one.forward(toks, depth, None).logits, two.forward(toks, depth, None).logits
+    assert torch.allclose(a, b, atol=1e-5)
