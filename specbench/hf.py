@@ -76,3 +76,16 @@ def output_cache_field() -> str:
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     return "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
+
+
+def folder_weights(folder) -> tuple:
+    """Every tensor of an HF model folder's safetensors (one file or its shards), by name, and its
+    output layer in fp32 (``lm_head.weight``, or the embedding when the two are tied)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    weights = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        weights.update(load_file(f))
+    return weights, weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()

@@ -39,6 +39,7 @@ class SlabLayer(DynamicLayer):
     capacity = 0  # slots the first buffer gets when that covers what it must hold (RaggedCache.prefill's room)
     _kv: tuple = (None, None)  # keys and values set from outside (when _span is None)
     _views: tuple | None = None  # the views of _span, once read
+    _base: tuple | None = None  # the whole buffers _k and _v are the first rows of (room for rows that join)
 
     @property
     def keys(self):
@@ -64,7 +65,7 @@ class SlabLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self._k = self._v = None
+        self._k = self._v = self._base = None
 
     def get_seq_length(self) -> int:
         return self._span[1] if self._span is not None else super().get_seq_length()
@@ -99,6 +100,7 @@ class SlabLayer(DynamicLayer):
                 new_k[:, :, :L] = self.keys
                 new_v[:, :, :L] = self.values
             self._k, self._v, off = new_k, new_v, 0
+            self._base = (new_k, new_v)
         self._span, self._views = (off, L + n), None
         return off, L
 
@@ -391,31 +393,54 @@ class RaggedCache:
             return 0
         return int(layers[0].keys.shape[2])
 
-    def add_rows(self, *others: "RaggedCache", room: int = 0) -> None:
+    def add_rows(self, *others: "RaggedCache", room: int = 0, rows: int = 0) -> None:
         """Rows join the batch (``batching=continuous``): the rows of ``others`` (prefills of their
         prompts alone) are appended after this cache's, in order. All are aligned at their ends: the
         shorter are left-padded to the widest's slots (each row's own start moves, its positions do
-        not). The buffers are made anew, once, ``room`` slots past the merged width, so the batch's
-        next forwards append in place."""
+        not). Where the joining rows are no wider than this cache and its buffers have rows to spare
+        (rows that left, or ``rows`` made room for), they are written into those in place: only the
+        joining rows move. Else the buffers are made anew, ``room`` slots past the merged width and
+        room for ``rows`` rows in all, so the batch's next forwards and joins need no copy."""
         parts = [self, *others]
         Cs = [c.C for c in parts]
         W = max(Cs)
-        merged = _slab_cache(W + room)
-        for layers in zip(*(c.cache.layers for c in parts)):
-            ks = [a.keys[:, :, :C] for a, C in zip(layers, Cs)]
-            vs = [a.values[:, :, :C] for a, C in zip(layers, Cs)]
-            B = sum(k.shape[0] for k in ks)
-            k = ks[0].new_zeros(B, ks[0].shape[1], W + room, ks[0].shape[3])
-            v = vs[0].new_zeros(B, vs[0].shape[1], W + room, vs[0].shape[3])
-            b = 0
-            for ka, va, C in zip(ks, vs, Cs):
-                k[b:b + ka.shape[0], :, W - C:W], v[b:b + ka.shape[0], :, W - C:W] = ka, va
-                b += ka.shape[0]
-            layer = merged.layer_class_to_replicate()
-            layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
-            layer._k, layer._v, layer._span = k, v, (0, W)
-            merged.layers.append(layer)
-        self.cache = merged
+        B = sum(c.batch_size for c in parts)
+        layers = self.cache.layers
+        in_place = W == self.C and layers and all(
+            type(a) is SlabLayer and a._span is not None and a._base is not None and a._base[0].shape[0] >= B
+            and a._span[0] + W <= a._k.shape[2] for a in layers)
+        merged = None if in_place else _slab_cache(W + room)
+        for layer_set in zip(*(c.cache.layers for c in parts)):
+            ks = [a.keys[:, :, :C] for a, C in zip(layer_set, Cs)]
+            vs = [a.values[:, :, :C] for a, C in zip(layer_set, Cs)]
+            if in_place:  # self's rows stay where they are; the joining rows go into the spare ones
+                layer = layer_set[0]
+                k, v = layer._base[0][:B], layer._base[1][:B]
+                off, first = layer._span[0], self.batch_size
+                ks, vs, Cs_j = ks[1:], vs[1:], Cs[1:]
+            else:
+                cap = max(B, rows)
+                k = ks[0].new_zeros(cap, ks[0].shape[1], W + room, ks[0].shape[3])
+                v = vs[0].new_zeros(cap, vs[0].shape[1], W + room, vs[0].shape[3])
+                base, (k, v) = (k, v), (k[:B], v[:B])
+                off, first, Cs_j = 0, 0, Cs
+            b = first
+            for ka, va, C in zip(ks, vs, Cs_j):
+                n = ka.shape[0]
+                k[b:b + n, :, off + W - C:off + W], v[b:b + n, :, off + W - C:off + W] = ka, va
+                if in_place and C < W:  # a spare row's slots before it hold whatever was there
+                    k[b:b + n, :, off:off + W - C] = 0
+                    v[b:b + n, :, off:off + W - C] = 0
+                b += n
+            if in_place:
+                layer._k, layer._v, layer._views = k, v, None
+            else:
+                layer = merged.layer_class_to_replicate()
+                layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
+                layer._k, layer._v, layer._span, layer._base = k, v, (0, W), base
+                merged.layers.append(layer)
+        if merged is not None:
+            self.cache = merged
         self.start = [s + W - C for c, C in zip(parts, Cs) for s in c._start]
         self.length = [n for c in parts for n in c._length]
         self.C = W

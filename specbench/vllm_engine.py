@@ -140,7 +140,9 @@ def worker_env(cfg) -> dict:
 
 class Worker:
     """One vLLM engine in vLLM's environment (``vllm_worker.py``); its log goes to a file whose
-    last lines an error quotes."""
+    last lines an error quotes (kept after a failure, deleted after a clean exit)."""
+
+    failed = False
 
     def __init__(self, cfg, engine: dict, label: str):
         self.log = Path(tempfile.mkstemp(prefix=f"specbench-vllm-{label}-", suffix=".log")[1])
@@ -161,6 +163,7 @@ class Worker:
         import select
 
         if timeout is not None and not select.select([self.proc.stdout], [], [], timeout)[0]:
+            self.failed = True
             self.close()
             raise RuntimeError(f"vLLM worker gave no answer in {timeout:.0f} s (its log: {self.log})")
         line = self.proc.stdout.readline()
@@ -168,11 +171,13 @@ class Worker:
             self._died()
         msg = json.loads(line)
         if msg.get("op") == "error":
+            self.failed = True
             self.close()
             raise RuntimeError(f"vLLM: {msg['error']} (its log: {self.log})")
         return msg
 
     def _died(self):
+        self.failed = True
         self.proc.wait(timeout=30)
         tail = [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()][-3:]
         raise RuntimeError(f"vLLM worker exited ({self.proc.returncode}): {' | '.join(tail)[-600:]} (its log: {self.log})")
@@ -208,8 +213,11 @@ class Worker:
                 self.proc.stdin.flush()
                 self.proc.wait(timeout=60)
             except Exception:  # noqa: BLE001 - it is going anyway
+                self.failed = True
                 self.proc.kill()
                 self.proc.wait()
+        if not self.failed and self.proc.returncode == 0:
+            self.log.unlink(missing_ok=True)  # a clean run's log says nothing anyone needs
 
 
 def _tree(pid: int) -> list[int]:

@@ -205,3 +205,42 @@ def test_add_rows_merges_several_caches_at_once(model):
     with torch.inference_mode():
         a, b = one.forward(toks, depth, None).logits, two.forward(toks, depth, None).logits
     assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_rows_join_in_place_where_the_buffers_have_room(model):
+    """A row that leaves frees its buffer row; a narrower row joining later is written into it
+    (no new buffers, the rows in flight not moved), and the batch computes what a cache rebuilt
+    from scratch computes. A wider one rebuilds, with room for ``rows`` rows."""
+    from specbench.kv import RaggedCache
+
+    ps = prompts_of([9, 6, 8, 4, 12], seed=9)
+
+    def cache(prompts):
+        c = RaggedCache(model, CPU, torch.float32)
+        c.prefill(prompts)
+        return c
+
+    def step(c, toks):
+        toks = torch.tensor(toks)[:, None]
+        with torch.inference_mode():
+            out = c.forward(toks, torch.zeros_like(toks), None).logits
+        c.commit(torch.zeros(len(toks), 1, dtype=torch.long), torch.ones(len(toks), dtype=torch.long))
+        return out
+
+    a = cache(ps[:3])
+    a.add_rows(cache(ps[3:4]), room=8, rows=4)  # rebuilt, with a spare row: none yet (4 rows)
+    assert a.cache.layers[0]._base[0].shape[0] == 4
+    step(a, [5, 6, 7, 8])
+    a.select_rows(torch.tensor([0, 2, 3]))  # row 1 leaves: its buffer row is spare
+    ptr = a.cache.layers[0]._base[0].data_ptr()
+    a.add_rows(cache(ps[1:2]), room=8)  # 6 tokens, narrower than the batch: in place
+    assert a.cache.layers[0]._base[0].data_ptr() == ptr and a.batch_size == 4
+    # the same rows, built from scratch
+    b = cache([ps[0] + [5], ps[2] + [7], ps[3] + [8]])
+    b.add_rows(cache(ps[1:2]), room=8)
+    assert a.length.tolist() == b.length.tolist()
+    assert torch.allclose(step(a, [1, 2, 3, 4]), step(b, [1, 2, 3, 4]), atol=1e-5)
+    a.add_rows(cache(ps[4:]), room=8, rows=6)  # 12 tokens, wider than the batch: rebuilt
+    assert a.cache.layers[0]._base[0].shape[0] == 6 and a.batch_size == 5
+    b.add_rows(cache(ps[4:]), room=8)
+    assert torch.allclose(step(a, [1, 2, 3, 4, 5]), step(b, [1, 2, 3, 4, 5]), atol=1e-5)

@@ -37,7 +37,12 @@ def vcfg(tiny_dirs, tmp_path, **over):
     return tiny_cfg(tiny_dirs, tmp_path, **{"backend": "vllm", "vllm.python": sys.executable, **over})
 
 
-def test_a_paired_vllm_job_records_what_ours_records(tiny_dirs, tmp_path, fake_vllm):
+def test_a_paired_vllm_job_records_what_ours_records(tiny_dirs, tmp_path, fake_vllm, monkeypatch):
+    import tempfile
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(logs))
     ar, pld = runner.job(vcfg(tiny_dirs, tmp_path, method=PLD, bs=2, ar_baseline="paired", K=3), sweep_id="v")
     assert ar["status"] == pld["status"] == "ok", (ar["error"], pld["error"])
     for rec in (ar, pld):
@@ -46,6 +51,7 @@ def test_a_paired_vllm_job_records_what_ours_records(tiny_dirs, tmp_path, fake_v
         assert len(rec["requests"]) == 8  # 4 questions x 2 turns: the second turn holds the first answer
         assert {q["turn"] for q in rec["requests"]} == {1, 2}
     assert pld["paired_with"] == ar["job_id"] and pld["ar_job_id"] == ar["job_id"]
+    assert not list(logs.glob("specbench-vllm-*"))  # the workers' logs go after a clean exit
     m = pld["metrics"]
     assert m["match_ar"] == 1.0  # the stand-in verifies greedily, as vLLM does
     lens = [int(c, 36) for q in pld["requests"] for c in q["accepts"]]
@@ -106,10 +112,20 @@ def test_vllm_refusals(tiny_dirs, tmp_path, over, msg):
         runner.validate(cfg)
 
 
-def test_a_worker_that_fails_to_start_fails_the_job_in_one_line(tiny_dirs, tmp_path, fake_vllm):
+def test_a_worker_that_fails_to_start_fails_the_job_in_one_line(tiny_dirs, tmp_path, fake_vllm, monkeypatch):
+    import tempfile
+
     rec, = runner.job(vcfg(tiny_dirs, tmp_path, method={"name": "ar"}, **{"model.path": str(tmp_path)}), sweep_id="x")
     assert rec["status"] == "error"
     assert "\n" not in rec["error"]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(logs))
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "1")  # now vLLM itself fails as its engine starts
+    rec, = runner.job(vcfg(tiny_dirs, tmp_path / "w", method={"name": "ar"}), sweep_id="y")
+    assert rec["status"] == "error" and "\n" not in rec["error"] and "told to fail" in rec["error"]
+    kept = list(logs.glob("specbench-vllm-*"))
+    assert kept and str(kept[0]) in rec["error"]  # a failure keeps its log, and the error names it
 
 
 def _draft_lm(target, seed=0):

@@ -114,16 +114,15 @@ def hf_folder(target_dir: str, out, n_layers: int, own: dict | None = None) -> s
     import tempfile
     from pathlib import Path
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+
+    from specbench.hf import folder_weights
 
     out, src = Path(out), Path(target_dir)
     if (out / "config.json").exists():
         return str(out)
-    weights = {}
-    for f in sorted(src.glob("*.safetensors")):
-        weights.update(load_file(f))
+    weights, head = folder_weights(src)
     emb = weights["model.embed_tokens.weight"].float()
-    head = weights.get("lm_head.weight", emb).float()
     keep = {"model.embed_tokens.weight": emb}
     if own is None:
         for k, v in weights.items():

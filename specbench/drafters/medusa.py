@@ -93,14 +93,13 @@ def vllm_folder(checkpoint, target_dir: str, out, k: int) -> str:
 
     from safetensors.torch import load_file, save_file
 
+    from specbench.hf import folder_weights
+
     out, src = Path(out), Path(target_dir)
     if (out / "config.json").exists():
         return str(out)
     state = load_file(str(Path(checkpoint) / "model.safetensors"))
-    tw = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tw.update(load_file(f))
-    head = tw.get("lm_head.weight", tw["model.embed_tokens.weight"]).float()
+    head = folder_weights(src)[1]
     ids = state["vocab_ids"].long()
     restricted = torch.zeros_like(head)
     restricted[ids] = head[ids]
