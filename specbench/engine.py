@@ -116,18 +116,27 @@ class Engine:
         with Tap(self.target, self.proposer.hidden_layers) as tap:
             return self._serve(requests, max_new_tokens, gen, concurrency, on_done, tap, together)
 
+    def _pick(self, logits: torch.Tensor, gen) -> torch.Tensor:
+        """A prompt's first token from its last position's logits [B, V] (greedy or sampled)."""
+        s = self.sampling
+        return greedy_pick(logits) if s.greedy else sample(warp(logits, s), gen)
+
+    def _first(self, r: RowResult, t: int, now: float) -> None:
+        """Record a request's first token (the prefill's), at ``now``."""
+        r.tokens.append(t)
+        r.t_first = r.t_done = now
+        r.hit_eos = t in self.eos
+
     def _admit(self, reqs, max_new_tokens, gen, tap, t0):
         """Prefill ``reqs`` in a forward of their own: (cache, first tokens, hidden states of the
         prompts or None, results)."""
-        s = self.sampling
         prompts = [r.prompt for r in reqs]
         now = time.perf_counter() - t0
         res = [RowResult(t_arrival=r.arrival, t_admit=now) for r in reqs]
         cache = RaggedCache(self.target, self.device, self.dtype)
         with self.timer.phase("prefill"):
             out = cache.prefill(prompts, room=max_new_tokens + self.widest + 1)
-            last = out.logits[:, -1]
-            first = greedy_pick(last) if s.greedy else sample(warp(last, s), gen)
+            first = self._pick(out.logits[:, -1], gen)
             hidden = None
             if tap.names:  # left-padded prompts: each row's own positions, left-aligned
                 lens = torch.tensor([len(p) for p in prompts], device=self.device)
@@ -136,16 +145,14 @@ class Engine:
                 hidden = Hidden(tap.take(), torch.ones_like(lens)).gather(idx, lens)
         now = time.perf_counter() - t0
         for r, t in zip(res, first.tolist()):
-            r.tokens.append(t)
-            r.t_first = r.t_done = now
-            r.hit_eos = t in self.eos
+            self._first(r, t, now)
         return cache, first, hidden, res
 
     def _fill(self, filling: deque, max_new_tokens, gen, tap, t0) -> list[_Fill]:
         """Prefill the requests in ``filling`` (each alone, first come first served) for up to
         ``self.chunk`` prompt tokens in all; returns those whose prompt is now whole (taken out of
         ``filling``), their first token picked."""
-        s, budget, out = self.sampling, self.chunk, []
+        budget, out = self.chunk, []
         with self.timer.phase("prefill"):
             while filling and budget > 0:
                 f = filling[0]
@@ -165,11 +172,8 @@ class Engine:
                 f.done += n
                 budget -= n
                 if f.done == len(prompt):
-                    last = o.logits[:, -1]
-                    f.first = int((greedy_pick(last) if s.greedy else sample(warp(last, s), gen))[0])
-                    f.res.tokens.append(f.first)
-                    f.res.t_first = f.res.t_done = time.perf_counter() - t0
-                    f.res.hit_eos = f.first in self.eos
+                    f.first = int(self._pick(o.logits[:, -1], gen)[0])
+                    self._first(f.res, f.first, time.perf_counter() - t0)
                     out.append(filling.popleft())
         return out
 
@@ -239,8 +243,7 @@ class Engine:
                     join(joining, [sub], first, hidden, new_res)
                     continue  # more may have arrived, and rows may be free again
             else:
-                now = time.perf_counter() - t0
-                filling.extend(_Fill(r, RowResult(t_arrival=r.arrival, t_admit=now)) for r in joining)
+                filling.extend(_Fill(r, RowResult(t_arrival=r.arrival)) for r in joining)  # admitted at its first piece
                 if filling:
                     ready += self._fill(filling, max_new_tokens, gen, tap, t0)
                 if ready and not (together and filling):
