@@ -220,10 +220,10 @@ class Engine:
                 if not live:
                     cache, state, pending = subs[0], new_state, first
                     if len(subs) > 1:
-                        cache.add_rows(*subs[1:], room=room, rows=concurrency)
+                        cache.add_rows(*subs[1:], room=room, rows=concurrency, wider=not together)
                     self.proposer.start(state, hidden)
                 else:
-                    cache.add_rows(*subs, room=room, rows=concurrency)
+                    cache.add_rows(*subs, room=room, rows=concurrency, wider=True)
                     state.seqs += new_state.seqs
                     state.prompt_lens += new_state.prompt_lens
                     pending = torch.cat([pending, first])

@@ -393,51 +393,60 @@ class RaggedCache:
             return 0
         return int(layers[0].keys.shape[2])
 
-    def add_rows(self, *others: "RaggedCache", room: int = 0, rows: int = 0) -> None:
+    def add_rows(self, *others: "RaggedCache", room: int = 0, rows: int = 0, wider: bool = False) -> None:
         """Rows join the batch (``batching=continuous``): the rows of ``others`` (prefills of their
         prompts alone) are appended after this cache's, in order. All are aligned at their ends: the
         shorter are left-padded to the widest's slots (each row's own start moves, its positions do
-        not). Where the joining rows are no wider than this cache and its buffers have rows to spare
-        (rows that left, or ``rows`` made room for), they are written into those in place: only the
-        joining rows move. Else the buffers are made anew, ``room`` slots past the merged width and
-        room for ``rows`` rows in all, so the batch's next forwards and joins need no copy."""
+        not). Where the buffers have rows to spare (rows that left, or ``rows`` made room for) and
+        slots enough left of the batch's (the window grows leftwards into them), the joining rows
+        are written into them in place: only they move, and the rows in flight get zeros in the
+        slots they gain. Else the buffers are made anew, ``room`` slots past the merged width and
+        room for ``rows`` rows in all, so the batch's next forwards and joins need no copy; with
+        ``wider`` (more rows will join) also as many slots left of it as it is wide, so a joiner up
+        to twice the width still joins in place. Only the slots a row can attend to (its own and
+        its left padding, zeros) are written; the rest are written before anything reads them."""
         parts = [self, *others]
         Cs = [c.C for c in parts]
         W = max(Cs)
         B = sum(c.batch_size for c in parts)
+        grow = W - self.C  # slots the window gains on its left
         layers = self.cache.layers
-        in_place = W == self.C and layers and all(
+        in_place = layers and all(
             type(a) is SlabLayer and a._span is not None and a._base is not None and a._base[0].shape[0] >= B
-            and a._span[0] + W <= a._k.shape[2] for a in layers)
-        merged = None if in_place else _slab_cache(W + room)
+            and a._span[0] >= grow and a._span[0] + self.C <= a._k.shape[2] for a in layers)
+        slack = W if wider else 0
+        merged = None if in_place else _slab_cache(slack + W + room)
         for layer_set in zip(*(c.cache.layers for c in parts)):
             ks = [a.keys[:, :, :C] for a, C in zip(layer_set, Cs)]
             vs = [a.values[:, :, :C] for a, C in zip(layer_set, Cs)]
             if in_place:  # self's rows stay where they are; the joining rows go into the spare ones
                 layer = layer_set[0]
                 k, v = layer._base[0][:B], layer._base[1][:B]
-                off, first = layer._span[0], self.batch_size
+                off, first = layer._span[0] - grow, self.batch_size
                 ks, vs, Cs_j = ks[1:], vs[1:], Cs[1:]
+                if grow:  # the rows in flight: the slots they gain are left padding
+                    k[:first, :, off:off + grow] = 0
+                    v[:first, :, off:off + grow] = 0
             else:
                 cap = max(B, rows)
-                k = ks[0].new_zeros(cap, ks[0].shape[1], W + room, ks[0].shape[3])
-                v = vs[0].new_zeros(cap, vs[0].shape[1], W + room, vs[0].shape[3])
+                k = ks[0].new_empty(cap, ks[0].shape[1], slack + W + room, ks[0].shape[3])
+                v = vs[0].new_empty(cap, vs[0].shape[1], slack + W + room, vs[0].shape[3])
                 base, (k, v) = (k, v), (k[:B], v[:B])
-                off, first, Cs_j = 0, 0, Cs
+                off, first, Cs_j = slack, 0, Cs
             b = first
             for ka, va, C in zip(ks, vs, Cs_j):
                 n = ka.shape[0]
                 k[b:b + n, :, off + W - C:off + W], v[b:b + n, :, off + W - C:off + W] = ka, va
-                if in_place and C < W:  # a spare row's slots before it hold whatever was there
+                if C < W:  # a row's slots before it hold whatever the buffer held
                     k[b:b + n, :, off:off + W - C] = 0
                     v[b:b + n, :, off:off + W - C] = 0
                 b += n
             if in_place:
-                layer._k, layer._v, layer._views = k, v, None
+                layer._k, layer._v, layer._span, layer._views = k, v, (off, W), None
             else:
                 layer = merged.layer_class_to_replicate()
                 layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
-                layer._k, layer._v, layer._span, layer._base = k, v, (0, W), base
+                layer._k, layer._v, layer._span, layer._base = k, v, (off, W), base
                 merged.layers.append(layer)
         if merged is not None:
             self.cache = merged

@@ -244,3 +244,53 @@ def test_rows_join_in_place_where_the_buffers_have_room(model):
     assert a.cache.layers[0]._base[0].shape[0] == 6 and a.batch_size == 5
     b.add_rows(cache(ps[4:]), room=8)
     assert torch.allclose(step(a, [1, 2, 3, 4, 5]), step(b, [1, 2, 3, 4, 5]), atol=1e-5)
+
+
+def test_a_wider_row_joins_in_place_into_the_slack_left_of_the_batch(model):
+    """Buffers rebuilt with ``wider`` keep as many slots left of the batch as it is wide: a row up
+    to twice as wide then joins in place (the window grows leftwards, the rows in flight get zeros
+    there), and the batch computes what a cache built from scratch computes. Every slot outside
+    what the rows attend to is poisoned with NaN first (the new buffers come filled with NaN, too),
+    so a slot left unwritten shows."""
+    from specbench.kv import RaggedCache
+
+    ps = prompts_of([9, 6, 8, 4, 14], seed=10)
+
+    def cache(prompts):
+        c = RaggedCache(model, CPU, torch.float32)
+        c.prefill(prompts)
+        return c
+
+    def step(c, toks):
+        toks = torch.tensor(toks)[:, None]
+        with torch.inference_mode():
+            out = c.forward(toks, torch.zeros_like(toks), None).logits
+        c.commit(torch.zeros(len(toks), 1, dtype=torch.long), torch.ones(len(toks), dtype=torch.long))
+        return out
+
+    a = cache(ps[:3])
+    torch.use_deterministic_algorithms(True)  # empty tensors come filled with NaN
+    try:
+        a.add_rows(cache(ps[3:4]), room=8, rows=5, wider=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    layer = a.cache.layers[0]
+    assert layer._span == (9, 9) and layer._base[0].shape[0] == 5
+    for lay in a.cache.layers:  # poison what no row may read: the slack, the room, the spare row
+        off, W = lay._span
+        for t in lay._base:
+            t[:, :, :off] = float("nan")
+            t[:, :, off + W:] = float("nan")
+            t[4:] = float("nan")
+    b = cache(ps[:3])
+    b.add_rows(cache(ps[3:4]), room=8)
+    assert torch.allclose(step(a, [5, 6, 7, 8]), step(b, [5, 6, 7, 8]), atol=1e-5)
+    ptr = layer._base[0].data_ptr()
+    a.add_rows(cache(ps[4:]), room=8, rows=5, wider=True)  # 14 tokens, wider than the batch's 10
+    assert a.cache.layers[0]._base[0].data_ptr() == ptr, "a joiner within the slack must not rebuild"
+    assert a.C == 14 and a.cache.layers[0]._span == (5, 14)
+    b.add_rows(cache(ps[4:]), room=8)
+    assert a.start.tolist() == b.start.tolist() and a.length.tolist() == b.length.tolist()
+    out = step(a, [1, 2, 3, 4, 5])
+    assert not out.isnan().any()
+    assert torch.allclose(out, step(b, [1, 2, 3, 4, 5]), atol=1e-5)
