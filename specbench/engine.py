@@ -216,14 +216,17 @@ class Engine:
                                    prompt_lens=[len(r.prompt) for r in joining], sampling=s, gen=gen,
                                    device=self.device, eos=self.eos, max_new_tokens=max_new_tokens)
             room = max_new_tokens + self.widest + 1
+            # slack for wider joiners where memory costs nothing until written (the CPU's); a GPU
+            # commits it at once, and copies the cache so fast that a rebuild costs little there
+            wider = not together and self.device.type == "cpu"
             with self.timer.phase("prefill"):  # the method's own prefill (a draft model's cache) is prefill too
                 if not live:
                     cache, state, pending = subs[0], new_state, first
                     if len(subs) > 1:
-                        cache.add_rows(*subs[1:], room=room, rows=concurrency, wider=not together)
+                        cache.add_rows(*subs[1:], room=room, rows=concurrency, wider=wider)
                     self.proposer.start(state, hidden)
                 else:
-                    cache.add_rows(*subs, room=room, rows=concurrency, wider=True)
+                    cache.add_rows(*subs, room=room, rows=concurrency, wider=wider)
                     state.seqs += new_state.seqs
                     state.prompt_lens += new_state.prompt_lens
                     pending = torch.cat([pending, first])
