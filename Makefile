@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: setup setup-vllm bench-vllm run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline bench-serving bench-serving-sharegpt bench-tune bench-training-free bench-eagle3 train-draft report regress regress-baseline profile clean-cache
+.PHONY: setup setup-vllm bench-vllm run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline bench-serving bench-serving-sharegpt bench-tune bench-tune-sharegpt bench-training-free bench-eagle3 train-draft report regress regress-baseline profile clean-cache
 
 setup: $(STAMP)
 
@@ -176,6 +176,18 @@ bench-tune: setup
 	$(BENCH_TUNE) method=eagle K=auto
 	for shape in 1,2 2,6 4,16; do $(BENCH_TUNE) method=eagle eagle.depth=$${shape%,*} eagle.total_tokens=$${shape#*,}; done
 	$(BIN)/python -m analysis.report $(BENCH_TUNE_DIR) --out $(BENCH_TUNE_DIR)/report
+
+# The same on the serving sweep's ShareGPT setting (32 first turns, 64 tokens, prefill_chunk=512,
+# continuous batching): PLD over K at concurrency 1, 4, 8, 16; EAGLE over (1, 2), (2, 6) at 1 only
+# (~2 h in all: K=auto's pilots prefill this set's long held-out prompts, 4-16 min a job)
+BENCH_TUNE_SG_DIR := results/bench-tune-sharegpt
+BENCH_TUNE_SG = $(BIN)/python -m specbench dataset=sharegpt limit=32 max_new_tokens=64 batching=continuous \
+	prefill_chunk=512 ar_baseline=paired progress=false results_dir=$(BENCH_TUNE_SG_DIR) $(ARGS)
+bench-tune-sharegpt: setup
+	$(BENCH_TUNE_SG) bs=1,4,8,16 method=pld K=1,2,4,auto
+	$(BENCH_TUNE_SG) bs=1 method=eagle K=auto
+	for shape in 1,2 2,6; do $(BENCH_TUNE_SG) bs=1 method=eagle eagle.depth=$${shape%,*} eagle.total_tokens=$${shape#*,}; done
+	$(BIN)/python -m analysis.report $(BENCH_TUNE_SG_DIR) --out $(BENCH_TUNE_SG_DIR)/report
 
 # The training-free methods beside PLD and REST on MT-Bench, HumanEval and GSM8K (10 each, 128
 # tokens, bs 1), each job with its own AR; SAM also with Token Recycling as its fallback (the paper's SAM[TR])

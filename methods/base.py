@@ -30,6 +30,7 @@ class BatchState:
     nodes: torch.Tensor | None = None
     node_valid: torch.Tensor | None = None
     max_new_tokens: int = 0  # the most tokens a row emits after its prompt (to size caches once)
+    rows: int = 0  # the most rows the batch holds at once (its concurrency; to size caches for joiners)
 
 
 class Proposer:

@@ -22,7 +22,7 @@ import torch
 from methods.base import BatchState, Proposer
 from specbench.draft import Draft
 from specbench.hidden import Hidden, Tap
-from specbench.kv import RaggedCache
+from specbench.kv import RaggedCache, slack_pays
 from specbench.timing import PhaseTimer, sync
 from specbench.verify import Sampling, greedy_pick, sample, verify, warp
 
@@ -214,11 +214,9 @@ class Engine:
             nonlocal cache, state, pending
             new_state = BatchState(seqs=[list(r.prompt) + [t] for r, t in zip(joining, first.tolist())],
                                    prompt_lens=[len(r.prompt) for r in joining], sampling=s, gen=gen,
-                                   device=self.device, eos=self.eos, max_new_tokens=max_new_tokens)
+                                   device=self.device, eos=self.eos, max_new_tokens=max_new_tokens, rows=concurrency)
             room = max_new_tokens + self.widest + 1
-            # slack for wider joiners where memory costs nothing until written (the CPU's); a GPU
-            # commits it at once, and copies the cache so fast that a rebuild costs little there
-            wider = not together and self.device.type == "cpu"
+            wider = not together and slack_pays(self.device)
             with self.timer.phase("prefill"):  # the method's own prefill (a draft model's cache) is prefill too
                 if not live:
                     cache, state, pending = subs[0], new_state, first

@@ -162,6 +162,13 @@ def _slab_cache(capacity: int = 0) -> DynamicCache:
     return cache
 
 
+def slack_pays(device: torch.device) -> bool:
+    """Whether a cache rows will join should keep slots for wider joiners (``add_rows(wider=)``):
+    on the CPU memory costs nothing until written; a GPU commits it at once, and copies a cache
+    so fast that rebuilding it for a wider joiner costs little there."""
+    return device.type == "cpu"
+
+
 def _keep_rows(layer, rows: list[int]) -> bool:
     """Move the kept rows of a ``SlabLayer`` that holds its own slice to the front of its buffer,
     in place (row by row, only the live slots), and narrow the buffer to them: no second copy of

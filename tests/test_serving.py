@@ -294,3 +294,4 @@ def test_a_wider_row_joins_in_place_into_the_slack_left_of_the_batch(model):
     out = step(a, [1, 2, 3, 4, 5])
     assert not out.isnan().any()
     assert torch.allclose(out, step(b, [1, 2, 3, 4, 5]), atol=1e-5)
+
