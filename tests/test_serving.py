@@ -182,17 +182,31 @@ def test_chunked_prefill_keeps_rows_decoding_between_pieces(model):
         Engine(model, None, Sampling(), CPU, torch.float32, set(), PhaseTimer(CPU), prefill_chunk=0)
 
 
+def _prefilled(model, prompts):
+    """A ``RaggedCache`` of ``prompts`` prefilled together."""
+    from specbench.kv import RaggedCache
+
+    c = RaggedCache(model, CPU, torch.float32)
+    c.prefill(prompts)
+    return c
+
+
+def _one_step(c, toks):
+    """One token per row on ``c`` (its logits), committed."""
+    toks = torch.tensor(toks)[:, None]
+    with torch.inference_mode():
+        out = c.forward(toks, torch.zeros_like(toks), None).logits
+    c.commit(torch.zeros(len(toks), 1, dtype=torch.long), torch.ones(len(toks), dtype=torch.long))
+    return out
+
+
 def test_add_rows_merges_several_caches_at_once(model):
     """``RaggedCache.add_rows(a, b)`` equals adding a then b: same rows, starts, lengths, and the
     next forward's logits."""
-    from specbench.kv import RaggedCache
-
     ps = prompts_of([5, 9, 3, 7], seed=8)
 
     def cache(prompts):
-        c = RaggedCache(model, CPU, torch.float32)
-        c.prefill(prompts)
-        return c
+        return _prefilled(model, prompts)
 
     one = cache(ps[:1])
     one.add_rows(cache(ps[1:3]), cache(ps[3:]), room=10)
@@ -211,21 +225,12 @@ def test_rows_join_in_place_where_the_buffers_have_room(model):
     """A row that leaves frees its buffer row; a narrower row joining later is written into it
     (no new buffers, the rows in flight not moved), and the batch computes what a cache rebuilt
     from scratch computes. A wider one rebuilds, with room for ``rows`` rows."""
-    from specbench.kv import RaggedCache
-
     ps = prompts_of([9, 6, 8, 4, 12], seed=9)
 
     def cache(prompts):
-        c = RaggedCache(model, CPU, torch.float32)
-        c.prefill(prompts)
-        return c
+        return _prefilled(model, prompts)
 
-    def step(c, toks):
-        toks = torch.tensor(toks)[:, None]
-        with torch.inference_mode():
-            out = c.forward(toks, torch.zeros_like(toks), None).logits
-        c.commit(torch.zeros(len(toks), 1, dtype=torch.long), torch.ones(len(toks), dtype=torch.long))
-        return out
+    step = _one_step
 
     a = cache(ps[:3])
     a.add_rows(cache(ps[3:4]), room=8, rows=4)  # rebuilt, with a spare row: none yet (4 rows)
@@ -252,21 +257,12 @@ def test_a_wider_row_joins_in_place_into_the_slack_left_of_the_batch(model):
     there), and the batch computes what a cache built from scratch computes. Every slot outside
     what the rows attend to is poisoned with NaN first (the new buffers come filled with NaN, too),
     so a slot left unwritten shows."""
-    from specbench.kv import RaggedCache
-
     ps = prompts_of([9, 6, 8, 4, 14], seed=10)
 
     def cache(prompts):
-        c = RaggedCache(model, CPU, torch.float32)
-        c.prefill(prompts)
-        return c
+        return _prefilled(model, prompts)
 
-    def step(c, toks):
-        toks = torch.tensor(toks)[:, None]
-        with torch.inference_mode():
-            out = c.forward(toks, torch.zeros_like(toks), None).logits
-        c.commit(torch.zeros(len(toks), 1, dtype=torch.long), torch.ones(len(toks), dtype=torch.long))
-        return out
+    step = _one_step
 
     a = cache(ps[:3])
     torch.use_deterministic_algorithms(True)  # empty tensors come filled with NaN
