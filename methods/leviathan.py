@@ -14,7 +14,7 @@ import torch
 from methods.base import BatchState, Proposer
 from specbench import backends, drafters
 from specbench.draft import Draft
-from specbench.kv import RaggedCache, slack_pays
+from specbench.kv import RaggedCache
 from specbench.errors import ConfigError
 from specbench.hf import max_positions, text_config
 from specbench.models import cached_model, load_config, load_tokenizer, model_cfg, self_layers_draft
@@ -135,8 +135,7 @@ class Leviathan(Proposer):
     def add_rows(self, state: BatchState, hidden=None) -> None:
         running, fed = self.dcache, self.fed
         self.start(state, hidden)  # the new rows' draft cache, from their prompts alone
-        running.add_rows(self.dcache, room=state.max_new_tokens + self.K + 2, rows=state.rows,
-                         wider=slack_pays(self.device))
+        running.add_rows(self.dcache, room=state.max_new_tokens + self.K + 2, rows=state.rows, wider=True)
         self.dcache, self.fed = running, fed + self.fed
 
     def _pick(self, logits: torch.Tensor, state: BatchState):

@@ -22,7 +22,7 @@ import torch
 from methods.base import BatchState, Proposer
 from specbench.draft import Draft
 from specbench.hidden import Hidden, Tap
-from specbench.kv import RaggedCache, slack_pays
+from specbench.kv import RaggedCache
 from specbench.timing import PhaseTimer, sync
 from specbench.verify import Sampling, greedy_pick, sample, verify, warp
 
@@ -216,15 +216,14 @@ class Engine:
                                    prompt_lens=[len(r.prompt) for r in joining], sampling=s, gen=gen,
                                    device=self.device, eos=self.eos, max_new_tokens=max_new_tokens, rows=concurrency)
             room = max_new_tokens + self.widest + 1
-            wider = not together and slack_pays(self.device)
             with self.timer.phase("prefill"):  # the method's own prefill (a draft model's cache) is prefill too
                 if not live:
                     cache, state, pending = subs[0], new_state, first
                     if len(subs) > 1:
-                        cache.add_rows(*subs[1:], room=room, rows=concurrency, wider=wider)
+                        cache.add_rows(*subs[1:], room=room, rows=concurrency, wider=not together)
                     self.proposer.start(state, hidden)
                 else:
-                    cache.add_rows(*subs, room=room, rows=concurrency, wider=wider)
+                    cache.add_rows(*subs, room=room, rows=concurrency, wider=True)
                     state.seqs += new_state.seqs
                     state.prompt_lens += new_state.prompt_lens
                     pending = torch.cat([pending, first])

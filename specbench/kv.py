@@ -162,13 +162,6 @@ def _slab_cache(capacity: int = 0) -> DynamicCache:
     return cache
 
 
-def slack_pays(device: torch.device) -> bool:
-    """Whether a cache rows will join should keep slots for wider joiners (``add_rows(wider=)``):
-    on the CPU memory costs nothing until written; a GPU commits it at once, and copies a cache
-    so fast that rebuilding it for a wider joiner costs little there."""
-    return device.type == "cpu"
-
-
 def _keep_rows(layer, rows: list[int]) -> bool:
     """Move the kept rows of a ``SlabLayer`` that holds its own slice to the front of its buffer,
     in place (row by row, only the live slots), and narrow the buffer to them: no second copy of
@@ -409,9 +402,11 @@ class RaggedCache:
         are written into them in place: only they move, and the rows in flight get zeros in the
         slots they gain. Else the buffers are made anew, ``room`` slots past the merged width and
         room for ``rows`` rows in all, so the batch's next forwards and joins need no copy; with
-        ``wider`` (more rows will join) also as many slots left of it as it is wide, so a joiner up
-        to twice the width still joins in place. Only the slots a row can attend to (its own and
-        its left padding, zeros) are written; the rest are written before anything reads them."""
+        ``wider`` (more rows will join) on the CPU also as many slots left of it as it is wide, so
+        a joiner up to twice the width still joins in place (CPU memory costs nothing until
+        written; a GPU commits it at once, and copies a cache so fast that a rebuild costs little
+        there). Only the slots a row can attend to (its own and its left padding, zeros) are
+        written; the rest are written before anything reads them."""
         parts = [self, *others]
         Cs = [c.C for c in parts]
         W = max(Cs)
@@ -420,8 +415,8 @@ class RaggedCache:
         layers = self.cache.layers
         in_place = layers and all(
             type(a) is SlabLayer and a._span is not None and a._base is not None and a._base[0].shape[0] >= B
-            and a._span[0] >= grow and a._span[0] + self.C <= a._k.shape[2] for a in layers)
-        slack = W if wider else 0
+            and a._span[0] >= grow for a in layers)
+        slack = W if wider and self.device.type == "cpu" else 0
         merged = None if in_place else _slab_cache(slack + W + room)
         for layer_set in zip(*(c.cache.layers for c in parts)):
             ks = [a.keys[:, :, :C] for a, C in zip(layer_set, Cs)]

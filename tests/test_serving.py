@@ -2,6 +2,8 @@
 token-identical to plain greedy decoding with ragged prompts, rows joining and leaving in
 every order (staggered starts, early EOS), arrivals spread in time and follow-up requests."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -205,8 +207,7 @@ def test_add_rows_merges_several_caches_at_once(model):
     next forward's logits."""
     ps = prompts_of([5, 9, 3, 7], seed=8)
 
-    def cache(prompts):
-        return _prefilled(model, prompts)
+    cache = partial(_prefilled, model)
 
     one = cache(ps[:1])
     one.add_rows(cache(ps[1:3]), cache(ps[3:]), room=10)
@@ -227,10 +228,7 @@ def test_rows_join_in_place_where_the_buffers_have_room(model):
     from scratch computes. A wider one rebuilds, with room for ``rows`` rows."""
     ps = prompts_of([9, 6, 8, 4, 12], seed=9)
 
-    def cache(prompts):
-        return _prefilled(model, prompts)
-
-    step = _one_step
+    cache, step = partial(_prefilled, model), _one_step
 
     a = cache(ps[:3])
     a.add_rows(cache(ps[3:4]), room=8, rows=4)  # rebuilt, with a spare row: none yet (4 rows)
@@ -259,10 +257,7 @@ def test_a_wider_row_joins_in_place_into_the_slack_left_of_the_batch(model):
     so a slot left unwritten shows."""
     ps = prompts_of([9, 6, 8, 4, 14], seed=10)
 
-    def cache(prompts):
-        return _prefilled(model, prompts)
-
-    step = _one_step
+    cache, step = partial(_prefilled, model), _one_step
 
     a = cache(ps[:3])
     torch.use_deterministic_algorithms(True)  # empty tensors come filled with NaN
