@@ -54,6 +54,8 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         row["quality"], row["quality_ar"], row["quality_metric"] = q.get("value"), q.get("ar_value"), q.get("metric")
         row["method_cfg"] = r.get("method_cfg") or {}
         row["method_opts"] = r.get("method_opts") or {}
+        row["accept"] = (r.get("accept") or {}).get("name")  # synthetic: acceptance drawn at given rates
+        row["accept_rates"] = (r.get("accept") or {}).get("rates")
         row["K_auto"] = bool(r.get("K_auto"))  # K=auto: the setting was chosen per job (tuned.chosen)
         row["tuned_chosen"] = (r.get("tuned") or {}).get("chosen")
         row["alphas"] = m.get("accept_rate_per_pos") or []
@@ -88,6 +90,9 @@ def k_label(row, sep: str = " ") -> str:
 
 def label(row) -> str:
     base = _label(row) + (" (K=auto)" if row.get("K_auto") else "")
+    if row.get("accept") == "synthetic":  # drawn acceptance, not the target's: never mixed with real runs
+        rates = row.get("accept_rates") or []
+        base += " (synthetic " + (f"{rates[0]:g}" if len(set(rates)) == 1 else "/".join(f"{r:g}" for r in rates)) + ")"
     if row.get("backend") not in (None, "specbench"):  # another engine's job is its own series
         base += f" [{row['backend']}]"
     chunk = row.get("prefill_chunk")

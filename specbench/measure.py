@@ -23,7 +23,7 @@ from specbench.models import compiled_graphs, is_compiled
 from specbench.paths import CONF_DIR
 from specbench.monitor import NvmlMonitor
 from specbench.timing import PHASES, PhaseTimer, sync
-from specbench.verify import Sampling
+from specbench.verify import Sampling, Synthetic
 
 
 class PeakMemory:
@@ -99,14 +99,16 @@ class MethodRun:
             if method_name != cfg.method.name else cfg
         self.proposer = methods.get(method_name)(mcfg, model, tokenizer, device, dtype)
         self.K = _spec_len(mcfg, method_name, device) or 0  # positions of the per-position acceptance
-        sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
+        acc = accept_of(cfg)
         self.chat = bool(cfg.model.get("chat", True))
         eos = eos_ids(model, tokenizer)
         method = methods.get(method_name)
         self.npos = method.positions(mcfg, model.config)
         self.reach = method.reach(mcfg, device)
 
-        def engine(timer):
+        def engine(timer):  # its own seeded stream of synthetic acceptance draws, if any
+            sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p),
+                                None if acc is None else Synthetic(acc["rates"], int(cfg.seed)))
             return Engine(model, self.proposer, sampling, device, dtype, eos, timer,
                           prefill_chunk=cfg.get("prefill_chunk"))
 
@@ -317,6 +319,16 @@ class MethodRun:
         if self.repeats > 1:  # each pass over the prompt set on its own: the spread between repeats
             metrics["repeat_tokens_per_s"] = [t / w if w > 0 else None for t, w in zip(self.rep_tokens, self.rep_wall)]
         return metrics, requests
+
+
+def accept_of(cfg) -> dict | None:
+    """``accept=synthetic``'s settings as a record keeps them (``{"name", "rates"}``); None when the
+    engine verifies as usual (``accept=exact``)."""
+    a = cfg.get("accept")
+    if a is None or a.get("name", "exact") == "exact":
+        return None
+    r = a.get("rates")
+    return {"name": str(a.name), "rates": [float(x) for x in (r if OmegaConf.is_list(r) else [r])]}
 
 
 def rate_of(cfg) -> float:

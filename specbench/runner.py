@@ -22,8 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 import methods
 from specbench import backends, loggers, quality, tune, vllm_engine
 from specbench import records as R
-from specbench.measure import (MethodRun, PeakMemory, _spec_len, build_requests, rate_of, run_methods,  # noqa: F401
-                               warm_compiled)
+from specbench.measure import (MethodRun, PeakMemory, _spec_len, accept_of, build_requests, rate_of,  # noqa: F401
+                               run_methods, warm_compiled)
 from specbench.errors import ConfigError  # noqa: F401
 from specbench.models import cached_model, load_tokenizer, resolve_device, resolve_dtype  # noqa: F401
 from specbench.paths import file_lock  # noqa: F401
@@ -85,6 +85,8 @@ def _record_base(cfg, method_name, device, dtype, sweep_id, resolve_kernel: bool
         "kernel": None if on_vllm else _kernel_of(cfg, device) if resolve_kernel else cfg.get("kernel"),
         "kernel_isa": _kernel_isa(cfg, device) if resolve_kernel else None,
         **({"compile": True} if cfg.get("compile") else {}),  # only when true: older records pair as eager
+        # accept=synthetic: only for a method that drafts (AR decodes the same either way, and pairs)
+        **({"accept": accept_of(cfg)} if accept_of(cfg) and method_name != "ar" else {}),
         **(_vllm_fields(cfg) if on_vllm else {}),  # only for backend=vllm: older records are our engine's
         "method_opts": OmegaConf.to_container(cfg.method, resolve=True) if method_name == cfg.method.name
         else {"name": method_name},
@@ -133,7 +135,7 @@ def measure(cfg, names: list[str], model, tokenizer, device, dtype, questions, s
         for r in requests:
             r.pop("_text", None)
         rec["metrics"], rec["requests"] = metrics, requests
-        rec["lossless"] = bool(proposer.lossless)
+        rec["lossless"] = bool(proposer.lossless) and "accept" not in rec
         rec["method_cfg"] = proposer.describe()
         out.append(rec)
     return out

@@ -52,6 +52,12 @@ class Draft:
 
 
 @dataclass
+class Accept:
+    name: Literal["exact", "synthetic"]
+    rates: Any  # a probability or a list of them, required by synthetic: checked in check()
+
+
+@dataclass
 class Slo:
     ttft_ms: Optional[float] = setting(above=0)
     tpot_ms: Optional[float] = setting(above=0)
@@ -83,6 +89,7 @@ class Run:
     draft: Draft
     method: Any  # checked by the method
     logger: Any
+    accept: Accept
     K: Any  # an integer >= 1 or auto: checked in check()
     bs: int = setting(lo=1)
     batching: Literal["static", "continuous"]
@@ -188,6 +195,13 @@ def check(cfg: DictConfig) -> None:
     ks = (cfg.get("tune") or {}).get("K")
     if ks is not None and not (OmegaConf.is_list(ks) and len(ks) and all(_is(k, int) and k >= 1 for k in ks)):
         raise ConfigError(f"tune.K must be a list of integers >= 1 (the lengths K=auto chooses among), got {ks!r}")
+    acc = cfg.get("accept")
+    if acc is not None and acc.get("name") == "synthetic":
+        r = acc.get("rates")
+        rs = list(r) if OmegaConf.is_list(r) else [r]
+        if not rs or not all(_is(x, float) and 0 <= x <= 1 for x in rs):
+            raise ConfigError(f"accept.rates must be a probability in [0, 1] or a non-empty list of them (one per "
+                              f"draft depth), got {OmegaConf.to_container(r) if OmegaConf.is_list(r) else r!r}")
     rate = cfg.get("rate", "inf")
     if not (str(rate).lower() in ("inf", "infinity") or (isinstance(rate, (int, float)) and not isinstance(rate, bool)
                                                          and rate > 0)):

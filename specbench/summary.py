@@ -29,6 +29,7 @@ def summary_table(recs: list[dict]) -> str:
         load = [srv.get("batching", "static"), str(srv.get("rate", "-")), ms((lat.get("tpot_s") or {}).get("p50")),
                 ms((lat.get("ttft_s") or {}).get("p99"))] if serving else []
         name = str(r.get("method")) + (f" [{r['backend']}]" if r.get("backend") else "")  # vLLM's jobs say so
+        name += " [synthetic accept]" if r.get("accept") else ""  # drawn acceptance, lossy by construction
         rows.append([name, str(r.get("model")).split("/")[-1], r.get("dataset"), str(r.get("bs")), *load,
                      ("auto:" if r.get("K_auto") else "") + f(r.get("K"), "d"), f(r.get("ctx"), "d"), f(m.get("tokens_per_s"), ".1f"),
                      f(m.get("speedup"), ".2f") + ("x" if m.get("speedup") is not None else ""),

@@ -25,6 +25,9 @@ def validate(cfg: DictConfig) -> int:
         raise ConfigError(e.args[0]) from None
     schema.check(cfg)  # types and ranges of every setting but the method's own
     on_vllm = cfg.get("backend", "specbench") == "vllm"
+    if on_vllm and (cfg.get("accept") or {}).get("name", "exact") != "exact":
+        raise ConfigError("accept=synthetic draws acceptance in specbench's own verifier; backend=vllm verifies "
+                          "in vLLM: drop accept=synthetic or use backend=specbench")
     if on_vllm:
         from specbench import vllm_engine
 

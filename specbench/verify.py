@@ -40,11 +40,47 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), axis=-1)))
 
 
+class Synthetic:
+    """Synthetic acceptance (``accept=synthetic``; vLLM has it for performance modelling): the
+    first candidate child at depth d of the path so far is accepted with probability
+    ``rates[d-1]`` (the last rate for deeper nodes), seeded, whatever the target says; the extra
+    token is the target's own (argmax, or sampled) after the last accepted node. Drafting, the
+    verify forward over every node, the KV commit and the timers run as usual, so a random-weight
+    model costs what a trained one does at the acceptance a published profile gives. Lossy by
+    construction: the output is not the target's."""
+
+    def __init__(self, rates, seed: int = 0):
+        rates = [float(r) for r in (rates if isinstance(rates, (list, tuple)) else [rates])]
+        if not rates or any(not 0.0 <= r <= 1.0 for r in rates):
+            raise ValueError(f"accept.rates must be a probability or a non-empty list of them, got {rates}")
+        self.rates, self.seed = rates, int(seed)
+        self._gen: torch.Generator | None = None
+        self._rates: torch.Tensor | None = None
+
+    def draws(self, B: int, depth: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(uniforms [B, depth], the rate at each depth [depth]) on ``device``; one seeded stream."""
+        if self._gen is None or self._gen.device != torch.device(device):
+            self._gen = torch.Generator(device).manual_seed(self.seed)
+            self._rates = torch.tensor(self.rates, dtype=torch.float32, device=device)
+        idx = torch.arange(depth, device=device).clamp(max=len(self.rates) - 1)
+        return torch.rand(B, depth, generator=self._gen, device=device), self._rates[idx]
+
+    def expected_tau(self, K: int) -> float:
+        """The mean accepted length of a chain (or a tree's first-child path) of depth ``K``:
+        1 + sum_i prod_{j<=i} a_j."""
+        tau, run = 1.0, 1.0
+        for d in range(K):
+            run *= self.rates[min(d, len(self.rates) - 1)]
+            tau += run
+        return tau
+
+
 @dataclass
 class Sampling:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    synthetic: Synthetic | None = None  # accept=synthetic: acceptance drawn at given rates (lossy)
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +146,8 @@ def verify(logits: torch.Tensor, draft: Draft | None, s: Sampling, gen: torch.Ge
             counts=torch.ones(B, dtype=torch.long, device=dev),
             accepted=[[] for _ in range(B)], extra=extra,
         )
+    if s.synthetic is not None:
+        return _synthetic(logits, draft, s, gen)
     if s.greedy:
         if draft.relaxed is not None and draft.relaxed[0] > 1:
             return _relaxed(logits, draft, *draft.relaxed)
@@ -224,6 +262,43 @@ def _verdict(draft: Draft, keep, counts, n_acc, extra) -> Verdict:
     n_list = n_acc.tolist()
     accepted = [acc_lists[b][1 : 1 + n_list[b]] for b in range(B)]
     return Verdict(keep=keep, counts=counts, accepted=accepted, extra=extra)
+
+
+def _synthetic(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
+    """``Synthetic``: from the root, the first candidate child (lowest node index) of the node
+    reached so far passes with its depth's rate; the walk stops at the first failure (or a node
+    without candidate children) and the target picks the extra token there."""
+    B, N, _ = logits.shape
+    n = N - 1
+    dev = logits.device
+    rows = torch.arange(B, device=dev)
+    ok = draft.accept_mask()  # [B, n]
+    if draft.is_chain:
+        u, rate = s.synthetic.draws(B, n, dev)
+        n_acc = ((u < rate[None]) & ok).long().cumprod(1).sum(1)  # [B]
+        keep, counts = _chain_keep(n_acc)
+        best = n_acc
+    else:
+        depth, _ = draft.geometry()
+        D = int(depth.max())  # the tree's depth (one read a step)
+        u, rate = s.synthetic.draws(B, D, dev)
+        idx = torch.arange(1, N, device=dev)[None].expand(B, n)
+        first = torch.full((B, N), N, dtype=torch.long, device=dev)  # [B, N] first candidate child (N: none)
+        first.scatter_reduce_(1, draft.parents, torch.where(ok, idx, N), "amin")
+        first = torch.cat([first, torch.full((B, 1), N, dtype=torch.long, device=dev)], dim=1)  # row N: "none"
+        cur = torch.zeros(B, dtype=torch.long, device=dev)
+        on = torch.zeros(B, n + 1, dtype=torch.bool, device=dev)  # nodes on the accepted path (index 0: unused)
+        alive = torch.ones(B, dtype=torch.bool, device=dev)
+        for d in range(D):
+            child = first[rows, cur]
+            alive = alive & (child < N) & (u[:, d] < rate[d])
+            cur = torch.where(alive, child, cur)
+            on[rows, torch.where(alive, child, 0)] = True
+        keep, counts, best = _walk(on[:, 1:], draft)
+        n_acc = counts - 1
+    last = logits[rows, best]  # [B, V] the target at the last accepted node
+    extra = greedy_pick(last) if s.greedy else sample(warp(last, s), gen)
+    return _verdict(draft, keep, counts, n_acc, extra)
 
 
 def _typical(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
