@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: setup setup-vllm bench-vllm run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline bench-serving bench-serving-sharegpt bench-tune bench-tune-sharegpt bench-training-free bench-eagle3 train-draft report regress regress-baseline profile clean-cache
+.PHONY: setup setup-vllm gpu-kit gpu-check bench-vllm run test test-fast bench-peers bench-draft bench-heads bench-search bench-floor bench-cpu bench-headline bench-serving bench-serving-sharegpt bench-tune bench-tune-sharegpt bench-training-free bench-eagle3 train-draft report regress regress-baseline profile clean-cache
 
 setup: $(STAMP)
 
@@ -44,6 +44,20 @@ $(VLLM_STAMP): Makefile
 
 run: setup
 	$(BIN)/python -m specbench $(ARGS)
+
+# The GPU check (docs/gpu.md): `make gpu-kit` here writes .gpu/ (wheels the GPU image lacks, the tokenizer,
+# the prompts); `make gpu-check` there is the one command (its python3, no venv); here
+# `make gpu-check DEVICE=cpu SHAPE=tiny` is the same script end to end on the CPU.
+DEVICE   ?= cuda
+SHAPE    ?= llama-3.1-8b
+OUT      ?= gpucheck-out
+BUDGET_S ?= 420
+CHECK_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-kit: setup
+	$(BIN)/python -m specbench.gpucheck kit
+
+gpu-check:
+	$(CHECK_PY) -m specbench.gpucheck run --out $(OUT) --device $(DEVICE) --shape $(SHAPE) --budget $(BUDGET_S) $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q $(ARGS)

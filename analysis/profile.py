@@ -170,6 +170,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="a conf/model name")
     ap.add_argument("--model-path", default=None, help="any HF id or folder instead")
+    ap.add_argument("--shape", default=None, help="with --model random: a shape of specbench/shapes (random weights)")
     ap.add_argument("--bs", default="1,2,4,8")
     ap.add_argument("--n", default="1,2,3,4,5,6,8,12,16")
     ap.add_argument("--ctx", type=int, default=256)
@@ -197,6 +198,8 @@ def main(argv=None) -> int:
     mcfg = OmegaConf.load(CONF_DIR / "model" / f"{a.model}.yaml")
     if a.model_path:
         mcfg.path = a.model_path
+    if a.shape:
+        mcfg.shape = a.shape
     models = {}
     for k in dict.fromkeys(kerns):  # one copy of the model per kernel path
         models[k] = load_model(mcfg, device, dtype)
@@ -209,7 +212,7 @@ def main(argv=None) -> int:
     all_curves = profile_many(models, draft, bs_list, n_list, a.ctx, device, dtype, a.reps, a.repeats)
     out = Path(a.results_dir) / "cost_curves.jsonl"
     for k, curves in all_curves.items():
-        rec = {"kind": "cost_curve", "model": a.model_path or a.model, "device": device.type,
+        rec = {"kind": "cost_curve", "model": a.model_path or str(mcfg.name), "device": device.type,
                "dtype": str(dtype).replace("torch.", ""), "kernel": k, "kernel_isa": backends.kernel_isa(k), "ctx": a.ctx,
                **({"compile": True} if a.compile else {}),
                "draft": f"self_layers:{a.draft_layers}" if a.draft_layers else None, **curves,

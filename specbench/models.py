@@ -3,7 +3,9 @@
 
 Packaged models (GGUF inside a PyPI wheel) are converted once to a plain HF folder under
 the cache dir (``$SPECBENCH_CACHE``, default ``~/.cache/specbench``); later loads take
-about a second. Any HF hub id or local folder loads through ``model.path``.
+about a second. Any HF hub id or local folder loads through ``model.path``. ``model=random``
+builds a random-weight model of a shipped shape (``specbench/shapes``) on the device, for costs,
+memory and instruments where the weights cannot travel (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -131,6 +133,9 @@ def _gguf_file(mcfg) -> Path:
 def model_dir(mcfg) -> str:
     """Where the HF weights of model config ``mcfg`` live (a hub id, a folder, or the
     converted cache folder of a packaged GGUF, made on first use)."""
+    if mcfg.get("shape"):
+        raise ConfigError(f"model=random (shape {mcfg.shape}) is built in memory and has no weights folder; what "
+                          "needs one (backend=vllm, exporting a drafter for it) takes a real model")
     if mcfg.get("path"):
         p = Path(str(mcfg.path)).expanduser()
         if p.exists():
@@ -188,8 +193,25 @@ def _convert_gguf(mcfg, out: Path) -> None:
 def load_tokenizer(mcfg):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir(mcfg))
-    return tok
+    if mcfg.get("shape"):  # a random-weight model: a tokenizer folder, else SmolLM2's
+        folder = mcfg.get("tokenizer")
+        if folder and not Path(str(folder)).expanduser().is_dir():
+            raise ConfigError(f"model.tokenizer '{folder}' is not a folder (make gpu-kit writes .gpu/tokenizer)")
+        return AutoTokenizer.from_pretrained(str(Path(str(folder)).expanduser()) if folder else
+                                             model_dir(model_cfg("smollm2-135m")))
+    return AutoTokenizer.from_pretrained(model_dir(mcfg))
+
+
+# Model shapes a random-weight target is built from (``model=random model.shape=<name>``).
+SHAPES = Path(__file__).resolve().parent / "shapes"
+
+
+def shape_file(name) -> Path:
+    f = SHAPES / f"{name}.json"
+    if not f.exists():
+        have = ", ".join(sorted(p.stem for p in SHAPES.glob("*.json")))
+        raise ConfigError(f"unknown model.shape '{name}'; choices: {have}")
+    return f
 
 
 # Copies of the packaged models' HF configs (config.json as the GGUF conversion writes it), so
@@ -202,6 +224,8 @@ def load_config(mcfg):
     the copy in ``SHIPPED_CONFIGS`` (a test holds the copy to the conversion)."""
     from transformers import AutoConfig
 
+    if mcfg.get("shape"):
+        return AutoConfig.from_pretrained(shape_file(mcfg.shape))
     shipped = SHIPPED_CONFIGS / str(mcfg.get("name"))
     if not mcfg.get("path") and mcfg.get("package") and (shipped / "config.json").exists() and not _converted(mcfg):
         return AutoConfig.from_pretrained(shipped)
@@ -211,6 +235,8 @@ def load_config(mcfg):
 def load_model(mcfg, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
+    if mcfg.get("shape"):
+        return random_model(mcfg, device, dtype)
     kwargs = {"dtype": dtype}
     attn = mcfg.get("attn_implementation")
     if attn:
@@ -218,6 +244,35 @@ def load_model(mcfg, device: torch.device, dtype: torch.dtype):
     model = AutoModelForCausalLM.from_pretrained(model_dir(mcfg), **kwargs)
     model.to(device).eval()
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
+    return model
+
+
+@torch.no_grad()
+def random_model(mcfg, device: torch.device, dtype: torch.dtype):
+    """A random-weight model of shape ``model.shape``, built on ``device`` in ``dtype`` (seed 0).
+    Its final norm is scaled so that the logits' standard deviation is ``model.logit_std``:
+    random weights otherwise give logits so flat that greedy decoding is a run of near-ties."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(mcfg)
+    attn = mcfg.get("attn_implementation")
+    if attn:
+        config._attn_implementation = attn
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    norm = getattr(model.get_decoder(), "norm", None)
+    if norm is None or getattr(norm, "weight", None) is None:
+        raise ConfigError(f"model=random: {type(model).__name__} has no final norm to sharpen its logits with")
+    want = mcfg.get("logit_std")
+    if want:
+        g = torch.Generator(device).manual_seed(0)
+        ids = torch.randint(0, int(config.vocab_size), (1, 32), generator=g, device=device)
+        spread = float(model(ids).logits.float().std())
+        norm.weight.mul_(float(want) / max(spread, 1e-6))
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    model.generation_config.eos_token_id = model.config.eos_token_id
     return model
 
 

@@ -37,6 +37,9 @@ FAILED: list[str] = []  # one-line errors of this sweep's jobs (sets the exit co
 # `device=cuda:${mod:${hydra:job.num},4}`: one GPU per job of a parallel launcher (joblib)
 if not OmegaConf.has_resolver("mod"):
     OmegaConf.register_new_resolver("mod", lambda a, b: int(a) % int(b))
+# `limit=${max:${bs},4}`: a sweep over batch sizes with a full batch of prompts each, and at least 4
+if not OmegaConf.has_resolver("max"):
+    OmegaConf.register_new_resolver("max", lambda *a: max(int(x) for x in a))
 
 
 def _job_name(cfg, method_name, device) -> str:

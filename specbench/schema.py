@@ -32,6 +32,9 @@ class Model:
     path: Optional[str] = setting(required_by=("hf",), doc="a hub id or a local folder")
     chat: bool
     attn_implementation: Optional[str]
+    shape: Optional[str] = setting(required_by=("random",), doc="a shape of specbench/shapes")
+    logit_std: Optional[float] = setting(above=0)
+    tokenizer: Optional[str]
 
 
 @dataclass

@@ -44,6 +44,32 @@ def tiny_dirs(tmp_path_factory):
     return {"target": target, "draft": draft, "other": other, "questions": qs, "root": root}
 
 
+# Modules whose tests decode, verify, commit and join rows on ``SPECBENCH_TEST_DEVICE`` (helpers.DEVICE):
+# with a GPU device only these run (the others hold CPU kernels, files and analysis to the CPU).
+PORTABLE = {"test_engine", "test_verify", "test_serving", "test_feature_methods", "test_search_methods",
+            "test_training_free", "test_synthetic", "test_gpu", "test_device"}
+
+
+@pytest.fixture(scope="session")
+def device():
+    """The device the decode tests run on: ``SPECBENCH_TEST_DEVICE`` (default cpu)."""
+    from helpers import DEVICE
+
+    return DEVICE
+
+
+def pytest_collection_modifyitems(config, items):
+    from helpers import DEVICE
+
+    cuda = __import__("torch").cuda.is_available()
+    for item in items:
+        if item.get_closest_marker("gpu") is not None and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (the gpu marker)"))
+        elif DEVICE.type != "cpu" and item.module.__name__ not in PORTABLE:
+            item.add_marker(pytest.mark.skip(reason=f"CPU-only module (SPECBENCH_TEST_DEVICE={DEVICE} runs "
+                                                    "the device-portable ones)"))
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(request, tmp_path_factory, monkeypatch):
     # unit tests get an empty cache dir; slow tests share the user's converted models

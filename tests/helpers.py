@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -12,9 +14,13 @@ from specbench.timing import PhaseTimer
 from specbench.verify import Sampling
 
 CPU = torch.device("cpu")
+# The device the decode tests run on (``device`` fixture): ``SPECBENCH_TEST_DEVICE=cuda pytest -m "not slow"``
+# is the GPU suite (conftest skips the CPU-only modules there).
+DEVICE = torch.device(os.environ.get("SPECBENCH_TEST_DEVICE", "cpu"))
 
 
-def tiny_llama(seed: int = 0, vocab: int = 96, layers: int = 2, hidden: int = 64, scale: float = 1.0):
+def tiny_llama(seed: int = 0, vocab: int = 96, layers: int = 2, hidden: int = 64, scale: float = 1.0,
+               device: torch.device = DEVICE):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -24,7 +30,7 @@ def tiny_llama(seed: int = 0, vocab: int = 96, layers: int = 2, hidden: int = 64
         with torch.no_grad():
             m.lm_head.weight.mul_(scale)
     m.generation_config.eos_token_id = None  # no EOS unless a test sets one
-    return m
+    return m.to(device)
 
 
 @torch.no_grad()
@@ -32,7 +38,7 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     """Greedy decoding by full recomputation, no cache: the ground truth."""
     seq = list(prompt)
     for _ in range(n):
-        logits = model(torch.tensor([seq])).logits[0, -1]
+        logits = model(torch.tensor([seq], device=model.device)).logits[0, -1]
         seq.append(int(logits.argmax()))
     return seq[len(prompt):]
 
@@ -44,8 +50,8 @@ def cfg_for(**kw):
 
 
 def run_engine(model, proposer: Proposer | None, prompts, n, sampling=None, eos=(), gen=None, prefill_chunk=None):
-    proposer = proposer or Proposer(cfg_for(), model, None, CPU, torch.float32)
-    eng = Engine(model, proposer, sampling or Sampling(), CPU, torch.float32, set(eos), PhaseTimer(CPU),
+    proposer = proposer or Proposer(cfg_for(), model, None, DEVICE, torch.float32)
+    eng = Engine(model, proposer, sampling or Sampling(), DEVICE, torch.float32, set(eos), PhaseTimer(DEVICE),
                  prefill_chunk=prefill_chunk)
     return eng.generate(prompts, n, gen)
 
@@ -56,8 +62,8 @@ def serve_engine(model, proposer: Proposer | None, prompts, n, concurrency, arri
     once), at most ``concurrency`` in flight. Results in the prompts' order."""
     from specbench.engine import Request, Requests
 
-    proposer = proposer or Proposer(cfg_for(), model, None, CPU, torch.float32)
-    eng = Engine(model, proposer, sampling or Sampling(), CPU, torch.float32, set(eos), PhaseTimer(CPU),
+    proposer = proposer or Proposer(cfg_for(), model, None, DEVICE, torch.float32)
+    eng = Engine(model, proposer, sampling or Sampling(), DEVICE, torch.float32, set(eos), PhaseTimer(DEVICE),
                  prefill_chunk=prefill_chunk)
     arrivals = arrivals or [0.0] * len(prompts)
     out = eng.serve(Requests([Request(i, p, a) for i, (p, a) in enumerate(zip(prompts, arrivals))]), n, gen,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import CPU, greedy_cases, cfg_for, run_engine, tiny_llama
+from helpers import DEVICE, greedy_cases, cfg_for, run_engine, tiny_llama
 from methods.base import Proposer
 from methods.leviathan import Leviathan
 from methods.pld import NgramIndex, PromptLookup, lookup
@@ -22,7 +22,7 @@ class OracleTree(Proposer):
     name = "oracle_tree"
 
     def __init__(self, model, truth: dict, seed=0):
-        super().__init__(cfg_for(), model, None, CPU, torch.float32)
+        super().__init__(cfg_for(), model, None, DEVICE, torch.float32)
         self.truth = truth  # tuple(prompt) -> full greedy continuation
         self.g = torch.Generator().manual_seed(seed)
 
@@ -68,15 +68,15 @@ def make(name, model, truth):
     if name == "ar":
         return None
     if name == "pld":
-        return PromptLookup(cfg_for(K=3), model, None, CPU, torch.float32)
+        return PromptLookup(cfg_for(K=3), model, None, DEVICE, torch.float32)
     if name == "leviathan_self":
-        return Leviathan(cfg_for(K=3), model, None, CPU, torch.float32, draft_model=self_layers_draft(model, 1))
+        return Leviathan(cfg_for(K=3), model, None, DEVICE, torch.float32, draft_model=self_layers_draft(model, 1))
     if name == "leviathan_other":
-        return Leviathan(cfg_for(K=5), model, None, CPU, torch.float32, draft_model=tiny_llama(seed=3, scale=4.0))
+        return Leviathan(cfg_for(K=5), model, None, DEVICE, torch.float32, draft_model=tiny_llama(seed=3, scale=4.0))
     if name == "oracle_tree":
         return OracleTree(model, truth)
     if name == "reject":
-        return Reject(cfg_for(K=2, method={"name": "reject", "token": 5}), model, None, CPU, torch.float32)
+        return Reject(cfg_for(K=2, method={"name": "reject", "token": 5}), model, None, DEVICE, torch.float32)
     raise KeyError(name)
 
 
@@ -97,7 +97,7 @@ def test_greedy_identity(model, cases, name, bs):
 def test_eos_ends_each_row_alone(model, cases):
     prompts, refs = cases[4]
     eos = refs[1][5]  # a token row 1 emits early
-    for prop in (None, PromptLookup(cfg_for(K=3), model, None, CPU, torch.float32)):
+    for prop in (None, PromptLookup(cfg_for(K=3), model, None, DEVICE, torch.float32)):
         res = run_engine(model, prop, prompts, N_NEW, eos={eos})
         for r, ref in zip(res, refs):
             want = ref[:N_NEW]
@@ -113,12 +113,12 @@ class OracleChain(Proposer):
     name = "oracle_chain"
 
     def __init__(self, model, truth: dict, K: int):
-        super().__init__(cfg_for(), model, None, CPU, torch.float32)
+        super().__init__(cfg_for(), model, None, DEVICE, torch.float32)
         self.truth, self.K = truth, K
 
     def propose(self, state):
         rows = [self.truth[tuple(s[:p])][len(s) - p:len(s) - p + self.K] for s, p in zip(state.seqs, state.prompt_lens)]
-        return Draft.from_lists(rows, CPU) if any(rows) else None
+        return Draft.from_lists(rows, DEVICE) if any(rows) else None
 
 
 def test_accept_lens_count_only_kept_drafts(model, cases):
@@ -226,7 +226,7 @@ def test_commit_all_keeps_what_commit_keeps(model, aligned):
     ragged rows (slots moved behind each prefix)."""
     from specbench.kv import RaggedCache
 
-    caches = [RaggedCache(model, CPU, torch.float32) for _ in range(2)]
+    caches = [RaggedCache(model, DEVICE, torch.float32) for _ in range(2)]
     with torch.inference_mode():
         for c in caches:
             c.prefill([[5, 6, 7, 8, 9], [10, 11, 12]])
@@ -262,12 +262,12 @@ def test_cache_is_sized_once_per_batch_and_rows_leave_in_place(model):
 
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [17, 18]]
     with torch.inference_mode():
-        c = RaggedCache(model, CPU, torch.float32)
+        c = RaggedCache(model, DEVICE, torch.float32)
         c.prefill(prompts, room=12 + 4)
         ptrs = [(la._k.untyped_storage().data_ptr(), la._v.untyped_storage().data_ptr()) for la in c.cache.layers]
         caps = [la._k.shape[2] for la in c.cache.layers]
         assert caps == [5 + 16] * len(caps)
-        ref = RaggedCache(model, CPU, torch.float32)  # rows 1 and 3 only, from the start
+        ref = RaggedCache(model, DEVICE, torch.float32)  # rows 1 and 3 only, from the start
         ref.prefill([prompts[1], prompts[3]])
         kept = {0: 2, 1: 1, 2: 0, 3: 2}  # nodes each row keeps a step
         live = [0, 1, 2, 3]

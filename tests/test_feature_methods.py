@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from helpers import CPU, greedy_cases, chi2_pvalue, prompts_of, reference_greedy, run_engine, tiny_llama
+from helpers import DEVICE, greedy_cases, chi2_pvalue, prompts_of, reference_greedy, run_engine, tiny_llama
 from methods.eagle import Eagle
 from methods.medusa import Medusa
 from specbench import backends
@@ -67,15 +67,15 @@ def cases(model):
 
 def make(name, model):
     if name == "eagle":
-        return Eagle(eagle_cfg(), model, None, CPU, torch.float32, drafter=random_eagle(model))
+        return Eagle(eagle_cfg(), model, None, DEVICE, torch.float32, drafter=random_eagle(model))
     if name == "eagle_small_vocab":  # a draft vocabulary that misses tokens the target emits
-        return Eagle(eagle_cfg(top_k=2, depth=3, total_tokens=5), model, None, CPU, torch.float32,
+        return Eagle(eagle_cfg(top_k=2, depth=3, total_tokens=5), model, None, DEVICE, torch.float32,
                      drafter=random_eagle(model, vocab=torch.arange(0, 96, 2)))
     acc = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
     if name == "medusa":
-        return Medusa(medusa_cfg(), model, None, CPU, torch.float32, heads=random_medusa(model), acc=acc)
+        return Medusa(medusa_cfg(), model, None, DEVICE, torch.float32, heads=random_medusa(model), acc=acc)
     if name == "medusa_chain":
-        return Medusa(medusa_cfg(tree="chain"), model, None, CPU, torch.float32, heads=random_medusa(model), acc=acc)
+        return Medusa(medusa_cfg(tree="chain"), model, None, DEVICE, torch.float32, heads=random_medusa(model), acc=acc)
     raise KeyError(name)
 
 
@@ -179,14 +179,14 @@ def test_eagle_tree_expansion_matches_training_unroll(model):
     d = random_eagle(model, seed=4)
     prompt, seq, f = real_prefix(model)
     depth = 4
-    prop = Eagle(eagle_cfg(top_k=1, depth=depth, total_tokens=depth), model, None, CPU, torch.float32, drafter=d)
+    prop = Eagle(eagle_cfg(top_k=1, depth=depth, total_tokens=depth), model, None, DEVICE, torch.float32, drafter=d)
     res = run_engine(model, prop, [prompt], 2)
     assert res[0].tokens[0] == seq[-1]
     # the drafter's chain from this prefix, step by step through train_forward
     from methods.base import BatchState
     from specbench.hidden import Hidden
 
-    st = BatchState(seqs=[list(seq)], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=CPU)
+    st = BatchState(seqs=[list(seq)], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=DEVICE)
     prop.start(st, Hidden({"final": f}, torch.tensor([f.shape[1]])))
     chain = prop.propose(st).tokens[0].tolist()
     assert unrolled_chain(d, f, seq, depth) == chain
@@ -205,9 +205,9 @@ def test_eagle1_static_tree_nodes_are_the_ranked_unroll(model):
     d = random_eagle(model, seed=4)
     prompt, seq, f = real_prefix(model)
     c = eagle_cfg(tree="mc_sim_7b_63")
-    prop = Eagle(c, model, None, CPU, torch.float32, drafter=d)
-    assert (prop.top_k, prop.depth, prop.total) == (4, 5, 25) and Eagle.spec_len(c, CPU) == 5
-    st = BatchState(seqs=[list(seq)], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=CPU)
+    prop = Eagle(c, model, None, DEVICE, torch.float32, drafter=d)
+    assert (prop.top_k, prop.depth, prop.total) == (4, 5, 25) and Eagle.spec_len(c, DEVICE) == 5
+    st = BatchState(seqs=[list(seq)], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=DEVICE)
     prop.start(st, Hidden({"final": f}, torch.tensor([f.shape[1]])))
     draft = prop.propose(st)
     toks, parents = draft.tokens[0].tolist(), draft.parents[0].tolist()
@@ -216,7 +216,7 @@ def test_eagle1_static_tree_nodes_are_the_ranked_unroll(model):
         assert toks[i] == unrolled_chain(d, f, seq, len(p), ranks=p)[-1], p
     for bs in (1, 3):
         prompts = prompts_of([5, 9, 3][:bs], seed=1)
-        res = run_engine(model, Eagle(c, model, None, CPU, torch.float32, drafter=d), prompts, 12)
+        res = run_engine(model, Eagle(c, model, None, DEVICE, torch.float32, drafter=d), prompts, 12)
         assert [r.tokens for r in res] == [reference_greedy(model, p, 12) for p in prompts]
 
 
@@ -239,10 +239,10 @@ def test_sampling_follows_target(name):
 
     target = tiny_llama(seed=0, vocab=V, scale=3.0)
     if name == "eagle":
-        prop = Eagle(eagle_cfg(top_k=3, depth=2, total_tokens=6), target, None, CPU, torch.float32,
+        prop = Eagle(eagle_cfg(top_k=3, depth=2, total_tokens=6), target, None, DEVICE, torch.float32,
                      drafter=random_eagle(target, seed=2))
     else:
-        prop = Medusa(medusa_cfg(tree_size=6), target, None, CPU, torch.float32, heads=random_medusa(target, seed=2),
+        prop = Medusa(medusa_cfg(tree_size=6), target, None, DEVICE, torch.float32, heads=random_medusa(target, seed=2),
                       acc=[[0.5, 0.3, 0.2], [0.5, 0.3, 0.2], [0.5, 0.3, 0.2]])
     prompt = [3, 5, 7, 9]
     n = 3000
@@ -269,7 +269,7 @@ def test_typical_acceptance_rule():
 
 
 def test_typical_is_recorded_lossy(model):
-    p = Medusa(medusa_cfg(accept="typical"), model, None, CPU, torch.float32, heads=random_medusa(model),
+    p = Medusa(medusa_cfg(accept="typical"), model, None, DEVICE, torch.float32, heads=random_medusa(model),
                acc=[[0.5]] * 3)
     assert p.lossless is False and p.describe()["accept"] == "typical"
     assert make("medusa", model).lossless is True
@@ -324,7 +324,7 @@ def _features(feature_setup, monkeypatch):
     # the first conversation's opening turn stands for a prompt of the evaluation slice
     monkeypatch.setattr(features, "eval_first_turns", lambda: {features._norm(convs[0]["turns"][0][1])[:160]})
     monkeypatch.setattr(features, "benchmark_texts", lambda: [])
-    return features, features.build(target, tok, "tiny", cfg.features, CPU, torch.float32, progress=False, convs=convs)
+    return features, features.build(target, tok, "tiny", cfg.features, DEVICE, torch.float32, progress=False, convs=convs)
 
 
 def test_feature_set(feature_setup, monkeypatch):
@@ -371,23 +371,23 @@ def test_trainer_end_to_end(feature_setup, monkeypatch, kind):
     out0, out = root / f"{kind}0", root / kind
     out0.mkdir()
     out.mkdir()
-    before = heads.train(untrained, target, items, out0, {2}, CPU, progress=False)["summary"]
-    res = heads.train(c, target, items, out, {2}, CPU, progress=False)
+    before = heads.train(untrained, target, items, out0, {2}, DEVICE, progress=False)["summary"]
+    res = heads.train(c, target, items, out, {2}, DEVICE, progress=False)
     s = res["summary"]
     assert s["eval_loss"] < before["eval_loss"]  # it learned
     assert len(s["eval_top1_agreement"]) == (4 if kind == "eagle" else 3)  # per unrolled step / per head
     heads.finish(c, res, out, "tiny", {**features.stats(items), "dropped": {}, "key": "k"}, "python -m specbench.train")
     assert drafters.is_draft_checkpoint(out) and (out / "README.md").read_text().startswith(f"# tiny_{kind}")
-    d = drafters.load(out, target, CPU, torch.float32, kind=kind)
+    d = drafters.load(out, target, DEVICE, torch.float32, kind=kind)
     with pytest.raises(ValueError, match="not 'draft_lm'"):
-        drafters.load(out, target, CPU, torch.float32, kind="draft_lm")
+        drafters.load(out, target, DEVICE, torch.float32, kind="draft_lm")
     # decoding with the trained drafter: token-identical to plain greedy, drafts accepted
     ps = [features.load(fs)[i]["tokens"][:8].tolist() for i in (0, 5)]
     refs = [reference_greedy(target, p, 16) for p in ps]
     if kind == "eagle":
-        prop = Eagle(eagle_cfg(), target, None, CPU, torch.float32, drafter=d)
+        prop = Eagle(eagle_cfg(), target, None, DEVICE, torch.float32, drafter=d)
     else:
-        prop = Medusa(medusa_cfg(), target, None, CPU, torch.float32, heads=d,
+        prop = Medusa(medusa_cfg(), target, None, DEVICE, torch.float32, heads=d,
                       acc=drafters.read_meta(out)["acc"])
     got = run_engine(target, prop, ps, 16)
     assert [r.tokens for r in got] == refs
@@ -404,7 +404,7 @@ def test_feature_trainer_resumes(feature_setup, monkeypatch):
     full_dir, part_dir = root / "full", root / "part"
     full_dir.mkdir()
     part_dir.mkdir()
-    full = heads.train(c, target, items, full_dir, {2}, CPU, progress=False)
+    full = heads.train(c, target, items, full_dir, {2}, DEVICE, progress=False)
     real, calls = heads.eagle_loss, {"n": 0}
 
     def crash_after_10(*a, **k):
@@ -415,10 +415,10 @@ def test_feature_trainer_resumes(feature_setup, monkeypatch):
 
     monkeypatch.setattr(heads, "eagle_loss", crash_after_10)
     with pytest.raises(KeyboardInterrupt):
-        heads.train(c, target, items, part_dir, {2}, CPU, progress=False)
+        heads.train(c, target, items, part_dir, {2}, DEVICE, progress=False)
     monkeypatch.setattr(heads, "eagle_loss", real)
     assert (part_dir / "_train_state.pt").exists()
-    resumed = heads.train(c, target, items, part_dir, {2}, CPU, progress=False)
+    resumed = heads.train(c, target, items, part_dir, {2}, DEVICE, progress=False)
     a, b = full["draft"].own_state(), resumed["draft"].own_state()
     for k in a:
         if a[k].is_floating_point():
@@ -444,15 +444,15 @@ def test_eagle3_trainer_end_to_end(feature_setup, monkeypatch):
     c = OmegaConf.merge(cfg, {"drafter": {"kind": "eagle3", "name": "tiny_eagle3", "draft_vocab": 64, "ttt_steps": 2},
                               "features": {"layers": [*tap_layers(8), "final"], "dir": str(root / "features3")},
                               "train": {"steps": 60}})
-    fs = features.build(target, tok, "tiny8", c.features, CPU, torch.float32, progress=False, convs=convs)
+    fs = features.build(target, tok, "tiny8", c.features, DEVICE, torch.float32, progress=False, convs=convs)
     items = features.load(fs)
     assert set(items[0]["hidden"]) == {"1", "3", "4", "final"}
     out0, out = root / "eagle3_0", root / "eagle3"
     out0.mkdir()
     out.mkdir()
-    before = heads.train(OmegaConf.merge(c, {"train": {"steps": 1, "lr": 1e-9}}), target, items, out0, {2}, CPU,
+    before = heads.train(OmegaConf.merge(c, {"train": {"steps": 1, "lr": 1e-9}}), target, items, out0, {2}, DEVICE,
                          progress=False)["summary"]
-    res = heads.train(c, target, items, out, {2}, CPU, progress=False)
+    res = heads.train(c, target, items, out, {2}, DEVICE, progress=False)
     assert res["summary"]["eval_loss"] < before["eval_loss"]  # it learned
     assert len(res["summary"]["eval_top1_agreement"]) == 4  # per unrolled step
     heads.finish(c, res, out, "tiny8", {**features.stats(items), "dropped": {}, "key": "k"}, "python -m specbench.train")
@@ -460,7 +460,7 @@ def test_eagle3_trainer_end_to_end(feature_setup, monkeypatch):
     cfg3 = eagle_cfg(version=3, checkpoint=str(out))
     cfg3.model = {"name": "tiny8", "path": "tiny8"}
     Eagle.check(cfg3, target.config)
-    prop = Eagle(cfg3, target, None, CPU, torch.float32)
+    prop = Eagle(cfg3, target, None, DEVICE, torch.float32)
     assert prop.describe()["draft_vocab"] == 64 and prop.hidden_layers == (1, 3, 4)
     ps = [items[i]["tokens"][:8].tolist() for i in (0, 5)]
     refs = [reference_greedy(target, p, 16) for p in ps]
@@ -490,8 +490,8 @@ def test_eagle3_tree_expansion_matches_training_unroll():
         got = tap.take()
     f = torch.cat([got[t] for t in d.taps], dim=-1)
     depth = 4
-    prop = Eagle(eagle_cfg(top_k=1, depth=depth, total_tokens=depth), target, None, CPU, torch.float32, drafter=d)
-    st = BatchState(seqs=[list(seq)], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=CPU)
+    prop = Eagle(eagle_cfg(top_k=1, depth=depth, total_tokens=depth), target, None, DEVICE, torch.float32, drafter=d)
+    st = BatchState(seqs=[list(seq)], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=DEVICE)
     prop.start(st, Hidden({t: got[t] for t in d.taps}, torch.tensor([f.shape[1]])))
     chain = prop.propose(st).tokens[0].tolist()
     assert unrolled_chain(d, f, seq, depth) == chain

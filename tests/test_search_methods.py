@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from helpers import (
-    CPU,
+    DEVICE,
     chi2_pvalue,
     greedy_cases,
     prompts_of,
@@ -87,14 +87,14 @@ def datastore(model, cases, tmp_path_factory):
 
 def make(name, model, datastore=None):
     if name == "lookahead":
-        return Lookahead(la_cfg(), model, None, CPU, torch.float32)
+        return Lookahead(la_cfg(), model, None, DEVICE, torch.float32)
     if name == "lookahead_n2":
-        return Lookahead(la_cfg(W=2, N=2, G=2), model, None, CPU, torch.float32)
+        return Lookahead(la_cfg(W=2, N=2, G=2), model, None, DEVICE, torch.float32)
     if name == "rest":
         path, tok = datastore
-        return Rest(rest_cfg(path), model, tok, CPU, torch.float32)
+        return Rest(rest_cfg(path), model, tok, DEVICE, torch.float32)
     if name == "specdec":
-        return SpecDec(sd_cfg(), model, None, CPU, torch.float32, drafter=random_spec(model))
+        return SpecDec(sd_cfg(), model, None, DEVICE, torch.float32, drafter=random_spec(model))
     raise KeyError(name)
 
 
@@ -124,8 +124,8 @@ def test_lookahead_window_mask_is_the_papers():
     """Node (level l, column c) sees the root, level-0 columns 0..c and column c's levels
     below it, nothing else; and its depth is c + l + 1."""
     W, N = 4, 4
-    la = Lookahead(la_cfg(W=W, N=N, G=0), None, None, CPU, torch.float32)
-    st = BatchState(seqs=[[5, 6, 7, 8]], prompt_lens=[3], sampling=Sampling(), gen=None, device=CPU)
+    la = Lookahead(la_cfg(W=W, N=N, G=0), None, None, DEVICE, torch.float32)
+    st = BatchState(seqs=[[5, 6, 7, 8]], prompt_lens=[3], sampling=Sampling(), gen=None, device=DEVICE)
     la.start(st)
     la.levels[0] = [[10 + i for i in range(W)], [20 + i for i in range(W)], [30 + i for i in range(W)]]
     d = la.propose(st)
@@ -146,9 +146,9 @@ def test_lookahead_harvests_ngrams_from_the_window(model):
     prompt = prompts_of([8], seed=3)[0]
     ref = reference_greedy(model, prompt, 8)
     W, N = 3, 2
-    la = Lookahead(la_cfg(W=W, N=N, G=2, prompt_ngrams=False), model, None, CPU, torch.float32)
+    la = Lookahead(la_cfg(W=W, N=N, G=2, prompt_ngrams=False), model, None, DEVICE, torch.float32)
     seqs = [prompt + ref[:1]]
-    st = BatchState(seqs=[list(seqs[0])], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=CPU)
+    st = BatchState(seqs=[list(seqs[0])], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=DEVICE)
     la.start(st)
     la.levels[0] = [ref[1:1 + W]]  # the exact next W tokens: Jacobi is already at its fixed point
     d = la.propose(st)
@@ -178,7 +178,7 @@ def test_lookahead_auto_takes_the_devices_settings(model):
         la = Lookahead(la_cfg(W="auto", N="auto", G="auto"), model, None, torch.device(dev), torch.float32)
         assert (la.W, la.N, la.G) == tuple(LA.AUTO[dev][k] for k in "WNG")
     assert LA.AUTO["cpu"] != LA.AUTO["cuda"]
-    la = Lookahead(la_cfg(W=5, N="auto", G=2), model, None, CPU, torch.float32)
+    la = Lookahead(la_cfg(W=5, N="auto", G=2), model, None, DEVICE, torch.float32)
     assert (la.W, la.N, la.G) == (5, LA.AUTO["cpu"]["N"], 2) and la.describe()["W"] == 5
     Lookahead.check(la_cfg(W="auto", N="auto", G="auto"), LlamaConfig())
     with pytest.raises(ConfigError, match="lookahead.G must be 'auto' or an integer >= 0, got 'many'"):
@@ -208,7 +208,7 @@ def test_rest_datastore_is_cached_and_retrieves_the_longest_suffix(model, datast
     idx = build_datastore(str(path), tok, 96, progress=False)
     again = build_datastore(str(path), tok, 96, progress=False)
     assert idx == again and idx.exists()
-    r = Rest(rest_cfg(path), model, tok, CPU, torch.float32)
+    r = Rest(rest_cfg(path), model, tok, DEVICE, torch.float32)
     prompt = prompts_of([6], seed=7)[0]
     cont = reference_greedy(model, prompt, 30)
     found = r.retrieve(prompt + cont[:5])
@@ -273,10 +273,10 @@ def test_top_beta_rule():
 
 def test_specdec_lossy_flag_and_beta_above_one(model, cases):
     prompts, refs = cases[4]
-    exact = SpecDec(sd_cfg(beta=1), model, None, CPU, torch.float32, drafter=random_spec(model))
-    relaxed = SpecDec(sd_cfg(beta=4, tol=5.0), model, None, CPU, torch.float32, drafter=random_spec(model))
+    exact = SpecDec(sd_cfg(beta=1), model, None, DEVICE, torch.float32, drafter=random_spec(model))
+    relaxed = SpecDec(sd_cfg(beta=4, tol=5.0), model, None, DEVICE, torch.float32, drafter=random_spec(model))
     assert exact.lossless and not relaxed.lossless
-    sampled = SpecDec(sd_cfg(beta=4, temperature=0.7), model, None, CPU, torch.float32, drafter=random_spec(model))
+    sampled = SpecDec(sd_cfg(beta=4, temperature=0.7), model, None, DEVICE, torch.float32, drafter=random_spec(model))
     assert sampled.lossless  # under sampling the lossless rule runs whatever beta is
     a = run_engine(model, exact, prompts, N_NEW)
     b = run_engine(model, relaxed, prompts, N_NEW)
@@ -287,9 +287,9 @@ def test_specdec_drafts_in_one_forward(model):
     """The drafter's queries see the context and each other; the proposal equals a plain
     full-context forward of the drafter over context + queries."""
     d = random_spec(model, k=3, seed=5)
-    sd = SpecDec(sd_cfg(K=3), model, None, CPU, torch.float32, drafter=d)
+    sd = SpecDec(sd_cfg(K=3), model, None, DEVICE, torch.float32, drafter=d)
     seq = prompts_of([7], seed=2)[0]
-    st = BatchState(seqs=[list(seq)], prompt_lens=[6], sampling=Sampling(), gen=None, device=CPU)
+    st = BatchState(seqs=[list(seq)], prompt_lens=[6], sampling=Sampling(), gen=None, device=DEVICE)
     sd.start(st)
     got = sd.propose(st).tokens[0].tolist()
     ids = torch.tensor([seq + d.query_ids().tolist()])
@@ -311,16 +311,16 @@ def test_sampling_follows_target(name, tmp_path):
     target = tiny_llama(seed=0, vocab=V, scale=3.0)
     prompt = [3, 5, 7, 9, 3, 5]
     if name == "lookahead":
-        prop = Lookahead(la_cfg(W=2, N=3, G=4), target, None, CPU, torch.float32)
+        prop = Lookahead(la_cfg(W=2, N=3, G=4), target, None, DEVICE, torch.float32)
     elif name == "specdec":
-        prop = SpecDec(sd_cfg(K=2, temperature=1.0), target, None, CPU, torch.float32,
+        prop = SpecDec(sd_cfg(K=2, temperature=1.0), target, None, DEVICE, torch.float32,
                        drafter=random_spec(target, k=2, seed=3))
     else:
         class Reader:  # every pair of tokens: a dense trie, so the rule meets many siblings
             def search(self, q, choices=None):
                 return [[[a, b] for a in range(3, 9) for b in (4, 5)]]
 
-        prop = Rest(rest_cfg("python_code", num_draft=20), target, None, CPU, torch.float32, reader=Reader())
+        prop = Rest(rest_cfg("python_code", num_draft=20), target, None, DEVICE, torch.float32, reader=Reader())
     n = 3000
     s = Sampling(1.0)
     res = run_engine(target, prop, [prompt] * n, 3, sampling=s, gen=torch.Generator().manual_seed(5))
@@ -354,7 +354,7 @@ def test_specdec_trainer_end_to_end(tmp_path):
         "train": {"steps": 60, "batch_size": 4, "seq_len": 64, "lr": 3e-3, "weight_decay": 0.0, "warmup": 3,
                   "grad_clip": 1.0, "save_every": 20, "eval_frac": 0.2},
     })
-    items = distill.load(distill.build(target, tok, "tiny", cfg.data, CPU, torch.float32, progress=False,
+    items = distill.load(distill.build(target, tok, "tiny", cfg.data, DEVICE, torch.float32, progress=False,
                                        prompts=prompts))
     out = tmp_path / "ckpt"
     out.mkdir()
@@ -372,9 +372,9 @@ def test_specdec_trainer_end_to_end(tmp_path):
     specdec.finish(cfg, res, out, "tiny", {**distill.stats(items), "dropped_for_benchmark_overlap": 0, "key": "k"},
                    "python -m specbench.train drafter=specdec")
     assert is_draft_checkpoint(out) and "Spec-Drafter" in (out / "README.md").read_text()
-    d = load(out, target, CPU, torch.float32, kind="specdec")
+    d = load(out, target, DEVICE, torch.float32, kind="specdec")
     assert d.k == 3 and torch.allclose(d.queries, res["draft"].queries.to(torch.bfloat16).float())
     ps = prompts_of([6, 9], vocab=96)
     refs = [reference_greedy(target, p, 16) for p in ps]
-    out2 = run_engine(target, SpecDec(sd_cfg(K=3), target, None, CPU, torch.float32, drafter=d), ps, 16)
+    out2 = run_engine(target, SpecDec(sd_cfg(K=3), target, None, DEVICE, torch.float32, drafter=d), ps, 16)
     assert [r.tokens for r in out2] == refs

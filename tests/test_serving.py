@@ -11,7 +11,7 @@ import test_engine
 import test_feature_methods
 import test_search_methods
 import test_training_free
-from helpers import CPU, prompts_of, reference_greedy, serve_engine, tiny_llama
+from helpers import DEVICE, prompts_of, reference_greedy, serve_engine, tiny_llama
 from methods.base import Proposer
 
 N_NEW = 16
@@ -91,8 +91,8 @@ def test_arrivals_wait_and_follow_ups_join(model):
 
     prompts = prompts_of([6, 4, 9], seed=3)
     arrivals = [0.0, 0.0, 0.3]  # the third arrives after the first two are done
-    eng = Engine(model, Proposer(test_engine.cfg_for(), model, None, CPU, torch.float32), Sampling(), CPU,
-                 torch.float32, set(), PhaseTimer(CPU))
+    eng = Engine(model, Proposer(test_engine.cfg_for(), model, None, DEVICE, torch.float32), Sampling(), DEVICE,
+                 torch.float32, set(), PhaseTimer(DEVICE))
     reqs = Requests([Request(i, p, a) for i, (p, a) in enumerate(zip(prompts, arrivals))])
     follow = prompts_of([5], seed=4)[0]
 
@@ -175,20 +175,20 @@ def test_chunked_prefill_keeps_rows_decoding_between_pieces(model):
     from specbench.timing import PhaseTimer
     from specbench.verify import Sampling
 
-    eng = Engine(model, Proposer(test_engine.cfg_for(), model, None, CPU, torch.float32), Sampling(), CPU,
-                 torch.float32, set(), PhaseTimer(CPU), prefill_chunk=8)
+    eng = Engine(model, Proposer(test_engine.cfg_for(), model, None, DEVICE, torch.float32), Sampling(), DEVICE,
+                 torch.float32, set(), PhaseTimer(DEVICE), prefill_chunk=8)
     out = eng.generate([short, long_], N_NEW)
     assert min(t for t, _, _ in eng.trace) >= max(r.t_first for r in out)  # the static batch started together
     assert all(b == 2 for _, b, _ in eng.trace[:3])
     with pytest.raises(ValueError, match="prefill_chunk"):
-        Engine(model, None, Sampling(), CPU, torch.float32, set(), PhaseTimer(CPU), prefill_chunk=0)
+        Engine(model, None, Sampling(), DEVICE, torch.float32, set(), PhaseTimer(DEVICE), prefill_chunk=0)
 
 
 def _prefilled(model, prompts):
     """A ``RaggedCache`` of ``prompts`` prefilled together."""
     from specbench.kv import RaggedCache
 
-    c = RaggedCache(model, CPU, torch.float32)
+    c = RaggedCache(model, DEVICE, torch.float32)
     c.prefill(prompts)
     return c
 

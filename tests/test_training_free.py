@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 import test_search_methods
-from helpers import CPU, chi2_pvalue, prompts_of, reference_greedy, run_engine, tiny_llama
+from helpers import DEVICE, chi2_pvalue, prompts_of, reference_greedy, run_engine, tiny_llama
 from omegaconf import OmegaConf
 
 from methods import combo as C
@@ -54,21 +54,21 @@ def corpus(model, cases, tmp_path_factory):
 
 def make(name, model, corpus=None, **kw):
     if name == "recycle":
-        return TR.TokenRecycling(cfg("recycle", **kw), model, None, CPU, torch.float32)
+        return TR.TokenRecycling(cfg("recycle", **kw), model, None, DEVICE, torch.float32)
     if name == "sam":
-        return S.SamDecoding(cfg("sam", **kw), model, None, CPU, torch.float32)
+        return S.SamDecoding(cfg("sam", **kw), model, None, DEVICE, torch.float32)
     if name == "sam_corpus":
         path, tok = corpus
-        return S.SamDecoding(cfg("sam", corpus=str(path), min_match=2, **kw), model, tok, CPU, torch.float32)
+        return S.SamDecoding(cfg("sam", corpus=str(path), min_match=2, **kw), model, tok, DEVICE, torch.float32)
     if name == "sam_recycle":
         return S.SamDecoding(cfg("sam", min_match=3, fallback="recycle", fallback_opts={"tree_size": 4}, **kw),
-                             model, None, CPU, torch.float32)
+                             model, None, DEVICE, torch.float32)
     if name == "suffix":
-        return SX.SuffixDecoding(cfg("suffix", **kw), model, None, CPU, torch.float32)
+        return SX.SuffixDecoding(cfg("suffix", **kw), model, None, DEVICE, torch.float32)
     if name == "suffix_chain":
-        return SX.SuffixDecoding(cfg("suffix", tree=False, **kw), model, None, CPU, torch.float32)
+        return SX.SuffixDecoding(cfg("suffix", tree=False, **kw), model, None, DEVICE, torch.float32)
     if name == "combo":
-        return C.Combo(cfg("combo", **kw), model, None, CPU, torch.float32)
+        return C.Combo(cfg("combo", **kw), model, None, DEVICE, torch.float32)
     raise KeyError(name)
 
 

@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from helpers import CPU, cfg_for, chi2_pvalue, run_engine, tiny_llama
+from helpers import DEVICE, cfg_for, chi2_pvalue, run_engine, tiny_llama
 from methods.leviathan import Leviathan
 from specbench.draft import Draft, tree_geometry
 from specbench.kv import RaggedCache
@@ -72,7 +72,7 @@ def test_greedy_tree_walk():
 
 
 def test_greedy_tree_list_walk_gives_the_tensor_walks_verdict(monkeypatch):
-    """Small trees on the CPU are walked on lists; the vectorised walk (taken beyond
+    """Small trees on the DEVICE are walked on lists; the vectorised walk (taken beyond
     ``_LIST_WALK`` nodes) must give the same greedy verdict: random trees, rows and invalid nodes,
     a small vocabulary so that many nodes match and ties in depth occur."""
     import specbench.verify as V
@@ -126,7 +126,7 @@ def test_tree_commit_matches_recompute(mover, monkeypatch):
         monkeypatch.setattr(kv, "_slot_mover", lambda tensors: used.append(1) or real(tensors))
     m = tiny_llama(seed=2)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    c = RaggedCache(m, CPU, torch.float32)
+    c = RaggedCache(m, DEVICE, torch.float32)
     c.prefill(prompts)
     # two rows, tree root -> {a, b}; b -> {c}; keep root, b, c for row 0 and root, a for row 1
     toks = torch.tensor([[20, 21, 22, 23], [30, 31, 32, 33]])
@@ -343,7 +343,7 @@ def test_leviathan_sampling_follows_target(s):
     draft = self_layers_draft(target, 1)
     prompt = [3, 5, 7, 9]
     n = 3000
-    lev = Leviathan(cfg_for(K=2), target, None, CPU, torch.float32, draft_model=draft)
+    lev = Leviathan(cfg_for(K=2), target, None, DEVICE, torch.float32, draft_model=draft)
     res = run_engine(target, lev, [prompt] * n, 3, sampling=s, gen=torch.Generator().manual_seed(11))
     m2, m3 = exact_marginals(target, prompt, s)
     c2 = torch.bincount(torch.tensor([r.tokens[1] for r in res]), minlength=V)
@@ -365,7 +365,7 @@ def test_a_draft_with_a_narrower_output_layer():
         narrow.weight.copy_(draft.lm_head.weight[: V - 3])
     draft.lm_head = narrow
     prompt = [3, 5, 7, 9]
-    lev = Leviathan(cfg_for(K=3), target, None, CPU, torch.float32, draft_model=draft)
+    lev = Leviathan(cfg_for(K=3), target, None, DEVICE, torch.float32, draft_model=draft)
     assert run_engine(target, lev, [prompt, prompt[:2]], 10)[0].tokens == reference_greedy(target, prompt, 10)
     n = 3000
     s = Sampling(1.0)
@@ -383,10 +383,10 @@ def test_sliding_window_read_from_a_multimodal_text_config():
 
     text = SimpleNamespace(layer_types=["sliding_attention", "full_attention"], sliding_window=7)
     outer = SimpleNamespace(get_text_config=lambda: text)
-    assert RaggedCache(SimpleNamespace(config=outer), CPU, torch.float32).window == 7
-    assert RaggedCache(SimpleNamespace(config=text), CPU, torch.float32).window == 7
+    assert RaggedCache(SimpleNamespace(config=outer), DEVICE, torch.float32).window == 7
+    assert RaggedCache(SimpleNamespace(config=text), DEVICE, torch.float32).window == 7
     plain = SimpleNamespace(get_text_config=lambda: SimpleNamespace(sliding_window=7))
-    assert RaggedCache(SimpleNamespace(config=plain), CPU, torch.float32).window is None
+    assert RaggedCache(SimpleNamespace(config=plain), DEVICE, torch.float32).window is None
 
 
 def test_greedy_pick_is_torch_argmax():
