@@ -24,7 +24,7 @@ import torch
 from methods.base import BatchState, Proposer
 from specbench import drafters
 from specbench.drafters import published
-from specbench.draft import Draft
+from specbench.draft import Draft, pad_rows
 from specbench.errors import ConfigError
 from specbench.paths import resolve_path
 
@@ -172,10 +172,7 @@ class Eagle(Proposer):
         counts = hidden.counts
         B, m = feats.shape[:2]
         dev = self.device
-        toks = torch.zeros(B, m, dtype=torch.long)
-        for b, (seq, c) in enumerate(zip(state.seqs, counts.tolist())):
-            toks[b, :c] = torch.tensor(seq[len(seq) - c:], dtype=torch.long)
-        toks = toks.to(dev)
+        toks = pad_rows([seq[len(seq) - c:] for seq, c in zip(state.seqs, counts.tolist())], dev, width=m)
         feats = feats.to(self.Kc.dtype)
         C = self.Kc.shape[2]
         j = torch.arange(m, device=dev)

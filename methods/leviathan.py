@@ -13,7 +13,7 @@ import torch
 
 from methods.base import BatchState, Proposer
 from specbench import backends, drafters
-from specbench.draft import Draft
+from specbench.draft import Draft, pad_rows
 from specbench.kv import RaggedCache
 from specbench.errors import ConfigError
 from specbench.hf import max_positions, text_config
@@ -167,10 +167,7 @@ class Leviathan(Proposer):
         # 2. catch up on the tokens it has not seen (1 or 2 per row) and draft token 1
         news = [state.seqs[b][keep_len[b]:] for b in range(B)]
         m = max(len(x) for x in news)
-        toks = torch.zeros(B, m, dtype=torch.long)
-        for b, x in enumerate(news):
-            toks[b, : len(x)] = torch.tensor(x, dtype=torch.long)
-        toks = toks.to(self.device)
+        toks = pad_rows(news, self.device)
         counts = torch.tensor([len(x) for x in news], dtype=torch.long, device=self.device)
         depth = torch.arange(m, device=self.device)[None].expand(B, m)
         out = self.dcache.forward(toks, depth, None)
@@ -185,11 +182,12 @@ class Leviathan(Proposer):
         for _ in range(self.K - 1):
             out = self.dcache.forward(tok[:, None], zero, None)
             self.dcache.commit_all()
-            for b, t in enumerate(tok.tolist()):
-                self.fed[b].append(t)
             tok, q = self._pick(out.logits[:, -1], state)
             drafts.append(tok)
             qs.append(q)
+        if self.K > 1:  # the drafts fed to the draft cache, read back once
+            for b, row in enumerate(torch.stack(drafts[:-1], dim=1).tolist()):
+                self.fed[b].extend(row)
         tokens = torch.stack(drafts, dim=1)
         qt = None if state.sampling.greedy else torch.stack(qs, dim=1)
         return Draft.chain(tokens, q=qt)

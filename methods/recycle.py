@@ -128,8 +128,8 @@ class TokenRecycling(Proposer):
         if not ok[:, 1:].any():
             return None
         self.steps_with_draft += 1
-        parents = torch.tensor(self.parent, dtype=torch.long)[None].expand(B, n)
-        return Draft(tokens=torch.from_numpy(tok[:, 1:].copy()).to(state.device), parents=parents.clone().to(state.device),
+        parents = torch.tensor(self.parent, dtype=torch.long, device=state.device)[None].expand(B, n)
+        return Draft(tokens=torch.from_numpy(tok[:, 1:].copy()).to(state.device), parents=parents.clone(),
                      valid=torch.from_numpy(ok[:, 1:].copy()).to(state.device))
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:

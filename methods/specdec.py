@@ -15,7 +15,7 @@ import torch
 
 from methods.base import BatchState, Proposer
 from specbench import drafters
-from specbench.draft import Draft
+from specbench.draft import Draft, pad_rows
 from specbench.kv import RaggedCache
 from specbench.errors import ConfigError
 from specbench.paths import resolve_path
@@ -74,10 +74,7 @@ class SpecDec(Proposer):
         B, K, dev = len(state.seqs), self.K, self.device
         news = [s[f:] for s, f in zip(state.seqs, self.fed)]  # committed, not yet seen: 1..K+1 per row
         m = max(len(x) for x in news)
-        toks = torch.zeros(B, m + K, dtype=torch.long)
-        for b, x in enumerate(news):
-            toks[b, : len(x)] = torch.tensor(x, dtype=torch.long)
-        toks = toks.to(dev)
+        toks = pad_rows(news, dev, width=m + K)
         toks[:, m:] = self.queries
         counts = torch.tensor([len(x) for x in news], dtype=torch.long, device=dev)
         i = torch.arange(m + K, device=dev)

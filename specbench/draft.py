@@ -52,13 +52,7 @@ class Draft:
     @staticmethod
     def from_lists(rows: list[list[int]], device) -> "Draft":
         """A chain per row from plain token lists of different lengths."""
-        n = max((len(r) for r in rows), default=0)
-        tokens = torch.zeros(len(rows), n, dtype=torch.long)
-        valid = torch.zeros(len(rows), n, dtype=torch.bool)
-        for b, r in enumerate(rows):
-            tokens[b, : len(r)] = torch.tensor(r, dtype=torch.long)
-            valid[b, : len(r)] = True
-        return Draft.chain(tokens.to(device), valid.to(device))
+        return Draft.chain(pad_rows(rows, device), pad_rows([[True] * len(r) for r in rows], device, False, torch.bool))
 
     @staticmethod
     def from_rows(tokens: list[list[int]], parents: list[list[int]], device) -> "Draft | None":
@@ -78,20 +72,9 @@ class Draft:
         n = max((len(t) for t in tokens), default=0)
         if n == 0:
             return None
-        B = len(tokens)
-        tok = torch.zeros(B, n, dtype=torch.long)
-        par = torch.zeros(B, n, dtype=torch.long)
-        valid = torch.zeros(B, n, dtype=torch.bool)
-        cand = None if candidate is None else torch.zeros(B, n, dtype=torch.bool)
-        for b in range(B):
-            k = len(tokens[b])
-            tok[b, :k] = torch.tensor(tokens[b], dtype=torch.long)
-            par[b, :k] = torch.tensor(parents[b], dtype=torch.long)
-            valid[b, :k] = True
-            if cand is not None:
-                cand[b, :k] = torch.tensor(candidate[b], dtype=torch.bool)
-        return Draft(tokens=tok.to(device), parents=par.to(device), valid=valid.to(device),
-                     candidate=None if cand is None else cand.to(device))
+        return Draft(tokens=pad_rows(tokens, device), parents=pad_rows(parents, device),
+                     valid=pad_rows([[True] * len(t) for t in tokens], device, False, torch.bool),
+                     candidate=None if candidate is None else pad_rows(candidate, device, False, torch.bool))
 
     def rows(self) -> list[tuple[list[int], list[int]]]:
         """Each row's valid nodes as plain (tokens, parents) lists, renumbered 1.. in order (a
@@ -133,6 +116,13 @@ class Draft:
         idx = torch.arange(1, n + 1, device=self.parents.device)
         if bool((self.parents >= idx[None]).any()) or bool((self.parents < 0).any()):
             raise ValueError("draft parents must point to an earlier node (0 = root)")
+
+
+def pad_rows(rows, device, fill=0, dtype=torch.long, width: int | None = None) -> torch.Tensor:
+    """Lists of different lengths as one tensor [len(rows), width] on ``device`` (right-padded with
+    ``fill``; width: the longest row by default), in one host-to-device copy."""
+    n = max((len(r) for r in rows), default=0) if width is None else width
+    return torch.tensor([list(r) + [fill] * (n - len(r)) for r in rows], dtype=dtype, device=device).view(len(rows), n)
 
 
 def prefix_tree(paths, first: int = 0) -> tuple[list[int], list[int]]:

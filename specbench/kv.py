@@ -264,12 +264,8 @@ class RaggedCache:
         B = len(prompts)
         P = max(len(p) for p in prompts)
         pad = 0
-        ids = torch.full((B, P), pad, dtype=torch.long)
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(self.device)
-        lens = lens.to(self.device)
+        ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=self.device)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
         self.cache = _slab_cache(P + room if room else 0)
         self.start = P - lens
         self.length = torch.zeros_like(lens)

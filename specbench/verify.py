@@ -245,7 +245,7 @@ def _walk_lists(ok: torch.Tensor, draft: Draft):
             path.append(par[b][path[-1] - 1])
         paths.append(path[::-1])
     keep, counts = _path_tensors(paths, ok.device)
-    return keep, counts, torch.tensor([x[-1] for x in paths], dtype=torch.long)
+    return keep, counts, torch.tensor([x[-1] for x in paths], dtype=torch.long, device=ok.device)
 
 
 def _path_tensors(paths: list[list[int]], dev) -> tuple[torch.Tensor, torch.Tensor]:
