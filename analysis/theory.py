@@ -120,17 +120,23 @@ def bootstrap_speedup(reqs: Sequence[dict], ar_reqs: Sequence[dict], bs: int, n:
     """Percentile bootstrap interval of the speedup (tokens/s ratio against AR on the same
     prompts), resampling batches, the independent units of a job: at bs > 1 a request's
     wall time is its time inside a shared batch, not an independent draw. Each draw takes
-    the same batches from the method and from AR (paired). None with fewer than 2 batches."""
+    the same batches from the method and from AR (paired). ``repeats=N`` re-times the same
+    prompts: a batch is drawn with all its repeats (they are not independent prompts, and more
+    of them must not narrow the interval). None with fewer than 2 batches."""
     import random
 
     a, b = batch_units(reqs, bs), batch_units(ar_reqs, bs)
-    keys = sorted(set(a) & set(b))
-    if len(keys) < 2:
+    units = sorted(set(a) & set(b))
+    batches: dict = {}  # batch -> its (repeat, batch) units
+    for k in units:
+        batches.setdefault(k[1], []).append(k)
+    clusters = [batches[k] for k in sorted(batches)]
+    if len(clusters) < 2:
         return None
     rng = random.Random(seed)
     ratios = []
     for _ in range(n):
-        pick = [keys[rng.randrange(len(keys))] for _ in keys]
+        pick = [k for _ in clusters for k in clusters[rng.randrange(len(clusters))]]
         tm, sm = sum(a[k][0] for k in pick), sum(a[k][1] for k in pick)
         ta, sa = sum(b[k][0] for k in pick), sum(b[k][1] for k in pick)
         if sm > 0 and sa > 0 and ta > 0:

@@ -13,6 +13,7 @@ them for more than one piece, and a short one does not wait for the group's long
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,7 +69,8 @@ class Requests:
         self.q = deque(sorted(requests, key=lambda r: r.arrival))
 
     def add(self, request: Request) -> None:
-        self.q.append(request)
+        """Queue ``request`` in arrival order (after those due at the same time)."""
+        bisect.insort_right(self.q, request, key=lambda r: r.arrival)
 
     def take(self, k: int, now: float) -> list[Request]:
         out = []

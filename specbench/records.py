@@ -109,8 +109,13 @@ def _entry(off: int, line: bytes, rec) -> dict:
 
 
 def _write_index(p: Path, entries: list[dict]) -> None:
-    with _index_path(p).open("a") as f:
-        f.write("".join(json.dumps(e) + "\n" for e in entries))
+    with _index_path(p).open("ab+") as f:
+        f.seek(0, os.SEEK_END)
+        lead = b""
+        if f.tell() > 0:  # a line cut by a crash must not swallow the next entry
+            f.seek(-1, os.SEEK_END)
+            lead = b"" if f.read(1) == b"\n" else b"\n"
+        f.write(lead + "".join(json.dumps(e) + "\n" for e in entries).encode())
 
 
 class Skipped(list):
@@ -191,8 +196,9 @@ def index(path: str | Path) -> list[dict]:
 def _index_locked(p: Path, f, report: bool = True) -> list[dict]:
     size = os.fstat(f.fileno()).st_size
     ip = _index_path(p)
-    entries = parse_lines(ip, Skipped()) if ip.exists() else []
-    ok = all(isinstance(e.get("off"), int) and isinstance(e.get("len"), int) and isinstance(e.get("head"), str)
+    torn = Skipped()
+    entries = parse_lines(ip, torn) if ip.exists() else []
+    ok = not torn and all(isinstance(e.get("off"), int) and isinstance(e.get("len"), int) and isinstance(e.get("head"), str)
              and (isinstance(e.get("rec"), dict) or "skip" in e) for e in entries)
     # each entry must be where it says: the first and last are checked against the file's bytes
     # (cheap: their first HEAD bytes), so a replaced or rewritten file is indexed anew

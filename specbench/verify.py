@@ -59,7 +59,7 @@ class Synthetic:
 
     def draws(self, B: int, depth: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(uniforms [B, depth], the rate at each depth [depth]) on ``device``; one seeded stream."""
-        if self._gen is None or self._gen.device != torch.device(device):
+        if self._gen is None:  # one engine, one device: the stream is made once and runs on
             self._gen = torch.Generator(device).manual_seed(self.seed)
             self._rates = torch.tensor(self.rates, dtype=torch.float32, device=device)
         idx = torch.arange(depth, device=device).clamp(max=len(self.rates) - 1)

@@ -426,3 +426,21 @@ def test_an_interval_that_misses_its_point_still_plots(tmp_path):
     written = []
     report.fig_speedup_vs(df, tmp_path, written, "bs", "batch size (log2)", "speedup_vs_batch", log2=True)
     assert any(p.name == "speedup_vs_batch.png" for p in written)
+
+
+def test_bootstrap_interval_does_not_narrow_with_repeats_of_the_same_prompts():
+    """Repeats re-time the same prompts: a batch's repeats are resampled together, so 16 repeats of
+    4 batches give the interval of 4 batches, not of 64 independent ones."""
+    from analysis.theory import bootstrap_speedup
+
+    ar = [{"id": f"q{i}", "turn": 1, "batch": i // 2, "new_tokens": 10, "wall_s": 1.0} for i in range(8)]
+    noisy = [dict(r, wall_s=r["wall_s"] / (1.2 if r["batch"] % 2 else 2.0) / (1 + 0.1 * r["batch"])) for r in ar]
+    lo1, hi1 = bootstrap_speedup(noisy, ar, 2)
+
+    def repeated(rs, n):
+        return [dict(r, repeat=k) for k in range(n) for r in rs]
+
+    lo16, hi16 = bootstrap_speedup(repeated(noisy, 16), repeated(ar, 16), 2)
+    assert lo16 <= lo1 + 1e-9 and hi16 >= hi1 - 1e-9, ((lo1, hi1), (lo16, hi16))
+    one = [r for r in noisy if r["batch"] == 0]
+    assert bootstrap_speedup(repeated(one, 16), repeated([r for r in ar if r["batch"] == 0], 16), 2) is None

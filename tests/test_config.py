@@ -22,7 +22,7 @@ from specbench.errors import ConfigError
 from conftest import REPO
 
 CONF = str(REPO / "specbench" / "conf")
-GROUPS = ["method", "model", "dataset", "draft", "logger"]
+GROUPS = ["method", "model", "dataset", "draft", "logger", "accept"]
 
 
 def composed(overrides=()):
@@ -38,6 +38,8 @@ def test_every_option_composes(group):
         cfg = composed([f"{group}={opt}"])
         if group == "draft":  # draft options name a kind: self_layers, hf, or a trained checkpoint
             assert cfg.draft.name in ("self_layers", "hf", "trained")
+        elif group == "model" and opt == "random":  # a random-weight model is named by its shape
+            assert cfg.model.name == f"random-{cfg.model.shape}"
         else:
             assert cfg[group].name == opt
         if group == "method":

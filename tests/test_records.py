@@ -139,3 +139,18 @@ def test_two_resumed_sweeps_at_once_run_each_job_once(tiny_dirs, tmp_path):
     assert sorted((r["method"], r["K"]) for r in recs if r["method"] == "pld") == [("pld", 1), ("pld", 2)]
     assert [r["method"] for r in recs].count("ar") == 1
     assert sum(e.count("already recorded") for e in errs) == 2  # the later sweep skipped both jobs
+
+
+def test_a_torn_index_line_hides_no_record(tmp_path):
+    """A crash that cuts the index's last line: the next entries are not appended onto it (and
+    lost), and the cut entry's record is indexed again."""
+    p = tmp_path / "records.jsonl"
+    for i in range(3):
+        R.append(p, _rec("pld", f"j{i}"))
+    ip = p.with_name(p.name + ".idx")
+    raw = ip.read_bytes()
+    ip.write_bytes(raw[:-20])  # the last entry cut mid-line, no newline
+    R.append(p, _rec("pld", "j3"))
+    R.append(p, _rec("pld", "j4"))
+    assert [e["job_id"] for e in R.index(p)] == [r["job_id"] for r in R.read(p)] == [f"j{i}" for i in range(5)]
+    assert [e["job_id"] for e in R.index(p)] == [f"j{i}" for i in range(5)]  # and stays mended

@@ -286,3 +286,27 @@ def test_a_wider_row_joins_in_place_into_the_slack_left_of_the_batch(model):
     assert not out.isnan().any()
     assert torch.allclose(out, step(b, [1, 2, 3, 4, 5]), atol=1e-5)
 
+
+
+def test_a_follow_up_due_before_a_later_first_turn_is_admitted_first(model):
+    """``Requests`` keeps arrival order when a follow-up is added: a turn-2 request ready now, with
+    rows free, is not held behind a first turn that arrives seconds later."""
+    from specbench.engine import Engine, Request, Requests
+    from specbench.timing import PhaseTimer
+    from specbench.verify import Sampling
+
+    q = Requests([Request("a", [5, 6], 0.0), Request("late", [7, 8], 6.5)])
+    assert [r.key for r in q.take(1, 0.0)] == ["a"]
+    q.add(Request("a2", [9], 2.0))
+    assert q.next_arrival() == 2.0 and q.take(2, 2.5)[0].key == "a2"  # before today's fix: [] until 6.5
+    prompts = prompts_of([6, 4], seed=3)
+    eng = Engine(model, Proposer(test_engine.cfg_for(), model, None, DEVICE, torch.float32), Sampling(), DEVICE,
+                 torch.float32, set(), PhaseTimer(DEVICE))
+    reqs = Requests([Request(0, prompts[0], 0.0), Request(1, prompts[1], 1.5)])
+
+    def on_done(key, r, now):
+        if key == 0:
+            reqs.add(Request("0b", prompts_of([5], seed=4)[0], now))
+
+    out = eng.serve(reqs, 4, concurrency=2, on_done=on_done)
+    assert out["0b"].t_admit < 1.5  # admitted as soon as it was due, not after request 1 arrived
