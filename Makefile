@@ -131,7 +131,8 @@ profile: setup
 # counts, tau and token identity must match exactly; speed is reported, not failed on CPU.
 REGRESS_DIR  := results/regress
 REGRESS_ARGS := method=ar,pld,leviathan bs=1,3 K=3 limit=3 max_new_tokens=32 dataset=mt_bench dataset.order=file \
-                draft=smollm2-135m-draft dtype=fp32 kernel=torch device=cpu progress=false results_dir=$(REGRESS_DIR)
+                draft=smollm2-135m-draft dtype=fp32 kernel=torch device=cpu ar_baseline=sweep progress=false \
+                results_dir=$(REGRESS_DIR)
 
 regress: setup
 	rm -f $(REGRESS_DIR)/records.jsonl

@@ -54,6 +54,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         row["quality"], row["quality_ar"], row["quality_metric"] = q.get("value"), q.get("ar_value"), q.get("metric")
         row["method_cfg"] = r.get("method_cfg") or {}
         row["method_opts"] = r.get("method_opts") or {}
+        row["above_bound"] = R.above_bound(r)  # a speedup above tau, in words: its AR baseline ran slow
         row["accept"] = (r.get("accept") or {}).get("name")  # synthetic: acceptance drawn at given rates
         row["accept_rates"] = (r.get("accept") or {}).get("rates")
         row["K_auto"] = bool(r.get("K_auto"))  # K=auto: the setting was chosen per job (tuned.chosen)

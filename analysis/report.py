@@ -40,8 +40,22 @@ plt.rcParams.update({
 })
 
 
+MARKERS = ["o", "s", "^", "D", "v", "P"]
+HATCHES = ["", "////", "....", "xxxx", "\\\\", "++"]
+
+
 def colors(labels) -> dict:
     return {lab: PALETTE[i % len(PALETTE)] for i, lab in enumerate(sorted(set(labels)))}
+
+
+def markers(labels) -> dict:
+    """Each label's marker: the palette's colours repeat past its length, the marker (and, for
+    bars, the hatch: ``hatches``) changes with each round, so no two series look alike."""
+    return {lab: MARKERS[(i // len(PALETTE)) % len(MARKERS)] for i, lab in enumerate(sorted(set(labels)))}
+
+
+def hatches(labels) -> dict:
+    return {lab: HATCHES[(i // len(PALETTE)) % len(HATCHES)] for i, lab in enumerate(sorted(set(labels)))}
 
 
 def subtitle(df: pd.DataFrame) -> str:
@@ -85,11 +99,11 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
     sd = sd[sd.groupby("series")[xcol].transform("nunique") >= 2]  # a series with one point is no curve
     if sd.empty:
         return
-    cmap = colors(sd["series"])
+    cmap, mk = colors(sd["series"]), markers(sd["series"])
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
     for lab, g in sd.groupby("series"):
         g = g.groupby(xcol, as_index=False)[["speedup", "speedup_lo", "speedup_hi"]].mean().sort_values(xcol)
-        ax.plot(g[xcol], g["speedup"], marker="o", ms=4, lw=1.5, color=cmap[lab], label=lab)
+        ax.plot(g[xcol], g["speedup"], marker=mk[lab], ms=4, lw=1.5, color=cmap[lab], label=lab)
         ci = g.dropna(subset=["speedup_lo", "speedup_hi"])
         if not ci.empty:  # 95% bootstrap interval over batches
             # a percentile interval of a ratio of ratios can miss its own point estimate (two batches
@@ -144,13 +158,13 @@ def fig_acceptance(df, out, written):
         return
     # one line per (label, K): the largest batch size only would hide nothing for greedy
     # the largest K of each series shows every position; smaller K repeat its prefix
-    cmap = colors(sd["series"])
+    cmap, mk = colors(sd["series"]), markers(sd["series"])
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
     seen = set()
     for lab, g in sd.groupby("series"):
         r = g.sort_values("K").iloc[-1]
         a = r["alphas"]
-        ax.plot(range(1, len(a) + 1), a, marker="o", ms=3.5, lw=1.3, color=cmap[lab], label=f"{lab}{k_label(r, ', ')}")
+        ax.plot(range(1, len(a) + 1), a, marker=mk[lab], ms=3.5, lw=1.3, color=cmap[lab], label=f"{lab}{k_label(r, ', ')}")
         seen.add(lab)
     ax.set_xlabel("draft position i")
     ax.set_ylabel(r"acceptance rate $\alpha_i$ (share of steps)")
@@ -297,12 +311,12 @@ def fig_serving(df, out, written):
     d = d[d.groupby("label")["bs"].transform("nunique") >= 2]
     if d.empty:
         return
-    cmap = colors(d["label"])
+    cmap, mk = colors(d["label"]), markers(d["label"])
     fig, ax = plt.subplots(figsize=(4.8, 3.4))
     for lab, g in d.groupby("label"):
         g = g.groupby("bs", as_index=False)[["tpot_p50", "tokens_per_s"]].mean().sort_values("bs")
         ls = "--" if "[continuous" in lab else "-"
-        ax.plot(g["tpot_p50"] * 1e3, g["tokens_per_s"], marker="o", ms=4, lw=1.4, ls=ls, color=cmap[lab], label=lab)
+        ax.plot(g["tpot_p50"] * 1e3, g["tokens_per_s"], marker=mk[lab], ms=4, lw=1.4, ls=ls, color=cmap[lab], label=lab)
         for _, p in g.iterrows():
             ax.annotate(f"{int(p['bs'])}", (p["tpot_p50"] * 1e3, p["tokens_per_s"]), fontsize=6,
                         xytext=(3, 3), textcoords="offset points")
@@ -320,11 +334,11 @@ def fig_speedup_vs_concurrency(df, out, written):
     d = d[d.groupby("series")["bs"].transform("nunique") >= 2] if not d.empty else d
     if d.empty:
         return
-    cmap = colors(d["series"])
+    cmap, mk = colors(d["series"]), markers(d["series"])
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
     for lab, g in d.groupby("series"):
         g = g.groupby("bs", as_index=False)[["speedup", "bound_batch"]].mean().sort_values("bs")
-        ax.plot(g["bs"], g["speedup"], marker="o", ms=4, lw=1.5, color=cmap[lab], label=lab)
+        ax.plot(g["bs"], g["speedup"], marker=mk[lab], ms=4, lw=1.5, color=cmap[lab], label=lab)
         if g["bound_batch"].notna().any():
             ax.plot(g["bs"], g["bound_batch"], ls=":", lw=1.2, color=cmap[lab])
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
@@ -453,6 +467,9 @@ def fig_engines(df, out, written):
     save(fig, out, "engines", written)
 
 
+BARS_PER_PANEL = 10  # a bound figure holds every job: past this many bars, one more panel below
+
+
 def fig_bounds(df, out, written):
     sd = _sd(df).dropna(subset=["speedup"]).copy()
     if sd.empty:
@@ -466,32 +483,37 @@ def fig_bounds(df, out, written):
 
     sd["name"] = sd.apply(short, axis=1)
     sd = sd.drop_duplicates("name", keep="last")
-    if len(sd) > 10:
-        sd = sd[(sd["bs"] == sd["bs"].min()) & (sd["temperature"] == sd["temperature"].min())].tail(10)
     series = [("measured", "speedup", "#222222"), ("Leviathan closed form", "bound_leviathan", "#4c72b0"),
               ("per-position form", "bound_per_position", "#55a868"), ("batch-aware (cost curve)", "bound_batch", "#dd8452")]
     series = [s for s in series if sd[s[1]].notna().any()]
-    fig, ax = plt.subplots(figsize=(max(4.6, 1.35 * len(sd) + 1.5), 3.4))
-    x = np.arange(len(sd))
-    w = 0.8 / len(series)
-    for i, (lab, col, colr) in enumerate(series):
-        ax.bar(x + (i - (len(series) - 1) / 2) * w, sd[col].fillna(0), width=w, color=colr, label=lab,
-               edgecolor="white", lw=0.5)
-    for j, (_, r) in enumerate(sd.iterrows()):
-        # the gap: measured as a share of the Leviathan closed form
-        b = r.get("bound_leviathan")
-        if b is not None and np.isfinite(b) and b > 0:
-            top = np.nanmax([r["speedup"], b, r.get("bound_per_position", np.nan), r.get("bound_batch", np.nan)])
-            ax.text(x[j], top + 0.03 * max(1.0, top), f"{r['speedup'] / b:.0%}", ha="center", fontsize=7)
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_xticks(x, sd["name"], fontsize=7)
-    ax.set_ylabel("speedup over AR")
-    ax.grid(axis="x", visible=False)
-    what = f"{sd['label'].iloc[0]}: measured" if one else "Measured"
-    ax.set_title(f"{what} speedup against the theoretical bounds (% = measured / closed form)\n{subtitle(df)}")
-    ax.legend(frameon=False, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    panels = [sd.iloc[i:i + BARS_PER_PANEL] for i in range(0, len(sd), BARS_PER_PANEL)]
+    width = min(len(sd), BARS_PER_PANEL)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(4.6, 1.35 * width + 1.5), 3.4 * len(panels)), squeeze=False)
     ymax = np.nanmax(sd[[s[1] for s in series]].to_numpy(dtype=float))
-    ax.set_ylim(0, max(1.3, ymax * 1.25))
+    for ax, part in zip(axes[:, 0], panels):
+        x = np.arange(len(part))
+        w = 0.8 / len(series)
+        for i, (lab, col, colr) in enumerate(series):
+            ax.bar(x + (i - (len(series) - 1) / 2) * w, part[col].fillna(0), width=w, color=colr, label=lab,
+                   edgecolor="white", lw=0.5)
+        for j, (_, r) in enumerate(part.iterrows()):
+            if isinstance(r.get("above_bound"), str):  # not a result: its AR baseline ran slow
+                ax.text(x[j], r["speedup"] * 1.02, "above tau:\nAR slowed?", ha="center", va="bottom", fontsize=6.5,
+                        color="#c44e52", fontweight="bold")
+                continue
+            # the gap: measured as a share of the Leviathan closed form
+            b = r.get("bound_leviathan")
+            if b is not None and np.isfinite(b) and b > 0:
+                top = np.nanmax([r["speedup"], b, r.get("bound_per_position", np.nan), r.get("bound_batch", np.nan)])
+                ax.text(x[j], top + 0.03 * max(1.0, top), f"{r['speedup'] / b:.0%}", ha="center", fontsize=7)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks(x, part["name"], fontsize=7)
+        ax.set_ylabel("speedup over AR")
+        ax.grid(axis="x", visible=False)
+        ax.set_ylim(0, max(1.3, ymax * 1.25))
+    what = f"{sd['label'].iloc[0]}: measured" if one else "Measured"
+    axes[0, 0].set_title(f"{what} speedup against the theoretical bounds (% = measured / closed form)\n{subtitle(df)}")
+    axes[0, 0].legend(frameon=False, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     save(fig, out, "speedup_vs_bound", written)
 
 
@@ -502,14 +524,14 @@ def fig_hist(df, out, written):
         return
     sd = sd.sort_values("K").drop_duplicates("series", keep="last")
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
-    cmap = colors(sd["series"])
+    cmap, hat = colors(sd["series"]), hatches(sd["series"])
     n = len(sd)
     w = 0.8 / n
     for i, (_, r) in enumerate(sd.iterrows()):
         h = np.array(r["hist"], dtype=float)
         h = h / h.sum()
         xs = np.arange(len(h)) + 1 + (i - (n - 1) / 2) * w
-        ax.bar(xs, h, width=w, color=cmap[r["series"]], label=f"{r['series']}{k_label(r, ', ')} (tau {r['tau']:.2f})")
+        ax.bar(xs, h, width=w, color=cmap[r["series"]], hatch=hat[r["series"]], edgecolor="white", lw=0.3, label=f"{r['series']}{k_label(r, ', ')} (tau {r['tau']:.2f})")
     ax.set_xlabel("tokens emitted per step (accepted drafts + 1)")
     ax.set_ylabel("share of steps")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -619,7 +641,8 @@ def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
     cols = ["label", "model", "dataset", "dtype", "kernel", "temperature", "bs", "K", "ctx", "tokens_per_s", "speedup",
             "speedup_ci", "tau",
             "alpha", "c",
-            "bound_leviathan", "bound_batch", "of_bound", "curve_gap", "verify_share", "match_ar", "peak_mem_bytes"]
+            "bound_leviathan", "bound_batch", "of_bound", "curve_gap", "verify_share", "match_ar", "above_bound",
+            "peak_mem_bytes"]
     scored = df["quality"].notna().any() if "quality" in df else False
     if scored:  # task score of the job and of its AR baseline (GSM8K accuracy, HumanEval pass@1)
         cols = cols[:-1] + ["quality", "quality_ar", "peak_mem_bytes"]
@@ -637,7 +660,7 @@ def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
     t["of_bound"] = 100 * t["of_bound"]
     t = t.rename(columns={"label": "method", "temperature": "T", "tokens_per_s": "tok/s", "bound_leviathan": "bound",
                           "bound_batch": "batch bound", "of_bound": "% of batch bound",
-                          "curve_gap": "curve / AR step",
+                          "curve_gap": "curve / AR step", "above_bound": "above bound",
                           "speedup_ci": "95% CI",
                           "verify_share": "verify %", "match_ar": "match AR %", "peak_mem_bytes": "peak MiB"})
     return t.sort_values(["model", "dataset", "dtype", "T", "bs", "method", "K"],
@@ -662,8 +685,10 @@ def paper_sweep(full: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     varying, fixed = _fixed(full, SETTINGS)
     t = full[["method", *varying]].copy()
     t["tau"] = full["tau"]
-    t["speedup (95% CI)"] = [("-" if not (s == s) else f"{s:.2f}x" + (f" ({ci})" if isinstance(ci, str) else ""))
-                             for s, ci in zip(full["speedup"], full["95% CI"])]
+    t["speedup (95% CI)"] = [("-" if not (s == s) else f"{s:.2f}x" + (f" ({ci})" if isinstance(ci, str) else "")
+                              + (" (above tau: AR slowed?)" if isinstance(flag, str) else ""))
+                             for s, ci, flag in zip(full["speedup"], full["95% CI"],
+                                                    full.get("above bound", pd.Series(None, index=full.index)))]
     for col in ("% of batch bound", "score %", "match AR %"):
         if len(t.columns) < PAPER_COLUMNS and col in full and full[col].notna().any():
             t[col] = full[col]
@@ -688,10 +713,13 @@ def identity_table(df: pd.DataFrame) -> pd.DataFrame:
     through the verify path) differ from AR only by the kernels' shapes: in fp32 every row
     should read 100%; in bf16 a method whose divergence is no worse than the floor's
     diverges by rounding, not by a bug."""
-    g = df[(df["temperature"] == 0)]
+    g = df[(df["temperature"] == 0) & (df.get("accept", pd.Series(None, index=df.index)) != "synthetic")]
     g = g[g["requests"].map(lambda rq: bool(rq) and "tokens" in rq[0])]
     rows = []
-    for key, grp in g.groupby(["model", "dataset", "dtype", "max_new_tokens", "limit", "ctx"], dropna=False):
+    # the reference AR is the same engine's, on the same kernels, compiled or not: vLLM's AR (or a
+    # compiled one) is another row's floor, never ours
+    for key, grp in g.groupby(["model", "dataset", "dtype", "max_new_tokens", "limit", "ctx", "backend", "kernel",
+                               "compile"], dropna=False):
         ars = grp[grp["method"] == "ar"]
         if ars.empty:
             continue
@@ -777,6 +805,8 @@ def build(records, out: Path, **filters) -> list[Path]:
         print(f"[report] {r['label']} (bs={r['bs']}): its batch bound reads a cost curve {r['curve_gap']:.2f}x its "
               f"paired AR's own step (another host state); profile the curve again beside the job "
               f"(make bench-cpu does, after its jobs)", file=sys.stderr)
+    for _, r in df[df["above_bound"].map(lambda x: isinstance(x, str))].iterrows():
+        print(f"[report] {r['label']} (bs={r['bs']}{k_label(r)}): {r['above_bound']}", file=sys.stderr)
     fig_bounds(df, out, written)
     fig_serving(df, out, written)
     fig_speedup_vs_concurrency(df, out, written)

@@ -3,6 +3,7 @@ the KV cache and measures. A method never times itself nor writes metrics."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,10 @@ class Proposer:
     # target hidden states the method drafts from ("final" = after the final norm, or a
     # decoder layer index); the engine hands them to start() and update() (specbench.hidden)
     hidden_layers: tuple = ()
+    # attributes holding what the method learns across requests (answers it has seen, statistics
+    # of them): the runner snapshots them before its untimed warm-up and restores them after it
+    # and at the start of every repeat, so a timed request only benefits from those before it
+    learned: tuple = ()
 
     def __init__(self, cfg, target, tokenizer, device: torch.device, dtype: torch.dtype):
         self.cfg = cfg
@@ -124,6 +129,15 @@ class Proposer:
         if cls.add_rows is not Proposer.add_rows:
             return True
         return cls.start is Proposer.start and cls.select_rows is Proposer.select_rows
+
+    def snapshot(self) -> dict:
+        """A copy of what the method has learned across requests (``learned``)."""
+        return {k: copy.deepcopy(getattr(self, k)) for k in self.learned}
+
+    def restore(self, snap: dict) -> None:
+        """Back to a ``snapshot`` (which stays usable again)."""
+        for k, v in snap.items():
+            setattr(self, k, copy.deepcopy(v))
 
     def describe(self) -> dict:
         """Method-specific fields recorded with the job."""

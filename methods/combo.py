@@ -66,6 +66,7 @@ def depth_of(parents: list[int]) -> int:
 
 class Combo(Proposer):
     name = "combo"
+    learned = ("right", "tried", "wins", "steps")  # each member's acceptance so far (and its members')
 
     @classmethod
     def check(cls, cfg, target_config) -> None:
@@ -135,6 +136,14 @@ class Combo(Proposer):
 
     def modules(self):
         return [mod for p in self.members for mod in p.modules()]
+
+    def snapshot(self) -> dict:
+        return {"own": super().snapshot(), "members": [p.snapshot() for p in self.members]}
+
+    def restore(self, snap: dict) -> None:
+        super().restore(snap["own"])
+        for p, s in zip(self.members, snap["members"]):
+            p.restore(s)
 
     def start(self, state: BatchState, hidden=None) -> None:
         for p in self.members:

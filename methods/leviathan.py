@@ -7,9 +7,11 @@ the engine a chain with the distributions it sampled from; the engine verifies i
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf, open_dict
 
 from methods.base import BatchState, Proposer
 from specbench import backends, drafters
@@ -18,8 +20,41 @@ from specbench.kv import RaggedCache
 from specbench.errors import ConfigError
 from specbench.hf import max_positions, text_config
 from specbench.models import cached_model, load_config, load_tokenizer, model_cfg, self_layers_draft
-from specbench.paths import resolve_path
+from specbench.paths import CONF_DIR, resolve_path
 from specbench.verify import greedy_pick, sample, warp
+
+
+# The drafts shipped for packaged targets (conf/draft/<name>.yaml), which draft=auto chooses.
+SHIPPED = {"smollm2-135m": "smollm2-135m-draft"}
+SELF_LAYERS = 4  # draft=auto on any other target: its first 4 layers (at most all but one)
+
+
+def resolved(cfg):
+    """``cfg`` with ``draft=auto`` replaced by the draft it stands for: the shipped draft of a packaged
+    target, else the target's first layers. A draft setting the chosen draft does not take is refused
+    in one line."""
+    d = cfg.draft
+    if d.name == "auto":
+        shipped = None if cfg.model.get("path") or cfg.model.get("shape") else SHIPPED.get(str(cfg.model.name))
+        if shipped is not None:
+            if d.get("layers") is not None:
+                raise ConfigError(f"draft.layers={d.layers}: draft=auto runs the shipped draft {shipped} on "
+                                  f"{cfg.model.name}, which has its own layers; add draft=self_layers to draft with the "
+                                  f"target's first {d.layers} layers")
+            new = OmegaConf.load(CONF_DIR / "draft" / f"{shipped}.yaml")
+        else:
+            n = d.get("layers")
+            if n is None:
+                total = getattr(text_config(load_config(cfg.model)), "num_hidden_layers", None) or SELF_LAYERS + 1
+                n = max(1, min(SELF_LAYERS, total - 1))
+            new = OmegaConf.create({"name": "self_layers", "layers": n, "path": None})
+        cfg = copy.deepcopy(cfg)
+        with open_dict(cfg):
+            cfg.draft = new
+    elif d.name in ("trained", "hf") and d.get("layers") is not None:
+        raise ConfigError(f"draft.layers={d.layers} applies to draft=self_layers (the target's first layers); draft "
+                          f"{d.get('label') or d.path} has its own: drop draft.layers, or add draft=self_layers")
+    return cfg
 
 
 def trained_draft(cfg) -> str | None:
@@ -43,6 +78,7 @@ class Leviathan(Proposer):
 
     @classmethod
     def check(cls, cfg, target_config) -> None:
+        cfg = resolved(cfg)
         tc = text_config(target_config)
         folder, dm = trained_draft(cfg), hf_draft_cfg(cfg)
         if folder:
@@ -62,18 +98,21 @@ class Leviathan(Proposer):
 
     @classmethod
     def positions(cls, cfg, target_config) -> int:
+        cfg = resolved(cfg)
         dm = hf_draft_cfg(cfg)  # a separate draft LM has positions of its own; the others share the target's
         own = max_positions(target_config)
         return own if dm is None else min(own, max_positions(load_config(dm)))
 
     @classmethod
     def draft_label(cls, cfg) -> str:
+        cfg = resolved(cfg)
         if cfg.draft.name == "self_layers":
             return f"self_layers:{cfg.draft.layers}"
         return str(cfg.draft.get("label") or cfg.draft.path)
 
     @staticmethod
     def load_draft(cfg, target, device, dtype):
+        cfg = resolved(cfg)
         folder = trained_draft(cfg)
         if folder:
             return drafters.load(folder, target, device, dtype, kind="draft_lm")
@@ -95,6 +134,8 @@ class Leviathan(Proposer):
         from specbench.drafters.draft_lm import hf_folder
         from specbench.models import model_dir
         from specbench.paths import cache_dir, file_lock
+
+        cfg = resolved(cfg)
 
         dm = hf_draft_cfg(cfg)
         if dm is not None:

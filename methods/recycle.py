@@ -58,6 +58,7 @@ def tree_of(m, device) -> list[tuple[int, ...]]:
 
 class TokenRecycling(Proposer):
     name = "recycle"
+    learned = ("next", "known", "steps_with_draft")  # the matrix: the target's candidates seen so far
 
     @classmethod
     def check(cls, cfg, target_config) -> None:

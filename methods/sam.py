@@ -140,6 +140,7 @@ class Row:
 
 class SamDecoding(Proposer):
     name = "sam"
+    learned = ("used",)  # (and its fallback's)
 
     @classmethod
     def check(cls, cfg, target_config) -> None:
@@ -190,6 +191,14 @@ class SamDecoding(Proposer):
 
     def modules(self):
         return self.fallback.modules() if self.fallback is not None else []
+
+    def snapshot(self) -> dict:
+        return {"own": super().snapshot(), "fallback": self.fallback.snapshot() if self.fallback else None}
+
+    def restore(self, snap: dict) -> None:
+        super().restore(snap["own"])
+        if self.fallback is not None:
+            self.fallback.restore(snap["fallback"])
 
     def start(self, state: BatchState, hidden=None) -> None:
         self.rows = [Row(s, self.corpus) for s in state.seqs]

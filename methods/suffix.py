@@ -107,6 +107,7 @@ def grow(node: Node, budget: int, min_prob: float, tree: bool) -> tuple[list[int
 
 class SuffixDecoding(Proposer):
     name = "suffix"
+    learned = ("glob", "used")  # the global tree holds every earlier response of the job
 
     @classmethod
     def check(cls, cfg, target_config) -> None:

@@ -93,6 +93,7 @@ class Engine:
         self.eos = set(eos_ids)
         self.timer = timer
         self.iterations = 0  # decoding steps of the batch (one target forward each), summed over calls
+        self.harness_s = 0.0  # seconds spent in the caller's on_done (outside every phase), summed over calls
         self.widest = 64  # the most nodes a verify forward has had (at least 64): the cache's room per batch
         if prefill_chunk is not None and int(prefill_chunk) < 1:
             raise ValueError(f"prefill_chunk must be a positive number of tokens or None, got {prefill_chunk}")
@@ -112,7 +113,8 @@ class Engine:
               concurrency: int = 1, on_done=None, together: bool = False) -> dict:
         """Up to ``concurrency`` requests in flight until ``requests`` is empty; a request joins as
         soon as it has arrived, a row is free and its prompt is prefilled. ``on_done(key, result,
-        now)`` hears of each finished request (it may add more). ``together``: the rows start
+        now)`` hears of each finished request (it may add more), between steps and outside every
+        phase; the seconds it takes are summed in ``self.harness_s`` (the caller's work, not ours). ``together``: the rows start
         decoding together once every request taken is prefilled (a static batch). Returns {key:
         RowResult}; ``self.trace`` holds (time, rows in flight, tokens emitted) per decoding step."""
         with Tap(self.target, self.proposer.hidden_layers) as tap:
@@ -202,14 +204,15 @@ class Engine:
         sync(self.device)
         t0 = time.perf_counter()
 
+        finished: list = []  # (key, result) of requests done since on_done last heard
+
         def finish(done: list[bool]):
             nonlocal pending
             gone = [(live[i], res[i]) for i, d in enumerate(done) if d]
             pending = self._drop_finished(done, live, state, cache, pending, res)
             for key, r in gone:
                 results[key] = r
-                if on_done is not None:
-                    on_done(key, r, time.perf_counter() - t0)
+            finished.extend(gone)
 
         def join(joining, subs, first, hidden, new_res):
             """Prefilled requests join the batch (its cache, the method) or start it."""
@@ -237,6 +240,12 @@ class Engine:
         filling: deque = deque()  # requests being prefilled piece by piece (prefill_chunk)
         ready: list = []  # whole prompts waiting for the rest of a static batch (together)
         while True:
+            if finished and on_done is not None:  # the caller's work (its next turn) is not ours to time
+                h = time.perf_counter()
+                for key, r in finished:
+                    on_done(key, r, time.perf_counter() - t0)
+                self.harness_s += time.perf_counter() - h
+            finished.clear()
             free = concurrency - len(live) - len(filling) - len(ready)
             joining = requests.take(free, time.perf_counter() - t0) if free > 0 else []
             if self.chunk is None:

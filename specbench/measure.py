@@ -113,12 +113,15 @@ class MethodRun:
                           prefill_chunk=cfg.get("prefill_chunk"))
 
         self.compiled = is_compiled(model)
+        fresh = self.proposer.snapshot()  # what it has learned across requests: nothing yet
         if cfg.warmup:  # the job's own shapes: a full batch of its ragged prompts (padding masks, tree masks)
             qs = questions[:int(cfg.bs)]  # the first batch, as the timed job will see it
             ids = [q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], self.chat) for q in qs]
             if self.compiled:  # every graph the timed job can need, with the method's taps in place
                 warm_compiled(model, len(ids), device, dtype, self.proposer.hidden_layers)
             engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
+            self.proposer.restore(fresh)  # the warm-up's answers are the timed prompts': forgotten
+        self._fresh, self._rep = fresh, 0
         self.timer = PhaseTimer(device)
         self.eng = engine(self.timer)
         self.gen = torch.Generator(device).manual_seed(int(cfg.seed))
@@ -213,10 +216,11 @@ class MethodRun:
         with self.timer.watching([self.model, *self.proposer.modules()]), self.mem, self.nvml:
             graphs = compiled_graphs() if self.compiled else 0
             sync(self.device)
-            t0 = time.perf_counter()
+            harness, t0 = self.eng.harness_s, time.perf_counter()
             self.eng.serve(queue, int(cfg.max_new_tokens), self.gen, concurrency=int(cfg.bs), on_done=on_done)
             sync(self.device)
-            dt = time.perf_counter() - t0
+            # decoding, hashing and rendering the next turn (on_done) are the harness's, not the engine's
+            dt = time.perf_counter() - t0 - (self.eng.harness_s - harness)
             if self.compiled:
                 self.graphs_timed += compiled_graphs() - graphs
         self._take_trace()
@@ -226,6 +230,9 @@ class MethodRun:
         self._rng = _rng_state(self.device)
 
     def run_unit(self, unit: tuple[int, int], progress=None) -> None:
+        if unit[0] != self._rep:  # each repeat starts from the same state: none of its answers learned
+            self.proposer.restore(self._fresh)
+            self._rep = unit[0]
         if self.continuous:
             return self._run_stream(unit[0], progress)
         cfg, device, tokenizer = self.cfg, self.device, self.tokenizer

@@ -281,6 +281,24 @@ def job_key(rec: dict) -> tuple:
     return tuple(json.dumps(current(rec, k), sort_keys=True) for k in JOB_KEYS)
 
 
+# A speedup above the mean accepted length tau is not a result: each step emits tau tokens on
+# average and costs at least one target forward (free drafts, a verify no dearer than an AR step:
+# docs/design.md section 5), so it reads tau at most. Beyond this margin its AR baseline ran slow.
+ABOVE_BOUND = 1.02
+
+
+def above_bound(rec: dict) -> str | None:
+    """Why ``rec``'s speedup cannot be trusted, in words, when it exceeds its bound (tau); None
+    otherwise."""
+    m = rec.get("metrics") or {}
+    s, tau = m.get("speedup"), m.get("tau")
+    if rec.get("method") == "ar" or s is None or tau is None or s <= tau * ABOVE_BOUND:
+        return None
+    how = ("the AR run beside it was slowed (rerun it on a quiet host)" if rec.get("paired_with") else
+           "AR baseline slowed? rerun paired (ar_baseline=paired)")
+    return f"speedup {s:.2f}x is above its bound tau={tau:.2f}: {how}"
+
+
 def find_done(records: list[dict], probe: dict) -> dict | None:
     """The latest ok record of the job ``probe`` describes, on the same machine and code."""
     key, env = job_key(probe), env_key(probe)

@@ -32,7 +32,8 @@ def summary_table(recs: list[dict]) -> str:
         name += " [synthetic accept]" if r.get("accept") else ""  # drawn acceptance, lossy by construction
         rows.append([name, str(r.get("model")).split("/")[-1], r.get("dataset"), str(r.get("bs")), *load,
                      ("auto:" if r.get("K_auto") else "") + f(r.get("K"), "d"), f(r.get("ctx"), "d"), f(m.get("tokens_per_s"), ".1f"),
-                     f(m.get("speedup"), ".2f") + ("x" if m.get("speedup") is not None else ""),
+                     f(m.get("speedup"), ".2f") + ("x" if m.get("speedup") is not None else "")
+                     + (" !" if R.above_bound(r) else ""),
                      f(m.get("tau"), ".2f"), f(m.get("verify_share"), ".0%"), f(m.get("match_ar"), ".0%"),
                      f((m.get("quality") or {}).get("value"), ".0%"),
                      r.get("status") if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error')}"[:60]])
@@ -40,6 +41,11 @@ def summary_table(recs: list[dict]) -> str:
     line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
     out = [line, "-" * len(line)]
     out += ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in rows]
+    flags = [(r, R.above_bound(r)) for r in recs]
+    flags = [f"  ! {r.get('method')} bs={r.get('bs')}" + (f" K={r['K']}" if r.get("K") else "") + f": {why}"
+             for r, why in flags if why]
+    if flags:
+        out += ["", "Speedups that cannot be right:", *flags]
     return "\n".join(out)
 
 

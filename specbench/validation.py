@@ -70,6 +70,9 @@ def check_prompts(cfg, questions, tokenizer, npos: int, device) -> None:
     chat = bool(cfg.model.get("chat", True))
     for q in questions:
         n = len(q.ctx_ids) if cfg.ctx is not None else len(D.render(tokenizer, [], q.turns[0], chat))
+        if n == 0:
+            raise ConfigError(f"question {q.id}: its prompt renders to no tokens with {type(tokenizer).__name__} "
+                              "(a tokenizer that does not fit the model's files?)")
         if n + cfg.max_new_tokens + reach + 1 > npos:
             raise ConfigError(f"question {q.id}: a prompt of {n} tokens + max_new_tokens={cfg.max_new_tokens} + "
                               f"{reach} draft positions exceeds the {npos} positions of the job's models; lower "

@@ -444,3 +444,85 @@ def test_bootstrap_interval_does_not_narrow_with_repeats_of_the_same_prompts():
     assert lo16 <= lo1 + 1e-9 and hi16 >= hi1 - 1e-9, ((lo1, hi1), (lo16, hi16))
     one = [r for r in noisy if r["batch"] == 0]
     assert bootstrap_speedup(repeated(one, 16), repeated([r for r in ar if r["batch"] == 0], 16), 2) is None
+
+
+def test_a_speedup_above_its_bound_is_flagged_in_words(tmp_path):
+    """Speedup 1.9 with tau 1.4: not a result (each step emits tau tokens and costs at least a
+    forward), flagged in the sweep's summary and in the report's table."""
+    from specbench import records as R
+    from specbench.summary import summary_table
+
+    base = {"status": "ok", "model": "m", "dataset": "mt_bench", "bs": 1, "K": 4, "temperature": 0.0,
+            "sweep_id": "s", "requests": []}
+    bad = dict(base, method="pld", job_id="p", metrics={"speedup": 1.9, "tau": 1.4, "tokens_per_s": 19.0})
+    fine = dict(base, method="lookahead", job_id="l", metrics={"speedup": 1.3, "tau": 1.4, "tokens_per_s": 13.0})
+    ar = dict(base, method="ar", job_id="a", K=None, metrics={"speedup": 1.0, "tau": 1.0, "tokens_per_s": 10.0})
+    assert "rerun paired" in R.above_bound(bad) and R.above_bound(fine) is None and R.above_bound(ar) is None
+    assert "the AR run beside it was slowed" in R.above_bound(dict(bad, paired_with="a"))
+    table = summary_table([ar, bad, fine])
+    assert "1.90x !" in table and "pld bs=1 K=4: speedup 1.90x is above its bound tau=1.40" in table
+    assert "lookahead bs=1 K=4:" not in table
+    p = tmp_path / "records.jsonl"
+    for r in (ar, bad, fine):
+        R.append(p, r)
+    from analysis.load import load
+    from analysis.report import paper_sweep, sweep_table
+
+    df = load(p)
+    assert df.set_index("method").loc["pld", "above_bound"].startswith("speedup 1.90x")
+    df["bound_batch"] = float("nan")
+    t, _ = paper_sweep(sweep_table(df))
+    assert "AR slowed?" in t[t["method"] == "pld"]["speedup (95% CI)"].iloc[0]
+    assert "AR slowed?" not in t[t["method"] == "lookahead"]["speedup (95% CI)"].iloc[0]
+
+
+def test_identity_table_takes_its_reference_ar_from_the_same_engine_kernel_and_compile(tmp_path):
+    """A vLLM AR at bs 1 (other tokens) beside ours changes none of our rows: each engine's rows are
+    held to its own AR."""
+    recs = [r for r in R.read(FIX / "records.jsonl") if r["method"] in ("ar", "pld") and r["bs"] == 1
+            and r["K"] in (None, 4)]
+    keys = sorted({(rq["id"], rq["turn"]) for rq in recs[0]["requests"]})
+    for r in recs:
+        for rq in r["requests"]:
+            i = keys.index((rq["id"], rq["turn"]))
+            rq["prompt_sha"] = f"p{i}"
+            rq["tokens"] = list(range(i, i + 10))
+    p = tmp_path / "records.jsonl"
+    for r in recs:
+        R.append(p, r)
+    ours = report.identity_table(load(p))
+    vllm = json.loads(json.dumps(next(r for r in recs if r["method"] == "ar")))
+    vllm.update(job_id="vllm-ar", backend="vllm", backend_version="0.32.0", kernel=None)
+    for rq in vllm["requests"]:
+        rq["tokens"] = [t + 1000 for t in rq["tokens"]]
+    p2 = tmp_path / "both.jsonl"
+    for r in [vllm, *recs]:  # vLLM's AR first: the earliest AR at the smallest batch size
+        R.append(p2, r)
+    both = report.identity_table(load(p2))
+    assert both.equals(ours) and (ours["identical %"] == 100.0).all()
+
+
+def test_a_report_of_twelve_methods_shows_all_twelve_in_every_per_method_figure(tmp_path, monkeypatch):
+    """No figure drops a job (the bounds figure takes more panels) and no two series look alike (the
+    palette's colours repeat with another marker, or hatch for bars)."""
+    import matplotlib.colors as mcolors
+
+    recs = R.read(FIX / "records.jsonl")
+    ar = next(r for r in recs if r["method"] == "ar" and r["bs"] == 1)
+    pld = next(r for r in recs if r["method"] == "pld" and r["bs"] == 1 and r["K"] == 4)
+    p = tmp_path / "records.jsonl"
+    R.append(p, ar)
+    names = [f"method{i:02d}" for i in range(12)]
+    for i, name in enumerate(names):
+        R.append(p, dict(json.loads(json.dumps(pld)), method=name, job_id=f"j{i}"))
+    figs = {}
+    monkeypatch.setattr(report, "save", lambda fig, out, name, written: figs.setdefault(name, fig))
+    report.build(p, tmp_path / "rep")
+    ticks = [t.get_text() for ax in figs["speedup_vs_bound"].axes for t in ax.get_xticklabels()]
+    assert sorted(n for n in names if any(t.startswith(n) for t in ticks)) == names
+    lines = [ln for ln in figs["acceptance_per_position"].axes[0].get_lines() if ln.get_label().startswith("method")]
+    assert len(lines) == 12
+    assert len({(mcolors.to_hex(ln.get_color()), ln.get_marker()) for ln in lines}) == 12
+    bars = [c for c in figs["accept_length_hist"].axes[0].containers]
+    assert len(bars) == 12
+    assert len({(mcolors.to_hex(b.patches[0].get_facecolor()), b.patches[0].get_hatch()) for b in bars}) == 12

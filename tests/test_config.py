@@ -83,7 +83,8 @@ def register_fakes(monkeypatch, **classes):
 
 
 def tiny_cfg(tiny_dirs, tmp_path, **over):
-    cfg = composed(["model=hf", "dataset=jsonl", "draft=self_layers"])
+    # the sweep's AR run once (the default pairs every job with its own AR): tests ask for paired
+    cfg = composed(["model=hf", "dataset=jsonl", "draft=self_layers", "ar_baseline=sweep"])
     with open_dict(cfg):
         cfg.model.path = str(tiny_dirs["target"])
         cfg.dataset.path = str(tiny_dirs["questions"])
@@ -595,7 +596,7 @@ def test_ctx_prompts_have_exact_length(tiny_dirs, tmp_path, monkeypatch):
 def test_cli_sweep_end_to_end(tiny_dirs, tmp_path):
     """`python -m specbench a=x,y` sweeps without -m and ends with the summary table."""
     out = subprocess.run(
-        [sys.executable, "-m", "specbench", "model=hf", f"model.path={tiny_dirs['target']}", "dataset=jsonl",
+        [sys.executable, "-m", "specbench", "ar_baseline=sweep", "model=hf", f"model.path={tiny_dirs['target']}", "dataset=jsonl",
          f"dataset.path={tiny_dirs['questions']}", "method=pld,leviathan", "bs=1,3", "K=2", "limit=3",
          "max_new_tokens=8", "draft=self_layers", "draft.layers=1", f"results_dir={tmp_path}", "progress=false"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -635,7 +636,7 @@ def test_kill_9_mid_sweep_then_resume(tiny_dirs, tmp_path):
     import signal
     import time as _time
 
-    args = [sys.executable, "-m", "specbench", "model=hf", f"model.path={tiny_dirs['target']}", "dataset=jsonl",
+    args = [sys.executable, "-m", "specbench", "ar_baseline=sweep", "model=hf", f"model.path={tiny_dirs['target']}", "dataset=jsonl",
             f"dataset.path={tiny_dirs['questions']}", "method=pld,leviathan", "K=1,2,3", "limit=4",
             "max_new_tokens=48", "draft=self_layers", "draft.layers=1", f"results_dir={tmp_path}", "progress=false"]
     path = tmp_path / "records.jsonl"
@@ -660,7 +661,7 @@ def test_kill_9_mid_sweep_then_resume(tiny_dirs, tmp_path):
 def test_joblib_launcher_two_workers(tiny_dirs, tmp_path):
     """Hydra's joblib launcher, 2 worker processes sharing one records file: every record
     whole, each AR baseline run exactly once and paired with its methods, then resume."""
-    args = [sys.executable, "-m", "specbench", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=hf",
+    args = [sys.executable, "-m", "specbench", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "ar_baseline=sweep", "model=hf",
             f"model.path={tiny_dirs['target']}", "dataset=jsonl", f"dataset.path={tiny_dirs['questions']}",
             "method=pld,leviathan", "bs=1,2", "K=2,3", "limit=3", "max_new_tokens=16", "draft=self_layers",
             "draft.layers=1", f"results_dir={tmp_path}", "progress=false"]
@@ -910,3 +911,50 @@ def test_chunked_prefill_is_recorded_pairs_its_own_ar_and_keeps_the_tokens(tiny_
 
     with pytest.raises(ConfigError, match="vllm.max_num_batched_tokens"):
         vllm_engine.check(vllm, "ar")
+
+
+@pytest.mark.parametrize("arch", ["Qwen2", "Qwen3", "Mistral"])
+def test_the_default_draft_fits_any_target(tiny_dirs, tmp_path, arch):
+    """draft=auto (the default): the target's first layers on a model the shipped draft was not
+    trained for, so leviathan runs (and stays token-identical) on any target; the shipped draft on
+    the packaged SmolLM2; a setting the chosen draft does not take is refused in one line."""
+    import shutil
+
+    import transformers
+
+    from methods.leviathan import Leviathan, resolved
+
+    cls = getattr(transformers, f"{arch}Config")
+    model_cls = getattr(transformers, f"{arch}ForCausalLM")
+    torch.manual_seed(0)
+    mc = cls(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+             eos_token_id=2, pad_token_id=0)
+    folder = tmp_path / arch
+    model_cls(mc).save_pretrained(folder)
+    for f in tiny_dirs["target"].iterdir():  # the tiny word-level tokenizer
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, folder / f.name)
+    cfg = composed(["model=hf", "dataset=jsonl", "method=leviathan", "ar_baseline=paired"])
+    with open_dict(cfg):
+        cfg.model.path, cfg.dataset.path = str(folder), str(tiny_dirs["questions"])
+        cfg.results_dir, cfg.records = str(tmp_path), str(tmp_path / "records.jsonl")
+        cfg.limit, cfg.max_new_tokens, cfg.progress, cfg.K = 2, 8, False, 2
+    assert cfg.draft.name == "auto"
+    if arch == "Qwen2":  # transformers reads a Qwen2 folder's tokenizer as Qwen2's BPE: our words vanish
+        rec, = runner.job(cfg, sweep_id=arch)
+        assert rec["status"] == "error" and "its prompt renders to no tokens with Qwen2Tokenizer" in rec["error"]
+        return
+    ar, rec = runner.job(cfg, sweep_id=arch)
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["draft"] == "self_layers:2" and rec["metrics"]["match_ar"] == 1.0
+    smol = composed(["method=leviathan"])
+    assert resolved(smol).draft.label == "smollm2-135m-draft"
+    assert Leviathan.draft_label(smol) == "smollm2-135m-draft"
+    with open_dict(smol):
+        smol.draft.layers = 2
+    with pytest.raises(ConfigError, match="draft.layers=2: draft=auto runs the shipped draft smollm2-135m-draft"):
+        resolved(smol)
+    trained = composed(["method=leviathan", "draft=smollm2-135m-draft", "draft.layers=2"])
+    with pytest.raises(ConfigError, match="draft.layers=2 applies to draft=self_layers"):
+        resolved(trained)

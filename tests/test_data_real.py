@@ -44,7 +44,7 @@ def test_smollm2_sweep(tmp_path):
     """A short real sweep: AR, PLD, Leviathan (the shipped draft, the default), Medusa and EAGLE
     (the shipped heads) on two MT-Bench turns of SmolLM2, token-identical."""
     out = subprocess.run(
-        [sys.executable, "-m", "specbench", "method=pld,leviathan,medusa,eagle", "limit=1", "max_new_tokens=24",
+        [sys.executable, "-m", "specbench", "ar_baseline=sweep", "method=pld,leviathan,medusa,eagle", "limit=1", "max_new_tokens=24",
          f"results_dir={tmp_path}", "progress=false"],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -66,7 +66,7 @@ def test_gemma3_sweep(tmp_path):
     """Gemma-3-270M (sliding-window layers, 262k vocabulary) end to end: ragged rows at bs=2,
     PLD token-identical to AR."""
     out = subprocess.run(
-        [sys.executable, "-m", "specbench", "model=gemma3-270m", "method=pld", "bs=2", "limit=2",
+        [sys.executable, "-m", "specbench", "ar_baseline=sweep", "model=gemma3-270m", "method=pld", "bs=2", "limit=2",
          "dataset.max_turns=1", "max_new_tokens=8", f"results_dir={tmp_path}", "progress=false"],
         cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -88,7 +88,7 @@ def test_lookahead_rest_specdec_sweep_with_task_scores(tmp_path):
     runs = [["method=lookahead,specdec", "dataset=gsm8k"],
             ["method=rest", f"rest.datastore={store}", "dataset=humaneval"]]
     for args in runs:
-        out = subprocess.run([sys.executable, "-m", "specbench", *args, "limit=1", "max_new_tokens=32",
+        out = subprocess.run([sys.executable, "-m", "specbench", "ar_baseline=sweep", *args, "limit=1", "max_new_tokens=32",
                               f"results_dir={tmp_path}", "progress=false"],
                              cwd=REPO, capture_output=True, text=True, timeout=900)
         assert out.returncode == 0, out.stderr[-3000:]

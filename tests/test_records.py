@@ -129,7 +129,7 @@ SWEEP = ["model=hf", "dataset=jsonl", "method=pld", "K=1,2", "limit=2", "max_new
 def test_two_resumed_sweeps_at_once_run_each_job_once(tiny_dirs, tmp_path):
     """Two `resume=true` sweeps started together on one records file: each job (and AR) is
     decided under its lock, so every job has exactly one record."""
-    args = [sys.executable, "-m", "specbench", f"model.path={tiny_dirs['target']}",
+    args = [sys.executable, "-m", "specbench", "ar_baseline=sweep", f"model.path={tiny_dirs['target']}",
             f"dataset.path={tiny_dirs['questions']}", f"results_dir={tmp_path}", *SWEEP]
     procs = [subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]

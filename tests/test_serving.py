@@ -310,3 +310,34 @@ def test_a_follow_up_due_before_a_later_first_turn_is_admitted_first(model):
 
     out = eng.serve(reqs, 4, concurrency=2, on_done=on_done)
     assert out["0b"].t_admit < 1.5  # admitted as soon as it was due, not after request 1 arrived
+
+
+def test_the_harness_work_between_turns_is_not_timed_as_the_engines(tiny_dirs, tmp_path, monkeypatch):
+    """batching=continuous: decoding an answer, hashing it and rendering the next turn (on_done) is
+    the harness's work; a tokenizer whose decode sleeps 50 ms moves neither the wall nor accept."""
+    import time as _time
+
+    from specbench import runner
+    from specbench.models import load_tokenizer
+    from test_config import tiny_cfg
+
+    cfg = tiny_cfg(tiny_dirs, tmp_path, batching="continuous", bs=2, limit=3, max_new_tokens=6, warmup=False,
+                   **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}})
+    cls = type(load_tokenizer(cfg.model))
+    plain = cls.decode
+    calls = []
+
+    def slow(self, *a, **k):
+        calls.append(1)
+        _time.sleep(0.05)
+        return plain(self, *a, **k)
+
+    monkeypatch.setattr(cls, "decode", slow)
+    recs = runner.job(cfg, sweep_id="slow")
+    for rec in recs:
+        m = rec["metrics"]
+        slept = 0.05 * len(rec["requests"])  # one decode per finished request (two turns each)
+        assert m["time_s"]["accept"] < 0.5 * slept, (rec["method"], m["time_s"], slept)
+        phases = sum(m["time_s"][p] for p in ("prefill", "draft", "verify", "accept"))
+        assert m["wall_s"] < phases + 0.5 * slept, (rec["method"], m["wall_s"], phases, slept)
+    assert calls

@@ -319,3 +319,25 @@ def test_the_cursors_deepest_continuing_node_is_the_longest_match():
         node = next((c for c in reversed(cur) if c.children), None)
         want, m = t.match(seq)
         assert node is want and (node.depth if node else 0) == m, trial
+
+
+@pytest.mark.parametrize("method", [{"name": "suffix"}, {"name": "recycle"}, {"name": "combo", "of": ["pld", "suffix"]},
+                                    {"name": "sam", "fallback": "recycle"}])
+def test_methods_that_learn_across_requests_are_not_timed_on_answers_they_memorised(tiny_dirs, tmp_path, method):
+    """The warm-up (the job's first batch) and earlier repeats must not teach a method the answers
+    it is then timed on: every repeat reads the acceptance of a fresh proposer without warm-up."""
+    from specbench import runner
+    from test_config import composed, tiny_cfg
+
+    own = {k: v for k, v in composed([f"method={method['name']}"]).method.items()}
+    own.update(method)
+    cfg = tiny_cfg(tiny_dirs, tmp_path, method=own, repeats=2, ar_baseline="sweep", max_new_tokens=24)
+    warm = next(r for r in runner.job(cfg, sweep_id="warm") if r["method"] == method["name"])
+    cold = next(r for r in runner.job(tiny_cfg(tiny_dirs, tmp_path, method=own, warmup=False, ar_baseline="sweep",
+                                               max_new_tokens=24), sweep_id="cold")
+                if r["method"] == method["name"])
+    by_rep = {}
+    for rq in warm["requests"]:
+        by_rep.setdefault(rq["repeat"], {})[(rq["id"], rq["turn"])] = rq["accepts"]
+    fresh = {(rq["id"], rq["turn"]): rq["accepts"] for rq in cold["requests"]}
+    assert by_rep[0] == fresh and by_rep[1] == fresh
