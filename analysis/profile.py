@@ -94,11 +94,12 @@ def forward_bytes(model, bs: int, ctx: int, dtype) -> int:
     return int(w + kv)
 
 
-def profile(model, draft, bs_list, n_list, ctx, device, dtype, reps, repeats: int = 1) -> dict:
-    return profile_many({"": model}, draft, bs_list, n_list, ctx, device, dtype, reps, repeats)[""]
+def profile(model, draft, bs_list, n_list, ctx, device, dtype, reps, repeats: int = 1, **shape) -> dict:
+    return profile_many({"": model}, draft, bs_list, n_list, ctx, device, dtype, reps, repeats, **shape)[""]
 
 
-def profile_many(models: dict, draft, bs_list, n_list, ctx, device, dtype, reps, repeats: int = 1) -> dict:
+def profile_many(models: dict, draft, bs_list, n_list, ctx, device, dtype, reps, repeats: int = 1,
+                 ragged: bool = False, tree: bool = False) -> dict:
     """Cost curves of several variants of one model (e.g. kernel paths), measured
     interleaved: each repeat runs every variant's whole curve in turn, so the host's drift
     hits them alike and their ratios compare."""
@@ -115,7 +116,8 @@ def profile_many(models: dict, draft, bs_list, n_list, ctx, device, dtype, reps,
             fl_runs.append(compute_rate(device, dtype))
             for k, model in models.items():
                 for b, n in points:
-                    runs[(k, (b, n))].append(forward_time(model, b, n, ctx, device, dtype, reps, vocab))
+                    runs[(k, (b, n))].append(forward_time(model, b, n, ctx, device, dtype, reps, vocab, ragged=ragged,
+                                                          tree=tree))
                     bar.update(1)
     bw, fl = statistics.median(bw_runs), statistics.median(fl_runs)
     draft_t = {}
@@ -183,6 +185,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--compile", action="store_true", help="the target's forward through torch.compile, as a job "
                     "with compile=true runs it (kernel=torch; each point's untimed first forward compiles)")
+    ap.add_argument("--ragged", action="store_true", help="rows of different lengths (ctx +- 25%%, left-padded): "
+                    "the masked path every verify at bs > 1 takes")
+    ap.add_argument("--tree", action="store_true", help="the n nodes as a binary tree (a 4D ancestor mask), as a tree "
+                    "method's verify passes them, instead of a chain")
     ap.add_argument("--results-dir", default="results")
     a = ap.parse_args(argv)
     if a.reps < 1 or a.repeats < 1 or a.ctx < 1:
@@ -209,12 +215,14 @@ def main(argv=None) -> int:
     draft = self_layers_draft(next(iter(models.values())), a.draft_layers) if a.draft_layers else None
     bs_list = [int(x) for x in a.bs.split(",")]
     n_list = [int(x) for x in a.n.split(",")]
-    all_curves = profile_many(models, draft, bs_list, n_list, a.ctx, device, dtype, a.reps, a.repeats)
+    all_curves = profile_many(models, draft, bs_list, n_list, a.ctx, device, dtype, a.reps, a.repeats, ragged=a.ragged,
+                              tree=a.tree)
     out = Path(a.results_dir) / "cost_curves.jsonl"
     for k, curves in all_curves.items():
         rec = {"kind": "cost_curve", "model": a.model_path or str(mcfg.name), "device": device.type,
                "dtype": str(dtype).replace("torch.", ""), "kernel": k, "kernel_isa": backends.kernel_isa(k), "ctx": a.ctx,
                **({"compile": True} if a.compile else {}),
+               **({"ragged": True} if a.ragged else {}), **({"tree": True} if a.tree else {}),
                "draft": f"self_layers:{a.draft_layers}" if a.draft_layers else None, **curves,
                "env": R.env_info(device), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         R.append(out, rec)

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf, open_dict
 
 from methods.base import BatchState, Proposer
 from specbench import backends, drafters
+from specbench.devices import to_device
 from specbench.draft import Draft, pad_rows
 from specbench.kv import RaggedCache
 from specbench.errors import ConfigError
@@ -204,12 +205,12 @@ class Leviathan(Proposer):
                 j += 1
             del fed[j:]
             keep_len.append(j)
-        self.dcache.rollback(torch.tensor(keep_len, dtype=torch.long, device=self.device))
+        self.dcache.rollback(keep_len)  # host ints: no copy to the device and back
         # 2. catch up on the tokens it has not seen (1 or 2 per row) and draft token 1
         news = [state.seqs[b][keep_len[b]:] for b in range(B)]
         m = max(len(x) for x in news)
         toks = pad_rows(news, self.device)
-        counts = torch.tensor([len(x) for x in news], dtype=torch.long, device=self.device)
+        counts = to_device([len(x) for x in news], torch.long, self.device)
         depth = torch.arange(m, device=self.device)[None].expand(B, m)
         out = self.dcache.forward(toks, depth, None)
         self.dcache.commit(depth, counts)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specbench.devices import to_device
+
 
 @dataclass
 class Draft:
@@ -114,15 +116,15 @@ class Draft:
         if self.parents.shape != (B, n):
             raise ValueError("draft parents must have the shape of its tokens")
         idx = torch.arange(1, n + 1, device=self.parents.device)
-        if bool((self.parents >= idx[None]).any()) or bool((self.parents < 0).any()):
+        if bool(((self.parents >= idx[None]) | (self.parents < 0)).any()):  # one read a step
             raise ValueError("draft parents must point to an earlier node (0 = root)")
 
 
 def pad_rows(rows, device, fill=0, dtype=torch.long, width: int | None = None) -> torch.Tensor:
     """Lists of different lengths as one tensor [len(rows), width] on ``device`` (right-padded with
-    ``fill``; width: the longest row by default), in one host-to-device copy."""
+    ``fill``; width: the longest row by default), in one host-to-device copy that does not sync."""
     n = max((len(r) for r in rows), default=0) if width is None else width
-    return torch.tensor([list(r) + [fill] * (n - len(r)) for r in rows], dtype=dtype, device=device).view(len(rows), n)
+    return to_device([list(r) + [fill] * (n - len(r)) for r in rows], dtype, device).view(len(rows), n)
 
 
 def prefix_tree(paths, first: int = 0) -> tuple[list[int], list[int]]:

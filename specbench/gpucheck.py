@@ -182,7 +182,8 @@ def plan(a, kit: Path, work: Path, drafts: dict[str, Path]) -> list[tuple[str, l
                                 "accept=synthetic", f"accept.rates={RATES[0]}", big])]
     profile = [[sys.executable, "-m", "analysis.profile", "--model", "random", "--shape", a.shape,
                 "--device", a.device, "--dtype", a.dtype, "--bs", size["profile_bs"], "--n", size["profile_n"],
-                "--ctx", str(c), "--draft-layers", "0", "--reps", "3", "--results-dir", str(runs)] for c in size["ctx"]]
+                "--ctx", str(c), "--draft-layers", "0", "--reps", "3", "--results-dir", str(runs), *shape]
+               for c, shape in [(c, []) for c in size["ctx"]] + [(size["ctx"][0], ["--ragged", "--tree"])]]
     compile_ = [_sweep(base, ["method=pld", "compile=true", "kernel=torch", "bs=" + ",".join(size["bs"].split(",")[:2])])]
     memory = [_sweep(base, ["method=ar", f"ctx={size['mem_ctx']}", big])]
     suite = [[sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", "-k", "not rest",

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from specbench import accel
+from specbench.devices import to_device
 from specbench.hf import cache_kwarg, text_config
 
 
@@ -151,6 +152,12 @@ def _slot_mover(tensors: list[torch.Tensor]):
     return accel.move_slots if t.dtype == torch.float32 and t.device.type == "cpu" else None
 
 
+def _release(layer) -> None:
+    """Drop a layer's buffers (its cache is being rebuilt elsewhere)."""
+    layer._k = layer._v = layer._base = layer._views = None
+    layer._kv, layer._span = (None, None), None
+
+
 def _slab_cache(capacity: int = 0) -> DynamicCache:
     def layer() -> SlabLayer:
         new = SlabLayer()
@@ -162,19 +169,21 @@ def _slab_cache(capacity: int = 0) -> DynamicCache:
     return cache
 
 
-def _keep_rows(layer, rows: list[int]) -> bool:
+def _keep_rows(layer, rows: list[int], moves: tuple | None) -> bool:
     """Move the kept rows of a ``SlabLayer`` that holds its own slice to the front of its buffer,
-    in place (row by row, only the live slots), and narrow the buffer to them: no second copy of
-    the cache while the first lives, and no regrowth after. False (nothing done) for a layer
-    whose keys and values were set from outside."""
+    in place (only the rows that move, only the live slots: one gather and one scatter per tensor,
+    not a copy per row), and narrow the buffer to them: no second copy of the cache while the first
+    lives, and no regrowth after. ``moves``: (destination rows, source rows) on the device, or None
+    when no row moves. False (nothing done) for a layer whose keys and values were set from outside."""
     span = getattr(layer, "_span", None)
     if span is None or any(b <= a for a, b in zip(rows, rows[1:])):
         return False
     off, L = span
-    for i, r in enumerate(rows):  # i <= r, rows ascending: a row is read before anything overwrites it
-        if i != r:
-            layer._k[i, :, off:off + L].copy_(layer._k[r, :, off:off + L])
-            layer._v[i, :, off:off + L].copy_(layer._v[r, :, off:off + L])
+    if moves is not None:  # the moved rows are gathered before any is written
+        dst, src = moves
+        for buf in (layer._k, layer._v):
+            live = buf.narrow(2, off, L)
+            live.index_copy_(0, dst, live.index_select(0, src))
     layer._k, layer._v, layer._views = layer._k[:len(rows)], layer._v[:len(rows)], None
     return True
 
@@ -194,7 +203,7 @@ class _RowInts:
             return self
         t = obj.__dict__.get(self.tensor)
         if t is None:
-            t = obj.__dict__[self.tensor] = torch.tensor(obj.__dict__[self.ints], dtype=torch.long, device=obj.device)
+            t = obj.__dict__[self.tensor] = to_device(obj.__dict__[self.ints], torch.long, obj.device)
         return t
 
     def __set__(self, obj, v) -> None:
@@ -264,8 +273,8 @@ class RaggedCache:
         B = len(prompts)
         P = max(len(p) for p in prompts)
         pad = 0
-        ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=self.device)
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
+        ids = to_device([[pad] * (P - len(p)) + list(p) for p in prompts], torch.long, self.device)
+        lens = to_device([len(p) for p in prompts], torch.long, self.device)
         self.cache = _slab_cache(P + room if room else 0)
         self.start = P - lens
         self.length = torch.zeros_like(lens)
@@ -331,7 +340,7 @@ class RaggedCache:
                 src += [self.C + i for i in k[:c]]
                 dst += range(ends[b], ends[b] + c)
             if src != dst:  # else every kept slot is in place already
-                rows, src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (rows, src, dst))
+                rows, src, dst = (to_device(x, torch.long, self.device) for x in (rows, src, dst))
                 tensors = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
                 move = _slot_mover(tensors)
                 if move is not None:
@@ -446,6 +455,11 @@ class RaggedCache:
                 layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
                 layer._k, layer._v, layer._span, layer._base = k, v, (off, W), base
                 merged.layers.append(layer)
+                # the old buffers of this layer go now, before the next layer's are made: a rebuild
+                # holds one layer twice at most, not the whole cache (2x the KV at its peak on a GPU)
+                del ks, vs, ka, va
+                for old in layer_set:
+                    _release(old)
         if merged is not None:
             self.cache = merged
         self.start = [s + W - C for c, C in zip(parts, Cs) for s in c._start]
@@ -455,8 +469,10 @@ class RaggedCache:
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only the rows ``keep`` (finished rows leave the batch), compacted in place."""
         rows = (keep.nonzero().flatten() if keep.dtype == torch.bool else keep).tolist()
+        moved = [(i, r) for i, r in enumerate(rows) if i != r]
+        moves = None if not moved else tuple(to_device(x, torch.long, self.device) for x in zip(*moved))
         for layer in self.cache.layers:
-            if _keep_rows(layer, rows):
+            if _keep_rows(layer, rows, moves):
                 continue
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys = layer.keys[keep]

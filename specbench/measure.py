@@ -281,6 +281,8 @@ class MethodRun:
         row_steps = len(all_lens)
         depth = max([self.K] + all_lens)
         hist = Counter(all_lens)
+        alphas = [sum(1 for x in all_lens if x >= i) / row_steps for i in range(1, depth + 1)] if row_steps else []
+        taus = [1.0 + rq["accepted"] / rq["steps"] for rq in requests if rq["steps"]]
         new_tokens = sum(rq["new_tokens"] for rq in requests)
         time_s = {p: times.get(p, 0.0) for p in PHASES}
         time_s["other"] = max(0.0, wall - sum(time_s.values()))
@@ -298,8 +300,13 @@ class MethodRun:
             "tau": 1.0 + sum(all_lens) / row_steps if row_steps else 1.0,
             "draft_nodes": all_nodes / row_steps if row_steps else 0.0,  # candidates verified per row per step
             "forward_nodes": fwd_nodes / row_steps if row_steps else 0.0,  # + non-candidate nodes (Lookahead's window)
-            "accept_rate_per_pos": [sum(1 for x in all_lens if x >= i) / row_steps for i in range(1, depth + 1)]
-            if row_steps else [],
+            "accept_rate_per_pos": alphas,
+            # accepted at position i among the steps that accepted i-1 (alpha_i / alpha_{i-1}): the
+            # conditional rate the anchors (EAGLE's n-alpha, vLLM) report beside the marginal one
+            "accept_rate_per_pos_cond": [a / p if p > 0 else None for a, p in zip(alphas, [1.0] + alphas[:-1])],
+            # tau of each request (1 + its accepted drafts / its steps), averaged over requests:
+            # requests with few steps weigh as much as long ones (tau above weighs every step alike)
+            "tau_per_request": sum(taus) / len(taus) if taus else None,
             "accept_len_hist": [hist.get(i, 0) for i in range(depth + 1)],
             "time_s": time_s,
             "verify_share": time_s["verify"] / wall if wall > 0 else None,

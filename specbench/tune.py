@@ -144,17 +144,26 @@ def choose(cfg: DictConfig, model, tokenizer, device, dtype) -> tuple[DictConfig
     chat = bool(cfg.model.get("chat", True))
     ctx = cfg.ctx or round(sum(len(render(tokenizer, [], q.turns[0], chat)) for q in qs) / len(qs))
     ctx = int(ctx + pilot_tokens(cfg) // 2)  # the pilot's mean prefix over its decoding
-    widths = sorted({1} | {w for r in rows for w in (math.floor(r["width"]), math.ceil(r["width"]))})
-    vocab = int(model.config.vocab_size)
-    T = {w: forward_time(model, bs, w, ctx, device, dtype, int(cfg.tune.reps), vocab) for w in widths}
+    # the shape the job verifies: ragged rows at bs > 1 (the masked path), a tree where the drafts are
+    # wider than deep (the 4D mask); AR's step (width 1) is a plain one
     for r in rows:
-        r["t_verify"] = _priced(T, r["width"])
-        r["bound"] = r["tau"] * T[1] / (r["t_draft"] + r["t_verify"])
+        r["tree"] = r["width"] - 1 > (r["spec_len"] or 0) + 1e-9
+    vocab = int(model.config.vocab_size)
+    T = {}
+    for tree in sorted({r["tree"] for r in rows}):
+        widths = sorted({1} | {w for r in rows if r["tree"] == tree
+                               for w in (math.floor(r["width"]), math.ceil(r["width"]))})
+        T[tree] = {w: forward_time(model, bs, w, ctx, device, dtype, int(cfg.tune.reps), vocab, ragged=bs > 1,
+                                   tree=tree) for w in widths}
+    for r in rows:
+        r["t_verify"] = _priced(T[r["tree"]], r["width"])
+        r["bound"] = r["tau"] * T[r["tree"]][1] / (r["t_draft"] + r["t_verify"])
     best = max(range(len(rows)), key=lambda i: (round(rows[i]["bound"], 6), -i))
     chosen = rows[best]["setting"]
     info = {"by": "batch-aware bound: tau T(bs,1) / (T_draft + T(bs, width))", "bs": bs, "chosen": chosen,
             "prompts": [q.id for q in qs], "pilot_tokens": pilot_tokens(cfg), "ctx": ctx,
-            "cost_s": {str(w): t for w, t in T.items()}, "candidates": rows,
+            "cost_s": {("tree " if tree else "") + str(w): t for tree, ts in T.items() for w, t in ts.items()},
+            "candidates": rows,
             "beats_ar": rows[best]["bound"] > 1.0,  # false: at this batch size no setting is expected to
             "seconds": time.perf_counter() - t0}     # beat plain decoding (the best one still runs)
     print(table(info), file=sys.stderr, flush=True)

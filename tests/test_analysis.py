@@ -526,3 +526,26 @@ def test_a_report_of_twelve_methods_shows_all_twelve_in_every_per_method_figure(
     bars = [c for c in figs["accept_length_hist"].axes[0].containers]
     assert len(bars) == 12
     assert len({(mcolors.to_hex(b.patches[0].get_facecolor()), b.patches[0].get_hatch()) for b in bars}) == 12
+
+
+def test_the_example_ci_workflow_parses_and_runs_what_the_makefile_has():
+    """examples/ci: a GitHub Actions job that runs `make regress` and publishes the benchmark JSON
+    the Makefile writes, with the tool whose format analysis.compare writes."""
+    import re
+
+    import yaml
+
+    from conftest import REPO
+
+    wf = yaml.safe_load((REPO / "examples" / "ci" / "specbench-regress.yml").read_text())
+    steps = wf["jobs"]["regress"]["steps"]
+    make = (REPO / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][a-z0-9-]*):", make, re.M))
+    runs = [s["run"] for s in steps if "run" in s]
+    for cmd in runs:
+        for target in re.findall(r"make ([a-z][a-z0-9-]*)", cmd):
+            assert target in targets, target
+    assert "make regress" in runs
+    pub = next(s for s in steps if "github-action-benchmark" in s.get("uses", ""))
+    assert pub["with"]["tool"] == "customBiggerIsBetter"
+    assert f"--bench-json {pub['with']['output-file-path'].replace('results/regress', '$(REGRESS_DIR)')}" in make

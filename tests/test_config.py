@@ -37,7 +37,7 @@ def test_every_option_composes(group):
     for opt in opts:
         cfg = composed([f"{group}={opt}"])
         if group == "draft":  # draft options name a kind: self_layers, hf, or a trained checkpoint
-            assert cfg.draft.name in ("self_layers", "hf", "trained")
+            assert cfg.draft.name in ("auto", "self_layers", "hf", "trained")
         elif group == "model" and opt == "random":  # a random-weight model is named by its shape
             assert cfg.model.name == f"random-{cfg.model.shape}"
         else:

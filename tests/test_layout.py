@@ -57,7 +57,8 @@ def test_no_module_imports_itself_through_others():
 
 def test_the_cache_the_backends_the_loader_and_the_engine_are_layered():
     graph = imports()
-    assert below(graph, "specbench.kv") <= {"specbench.accel", "specbench.hf", "specbench.errors"}
+    assert below(graph, "specbench.kv") <= {"specbench.accel", "specbench.hf", "specbench.errors", "specbench.devices"}
+    assert below(graph, "specbench.devices") == set()  # host-to-device copies: the bottom of the stack
     upper = {"specbench.models", "specbench.engine", "specbench.runner", "specbench.measure", "specbench.drafters"}
     for m in graph:
         if m.startswith("specbench.backends"):

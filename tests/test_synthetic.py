@@ -126,6 +126,12 @@ def test_a_synthetic_job_is_recorded_lossy_and_pairs_with_plain_ar(tiny_dirs, tm
     assert ar["method"] == "ar" and "accept" not in ar and ar["lossless"] is True
     assert rec["accept"] == {"name": "synthetic", "rates": [0.9, 0.5]} and rec["lossless"] is False
     assert rec["ar_job_id"] == ar["job_id"] and rec["metrics"]["speedup"] > 0
+    m = rec["metrics"]  # per position: the marginal rate and the conditional one; tau per step and per request
+    a = m["accept_rate_per_pos"]
+    assert m["accept_rate_per_pos_cond"][0] == a[0]
+    assert all(c == pytest.approx(x / p) for c, x, p in zip(m["accept_rate_per_pos_cond"][1:], a[1:], a) if p)
+    per = [1 + rq["accepted"] / rq["steps"] for rq in rec["requests"] if rq["steps"]]
+    assert m["tau_per_request"] == pytest.approx(sum(per) / len(per))
     from specbench import records as R
 
     assert R.baseline_key(rec) == R.baseline_key(ar)  # AR decodes the same under it: it pairs

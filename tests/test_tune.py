@@ -100,3 +100,28 @@ def test_auto_refuses_a_method_that_reads_k_but_lists_nothing(tiny_dirs, tmp_pat
     monkeypatch.setattr(methods.get("pld"), "tune_space", classmethod(lambda cls, cfg, device: []))
     with pytest.raises(ConfigError, match="lists no settings to choose among"):
         tune.candidates(tiny_cfg(tiny_dirs, tmp_path, K="auto", **PLD), __import__("torch").device("cpu"))
+
+
+def test_the_cost_of_a_verify_is_timed_in_the_shape_the_job_runs(monkeypatch):
+    """forward_time prices ragged rows through the masked path (every real batch of bs > 1 is
+    left-padded) and a tree's nodes through a 4D ancestor mask, not dense equal rows in a chain."""
+    import torch
+
+    from helpers import CPU, tiny_llama
+    from specbench import costs
+    from specbench.kv import RaggedCache
+
+    seen = []
+    plain = RaggedCache.forward
+
+    def forward(self, tokens, depth, anc, **kw):
+        seen.append((self.is_dense(), anc is not None, int(depth.max())))
+        return plain(self, tokens, depth, anc, **kw)
+
+    monkeypatch.setattr(RaggedCache, "forward", forward)
+    m = tiny_llama(device=CPU)
+    for kw, want in (({}, (True, False, 6)), ({"ragged": True}, (False, False, 6)),
+                     ({"ragged": True, "tree": True}, (False, True, 2))):
+        seen.clear()
+        assert costs.forward_time(m, 3, 7, 16, CPU, torch.float32, 1, 96, **kw) > 0
+        assert set(seen) == {want}, (kw, seen)
