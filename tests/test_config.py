@@ -958,3 +958,20 @@ def test_the_default_draft_fits_any_target(tiny_dirs, tmp_path, arch):
     trained = composed(["method=leviathan", "draft=smollm2-135m-draft", "draft.layers=2"])
     with pytest.raises(ConfigError, match="draft.layers=2 applies to draft=self_layers"):
         resolved(trained)
+
+
+def test_the_submitit_launcher_runs_a_sweep(tiny_dirs, tmp_path):
+    """hydra/launcher=submitit_local: the same pickling, job arrays and result collection as
+    submitit_slurm (documented for clusters), on this machine: every job recorded once, paired."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    args = [sys.executable, "-m", "specbench", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10",
+            "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1", "model=hf",
+            f"model.path={tiny_dirs['target']}", "dataset=jsonl", f"dataset.path={tiny_dirs['questions']}",
+            "method=pld,lookahead", "limit=2", "max_new_tokens=8", "warmup=false", f"results_dir={tmp_path}",
+            "progress=false"]
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    recs = R.read(tmp_path / "records.jsonl")
+    assert sorted(r["method"] for r in recs) == ["ar", "ar", "lookahead", "pld"]
+    assert all(r["status"] == "ok" and r["metrics"]["match_ar"] == 1.0 for r in recs)
+    assert all(r.get("paired_with") for r in recs)
