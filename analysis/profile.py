@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from specbench import backends
 from specbench import records as R
-from specbench.costs import forward_time
+from specbench.costs import forward_time, forward_times
 from specbench.errors import ConfigError
 from specbench.models import (check_compile, compile_forward, load_model, resolve_device, resolve_dtype, self_layers_draft)
 from specbench.paths import CONF_DIR
@@ -115,10 +115,11 @@ def profile_many(models: dict, draft, bs_list, n_list, ctx, device, dtype, reps,
             bw_runs.append(memory_bandwidth(device))
             fl_runs.append(compute_rate(device, dtype))
             for k, model in models.items():
-                for b, n in points:
-                    runs[(k, (b, n))].append(forward_time(model, b, n, ctx, device, dtype, reps, vocab, ragged=ragged,
-                                                          tree=tree))
-                    bar.update(1)
+                for b in bs_list:  # one prefill a batch size, every n on it
+                    for n, t in forward_times(model, b, n_list, ctx, device, dtype, reps, vocab, ragged=ragged,
+                                              tree=tree).items():
+                        runs[(k, (b, n))].append(t)
+                        bar.update(1)
     bw, fl = statistics.median(bw_runs), statistics.median(fl_runs)
     draft_t = {}
     if draft is not None:

@@ -214,6 +214,15 @@ def curves_for(curves, model, device, dtype, kernel=None, isa=None, compiled=Fal
             and bool(c.get("compile", False)) == bool(compiled)]
 
 
+def same_shape(cand: list[dict], r) -> list[dict]:
+    """Of a job's curves, those profiled in the shape its verifies have (``analysis.profile
+    --ragged --tree``): ragged rows at bs > 1, a tree's mask where its drafts are wider than deep;
+    else the plain (dense chain) ones; else all."""
+    want = (int(r["bs"]) > 1, (r.get("forward_nodes") or 0) > (spec_len(r) or 0) + 1e-9)
+    match = [c for c in cand if (bool(c.get("ragged")), bool(c.get("tree"))) == want]
+    return match or [c for c in cand if not c.get("ragged") and not c.get("tree")] or cand
+
+
 def nearest_state(cand: list[dict], bs: int, base) -> dict:
     """Of several profiled curves, the one taken in the host state nearest the job's: its
     T(bs, 1) closest, as a ratio, to the AR record's own decode step (its verify time per
@@ -260,7 +269,7 @@ def _priced(df, curves):
         base = ar_of(r)
         ours = r.get("backend", "specbench") == "specbench"  # our cost curves price our engine's steps only
         if ours and r["method"] != "ar" and cand and r.get("iterations") and base is not None:
-            yield r, nearest_state(cand, batch_of(r), base), base
+            yield r, nearest_state(same_shape(cand, r), batch_of(r), base), base
         else:
             yield r, None, None
 
@@ -550,6 +559,7 @@ def simulated(df, curves) -> pd.DataFrame:
     for (model, bs, dev, dt, kern, ds, temp), g in sd.groupby(["model", "bs", "device", "dtype", "kernel", "dataset",
                                                               "temperature"]):
         cand = curves_for(curves, model, dev, dt, kern)
+        cand = [c for c in cand if not c.get("ragged") and not c.get("tree")] or cand  # the group's plain curve
         if not cand:
             continue
         base = next((b for b in (ar_of(r) for _, r in g.iterrows()) if b is not None), None)

@@ -236,7 +236,7 @@ class Leviathan(Proposer):
 
     def select_rows(self, keep: list[int]) -> None:
         self.fed = [self.fed[i] for i in keep]
-        self.dcache.select_rows(torch.tensor(keep, dtype=torch.long, device=self.device))
+        self.dcache.select_rows(keep)
 
     def describe(self) -> dict:
         return {"draft_params": sum(p.numel() for p in self.draft.parameters())}

@@ -96,7 +96,7 @@ class SpecDec(Proposer):
 
     def select_rows(self, keep: list[int]) -> None:
         self.fed = [self.fed[i] for i in keep]
-        self.dcache.select_rows(torch.tensor(keep, dtype=torch.long, device=self.device))
+        self.dcache.select_rows(keep)
 
     def describe(self) -> dict:
         return {"beta": self.beta, "tol": self.tol, "queries": self.K, "draft_layers": len(self.drafter.body.layers),

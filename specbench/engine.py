@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from methods.base import BatchState, Proposer
+from specbench.devices import to_device
 from specbench.draft import Draft
 from specbench.hidden import Hidden, Tap
 from specbench.kv import RaggedCache
@@ -120,6 +121,11 @@ class Engine:
         with Tap(self.target, self.proposer.hidden_layers) as tap:
             return self._serve(requests, max_new_tokens, gen, concurrency, on_done, tap, together)
 
+    def _clock(self, t0: float) -> float:
+        """Seconds since ``t0`` (the serve's start) less the caller's time in ``on_done`` since then:
+        every timestamp the engine records (arrivals, admissions, tokens) is on the engine's own clock."""
+        return time.perf_counter() - t0 - (self.harness_s - self._harness0)
+
     def _pick(self, logits: torch.Tensor, gen) -> torch.Tensor:
         """A prompt's first token from its last position's logits [B, V] (greedy or sampled)."""
         s = self.sampling
@@ -135,7 +141,7 @@ class Engine:
         """Prefill ``reqs`` in a forward of their own: (cache, first tokens, hidden states of the
         prompts or None, results)."""
         prompts = [r.prompt for r in reqs]
-        now = time.perf_counter() - t0
+        now = self._clock(t0)
         res = [RowResult(t_arrival=r.arrival, t_admit=now) for r in reqs]
         cache = RaggedCache(self.target, self.device, self.dtype)
         with self.timer.phase("prefill"):
@@ -147,7 +153,7 @@ class Engine:
                 P = int(lens.max())
                 idx = (torch.arange(P, device=self.device)[None] + (P - lens)[:, None]).clamp(max=P - 1)
                 hidden = Hidden(tap.take(), torch.ones_like(lens)).gather(idx, lens)
-        now = time.perf_counter() - t0
+        now = self._clock(t0)
         for r, t in zip(res, first.tolist()):
             self._first(r, t, now)
         return cache, first, hidden, res
@@ -164,7 +170,7 @@ class Engine:
                 n = min(budget, len(prompt) - f.done)
                 piece = prompt[f.done:f.done + n]
                 if f.cache is None:
-                    f.res.t_admit = time.perf_counter() - t0
+                    f.res.t_admit = self._clock(t0)
                     f.cache = RaggedCache(self.target, self.device, self.dtype)
                     o = f.cache.prefill([piece], room=len(prompt) - n + max_new_tokens + self.widest + 1)
                 else:
@@ -177,7 +183,7 @@ class Engine:
                 budget -= n
                 if f.done == len(prompt):
                     f.first = int(self._pick(o.logits[:, -1], gen)[0])
-                    self._first(f.res, f.first, time.perf_counter() - t0)
+                    self._first(f.res, f.first, self._clock(t0))
                     out.append(filling.popleft())
         return out
 
@@ -202,6 +208,7 @@ class Engine:
         cache = state = pending = None
         self.trace = []
         sync(self.device)
+        self._harness0 = self.harness_s
         t0 = time.perf_counter()
 
         finished: list = []  # (key, result) of requests done since on_done last heard
@@ -241,13 +248,14 @@ class Engine:
         ready: list = []  # whole prompts waiting for the rest of a static batch (together)
         while True:
             if finished and on_done is not None:  # the caller's work (its next turn) is not ours to time
+                sync(self.device)  # the device's queued work is the engine's: done before the caller's starts
                 h = time.perf_counter()
                 for key, r in finished:
-                    on_done(key, r, time.perf_counter() - t0)
+                    on_done(key, r, self._clock(t0))
                 self.harness_s += time.perf_counter() - h
             finished.clear()
             free = concurrency - len(live) - len(filling) - len(ready)
-            joining = requests.take(free, time.perf_counter() - t0) if free > 0 else []
+            joining = requests.take(free, self._clock(t0)) if free > 0 else []
             if self.chunk is None:
                 if joining:
                     sub, first, hidden, new_res = self._admit(joining, max_new_tokens, gen, tap, t0)
@@ -268,7 +276,7 @@ class Engine:
                 nxt = requests.next_arrival()
                 if nxt is None:
                     break
-                time.sleep(max(0.0, nxt - (time.perf_counter() - t0)))  # idle until the next arrival
+                time.sleep(max(0.0, nxt - (self._clock(t0))))  # idle until the next arrival
                 continue
             extra, done = self._step(state, cache, pending, res, live, max_new_tokens, gen, tap, t0)
             with self.timer.phase("accept"):
@@ -305,7 +313,7 @@ class Engine:
             v = verify(out.logits, draft, s, gen)
             cache.commit(v.keep, v.counts)
             extra = v.extra.tolist()
-            now = time.perf_counter() - t0
+            now = self._clock(t0)
             n_cand = draft.accept_mask().sum(1).tolist() if draft is not None else [0] * len(live)
             n_all = [0] * len(live) if draft is None else [draft.n] * len(live) if draft.valid is None \
                 else draft.valid.sum(1).tolist()
@@ -357,7 +365,7 @@ class Engine:
                           q=None if draft.q is None else draft.q[:, :cap], is_chain=True, typical=draft.typical,
                           relaxed=draft.relaxed)
         if min(room) - 1 < draft.n:
-            lim = torch.tensor(room, device=self.device)[:, None] - 1
+            lim = to_device(room, torch.long, self.device)[:, None] - 1
             ok = torch.arange(draft.n, device=self.device)[None] < lim
             draft.valid = ok if draft.valid is None else draft.valid & ok
         return draft
@@ -374,6 +382,6 @@ class Engine:
         state.seqs[:] = [state.seqs[i] for i in keep]
         state.prompt_lens[:] = [state.prompt_lens[i] for i in keep]
         if keep:
-            cache.select_rows(torch.tensor(keep, dtype=torch.long, device=self.device))
+            cache.select_rows(keep)
             self.proposer.select_rows(keep)
         return pending[keep]

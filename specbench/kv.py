@@ -466,17 +466,23 @@ class RaggedCache:
         self.length = [n for c in parts for n in c._length]
         self.C = W
 
-    def select_rows(self, keep: torch.Tensor) -> None:
-        """Keep only the rows ``keep`` (finished rows leave the batch), compacted in place."""
-        rows = (keep.nonzero().flatten() if keep.dtype == torch.bool else keep).tolist()
+    def select_rows(self, keep) -> None:
+        """Keep only the rows ``keep`` (row indices as a list or a tensor, or a boolean mask; finished
+        rows leave the batch), compacted in place."""
+        if isinstance(keep, torch.Tensor):
+            rows = (keep.nonzero().flatten() if keep.dtype == torch.bool else keep).tolist()
+        else:
+            rows = list(keep)
+        index = None  # the rows as a device tensor, for layers set from outside (made once, if any)
         moved = [(i, r) for i, r in enumerate(rows) if i != r]
         moves = None if not moved else tuple(to_device(x, torch.long, self.device) for x in zip(*moved))
         for layer in self.cache.layers:
             if _keep_rows(layer, rows, moves):
                 continue
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                layer.keys = layer.keys[keep]
-                layer.values = layer.values[keep]
+                index = to_device(rows, torch.long, self.device) if index is None else index
+                layer.keys = layer.keys[index]
+                layer.values = layer.values[index]
         self.start = [self._start[r] for r in rows]
         self.length = [self._length[r] for r in rows]
         if self.batch_size:

@@ -549,3 +549,14 @@ def test_the_example_ci_workflow_parses_and_runs_what_the_makefile_has():
     pub = next(s for s in steps if "github-action-benchmark" in s.get("uses", ""))
     assert pub["with"]["tool"] == "customBiggerIsBetter"
     assert f"--bench-json {pub['with']['output-file-path'].replace('results/regress', '$(REGRESS_DIR)')}" in make
+
+
+def test_a_bound_reads_the_curve_profiled_in_the_shape_its_job_verifies():
+    """A chain job at bs 1 reads the dense curve; a tree job at bs 4 the ragged, tree-masked one
+    (analysis.profile --ragged --tree); with only dense curves, those."""
+    dense, shaped = {"name": "dense"}, {"name": "shaped", "ragged": True, "tree": True}
+    chain1 = {"bs": 1, "K": 4, "forward_nodes": 4.0}
+    tree4 = {"bs": 4, "K": 3, "forward_nodes": 7.0}
+    assert report.same_shape([dense, shaped], chain1) == [dense]
+    assert report.same_shape([dense, shaped], tree4) == [shaped]
+    assert report.same_shape([dense], tree4) == [dense]

@@ -51,7 +51,7 @@ def test_auto_picks_the_largest_bound(tiny_dirs, tmp_path, monkeypatch):
     monkeypatch.setattr(tune, "_pilot", lambda c, *a: {"tau": taus[int(c.K)], "accept_rate_per_pos": [], "width": int(c.K) + 1,
                                                        "t_draft": 0.0, "t_verify_pilot": 0.0, "spec_len": int(c.K)})
     cost = {1: 1.0, 2: 1.1, 3: 1.2, 5: 2.4}  # T(bs, n): a wide verify is dear
-    monkeypatch.setattr(tune, "forward_time", lambda model, bs, n, *a: cost[n])
+    monkeypatch.setattr(tune, "forward_times", lambda model, bs, ns, *a, **k: {n: cost[n] for n in ns})
     cfg = tiny_cfg(tiny_dirs, tmp_path, K="auto", **{"tune.K": [1, 2, 4]}, **PLD)
     from specbench.models import load_model, load_tokenizer
     import torch
