@@ -227,6 +227,7 @@ def run(a) -> int:
     work = Path(tempfile.mkdtemp(prefix="specbench-gpucheck-"))
     site = work / "site"
     _install(kit, site)
+    sys.path.insert(0, str(site))  # this process reads the records with them too (omegaconf, there)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]),
                SPECBENCH_CACHE=str(work / "cache"), PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1",
                SPECBENCH_TEST_DEVICE=a.device, TOKENIZERS_PARALLELISM="false")
