@@ -95,6 +95,7 @@ class Engine:
         self.timer = timer
         self.iterations = 0  # decoding steps of the batch (one target forward each), summed over calls
         self.harness_s = 0.0  # seconds spent in the caller's on_done (outside every phase), summed over calls
+        self.peak_cache_bytes = 0  # the most bytes the target's KV cache has held (its buffers, room included)
         self.widest = 64  # the most nodes a verify forward has had (at least 64): the cache's room per batch
         if prefill_chunk is not None and int(prefill_chunk) < 1:
             raise ValueError(f"prefill_chunk must be a positive number of tokens or None, got {prefill_chunk}")
@@ -242,6 +243,7 @@ class Engine:
                     self.proposer.add_rows(new_state, hidden)
             live.extend(r.key for r in joining)
             res.extend(new_res)
+            self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes())  # buffers are made at joins
             finish([r.hit_eos or max_new_tokens <= 1 for r in res])
 
         filling: deque = deque()  # requests being prefilled piece by piece (prefill_chunk)

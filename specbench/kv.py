@@ -466,6 +466,15 @@ class RaggedCache:
         self.length = [n for c in parts for n in c._length]
         self.C = W
 
+    def nbytes(self) -> int:
+        """Bytes of the cache's buffers (room for rows and slots to come included)."""
+        total = 0
+        for layer in self.cache.layers:
+            base = getattr(layer, "_base", None)
+            ts = base if base is not None else (getattr(layer, "keys", None), getattr(layer, "values", None))
+            total += sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+        return total
+
     def select_rows(self, keep) -> None:
         """Keep only the rows ``keep`` (row indices as a list or a tensor, or a boolean mask; finished
         rows leave the batch), compacted in place."""

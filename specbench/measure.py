@@ -44,10 +44,13 @@ class PeakMemory:
         except OSError:
             return 0
 
+    transient = 0  # GPU: the most the blocks allocated on top of what was allocated when each began
+
     def __enter__(self):
         self._stop.clear()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = int(torch.cuda.memory_allocated(self.device))
         else:
             self.peak = max(self.peak, self.rss())
 
@@ -61,11 +64,26 @@ class PeakMemory:
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
-            self.peak = max(self.peak, int(torch.cuda.max_memory_allocated(self.device)))
+            top = int(torch.cuda.max_memory_allocated(self.device))
+            self.peak = max(self.peak, top)
+            self.transient = max(self.transient, top - self.base)
         else:
             self._stop.set()
             self._thread.join()
             self.peak = max(self.peak, self.rss())
+
+
+def weight_bytes(modules) -> int:
+    """Bytes of the parameters and buffers of ``modules``, each storage once (a draft made of the
+    target's own layers adds nothing)."""
+    seen, total = set(), 0
+    for m in modules:
+        for t in list(m.parameters()) + list(m.buffers()):
+            key = (t.device, t.untyped_storage().data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
 
 
 def encode_accepts(lens: list[int]) -> str:
@@ -132,6 +150,7 @@ class MethodRun:
         self.wall, self.n_batches = 0.0, 0
         self.rep_tokens, self.rep_wall = [0] * self.repeats, [0.0] * self.repeats
         self.mem, self.nvml = PeakMemory(device), NvmlMonitor(device)
+        self.weight_bytes = weight_bytes([model, *self.proposer.modules()])  # this run's models, shared ones once
         self.graphs_timed = 0  # graphs torch.compile made inside the timing (shapes the warm-up did not meet)
         self.continuous = cfg.get("batching", "static") == "continuous"
         self.rate = rate_of(cfg)
@@ -139,6 +158,14 @@ class MethodRun:
 
     def close(self) -> None:
         """Release what the run holds outside this process (nothing: our engine is in it)."""
+
+    def own_peak(self) -> int:
+        """The run's own peak memory: its models' weights (shared ones once), plus on a GPU the most
+        its units allocated on top of what was allocated when each began (other runs' models and
+        caches, present in a paired job or kept across jobs, are not counted), on the CPU its KV
+        cache's buffers (the process's RSS counts every run in it: ``process_peak_bytes``)."""
+        extra = self.mem.transient if self.device.type == "cuda" else self.eng.peak_cache_bytes
+        return self.weight_bytes + extra
 
     def units(self) -> list[tuple[int, int]]:
         """(repeat, first question) of every batch, in order; repeats=N measures the set N times.
@@ -318,7 +345,8 @@ class MethodRun:
             "requests_per_s": len(requests) / wall if wall > 0 else None,
             "goodput": goodput(self.cfg, requests, wall),
             "in_flight": in_flight(self.trace, int(self.cfg.bs)),
-            "peak_mem_bytes": self.mem.peak,
+            "peak_mem_bytes": self.own_peak(),
+            "process_peak_bytes": self.mem.peak,  # the whole process's (allocator or RSS): every run in it
             "energy_j": self.nvml.energy_j,
             "nvml": self.nvml.result,
             "speedup": None,

@@ -416,6 +416,10 @@ class VllmRun(MethodRun):
     def close(self) -> None:
         self.worker.close()
 
+    def own_peak(self) -> int:
+        """vLLM's worker is a process of its own: its peak RSS is the run's alone."""
+        return self.mem.peak
+
 
 class _Peak:
     def __init__(self, peak):

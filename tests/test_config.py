@@ -975,3 +975,16 @@ def test_the_submitit_launcher_runs_a_sweep(tiny_dirs, tmp_path):
     assert sorted(r["method"] for r in recs) == ["ar", "ar", "lookahead", "pld"]
     assert all(r["status"] == "ok" and r["metrics"]["match_ar"] == 1.0 for r in recs)
     assert all(r.get("paired_with") for r in recs)
+
+
+def test_an_ar_jobs_peak_memory_is_its_own_paired_or_alone(tiny_dirs, tmp_path):
+    """Peak memory counts the run's own models and caches: AR paired with Leviathan (whose draft
+    model is loaded beside it) reads what AR alone reads; the method's own peak adds its draft."""
+    over = {"method": {"name": "leviathan"}, "draft": {"name": "hf", "path": str(tiny_dirs["draft"]), "layers": None,
+                                                       "label": None}, "K": 2}
+    ar_paired, lev = runner.job(tiny_cfg(tiny_dirs, tmp_path / "p", ar_baseline="paired", **over), sweep_id="p")
+    alone, = runner.job(tiny_cfg(tiny_dirs, tmp_path / "a", **{"method": {"name": "ar"}}), sweep_id="a")
+    assert ar_paired["method"] == "ar" and alone["method"] == "ar"
+    assert ar_paired["metrics"]["peak_mem_bytes"] == alone["metrics"]["peak_mem_bytes"] > 0
+    assert lev["metrics"]["peak_mem_bytes"] > ar_paired["metrics"]["peak_mem_bytes"]  # + the draft model
+    assert ar_paired["metrics"]["process_peak_bytes"] >= ar_paired["metrics"]["peak_mem_bytes"] - (1 << 20)
