@@ -343,10 +343,10 @@ def test_bootstrap_interval_resamples_batches_paired_with_ar():
     assert bootstrap_speedup(same[:2], ar[:2], 2) is None  # one batch: no interval
 
 
-def test_identity_table_reads_first_divergence_from_tokens(tmp_path):
-    """AR at bs=1 is the reference; AR at bs=2 is a floor row; a method that changes token 5
-    of one request reads one diverged output at position 5."""
-    recs = [r for r in R.read(FIX / "records.jsonl") if r["method"] in ("ar", "pld") and r["bs"] in (1, 2)
+def identity_records(batch_sizes) -> list[dict]:
+    """The fixture's AR and PLD (K=4) records at these batch sizes, every request given the same
+    made-up prompt and 10 output tokens in all of them (identical outputs throughout)."""
+    recs = [r for r in R.read(FIX / "records.jsonl") if r["method"] in ("ar", "pld") and r["bs"] in batch_sizes
             and r["K"] in (None, 4)]
     keys = sorted({(rq["id"], rq["turn"]) for rq in recs[0]["requests"]})
     for r in recs:
@@ -354,6 +354,13 @@ def test_identity_table_reads_first_divergence_from_tokens(tmp_path):
             i = keys.index((rq["id"], rq["turn"]))
             rq["prompt_sha"] = f"p{i}"
             rq["tokens"] = list(range(i, i + 10))
+    return recs
+
+
+def test_identity_table_reads_first_divergence_from_tokens(tmp_path):
+    """AR at bs=1 is the reference; AR at bs=2 is a floor row; a method that changes token 5
+    of one request reads one diverged output at position 5."""
+    recs = identity_records((1, 2))
     pld1 = next(r for r in recs if r["method"] == "pld" and r["bs"] == 1)
     pld1["requests"][3]["tokens"][5] = 999
     pld1["requests"][4]["prompt_sha"] = "another prompt"  # not compared
@@ -479,14 +486,7 @@ def test_a_speedup_above_its_bound_is_flagged_in_words(tmp_path):
 def test_identity_table_takes_its_reference_ar_from_the_same_engine_kernel_and_compile(tmp_path):
     """A vLLM AR at bs 1 (other tokens) beside ours changes none of our rows: each engine's rows are
     held to its own AR."""
-    recs = [r for r in R.read(FIX / "records.jsonl") if r["method"] in ("ar", "pld") and r["bs"] == 1
-            and r["K"] in (None, 4)]
-    keys = sorted({(rq["id"], rq["turn"]) for rq in recs[0]["requests"]})
-    for r in recs:
-        for rq in r["requests"]:
-            i = keys.index((rq["id"], rq["turn"]))
-            rq["prompt_sha"] = f"p{i}"
-            rq["tokens"] = list(range(i, i + 10))
+    recs = identity_records((1,))
     p = tmp_path / "records.jsonl"
     for r in recs:
         R.append(p, r)
