@@ -116,9 +116,10 @@ class Engine:
         """Up to ``concurrency`` requests in flight until ``requests`` is empty; a request joins as
         soon as it has arrived, a row is free and its prompt is prefilled. ``on_done(key, result,
         now)`` hears of each finished request (it may add more), between steps and outside every
-        phase; the seconds it takes are summed in ``self.harness_s`` (the caller's work, not ours). ``together``: the rows start
-        decoding together once every request taken is prefilled (a static batch). Returns {key:
-        RowResult}; ``self.trace`` holds (time, rows in flight, tokens emitted) per decoding step."""
+        phase; the seconds it takes are summed in ``self.harness_s`` (the caller's work, not ours).
+        ``together``: the rows start decoding together once every request taken is prefilled (a
+        static batch). Returns {key: RowResult}; ``self.trace`` holds (time, rows in flight, tokens
+        emitted) per decoding step."""
         with Tap(self.target, self.proposer.hidden_layers) as tap:
             return self._serve(requests, max_new_tokens, gen, concurrency, on_done, tap, together)
 
