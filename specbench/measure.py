@@ -159,6 +159,15 @@ class MethodRun:
     def close(self) -> None:
         """Release what the run holds outside this process (nothing: our engine is in it)."""
 
+    def _streams(self, requests: list[dict]) -> list[tuple[float, list[tuple[float, float]]]]:
+        """Each stream (a repeat of ``batching=continuous``): its wall time and every request's
+        (admitted, done) seconds on its clock, from the request records (both backends write them)."""
+        spans: dict[int, list] = {}
+        for rq in requests:
+            a = rq["arrival_s"]
+            spans.setdefault(rq.get("repeat", 0), []).append((a + rq["queue_s"], a + rq["wall_s"]))
+        return [(self.rep_wall[rep], s) for rep, s in sorted(spans.items())]
+
     def own_peak(self) -> int:
         """The run's own peak memory: its models' weights (shared ones once), plus on a GPU the most
         its units allocated on top of what was allocated when each began (other runs' models and
@@ -344,7 +353,7 @@ class MethodRun:
                         "e2e_s": percentiles([rq["wall_s"] for rq in requests])},
             "requests_per_s": len(requests) / wall if wall > 0 else None,
             "goodput": goodput(self.cfg, requests, wall),
-            "in_flight": in_flight(self.trace, int(self.cfg.bs)),
+            "in_flight": in_flight(self.trace, int(self.cfg.bs), self._streams(requests) if self.continuous else None),
             "peak_mem_bytes": self.own_peak(),
             "process_peak_bytes": self.mem.peak,  # the whole process's (allocator or RSS): every run in it
             "energy_j": self.nvml.energy_j,
@@ -408,19 +417,36 @@ def goodput(cfg, requests: list[dict], wall: float) -> dict | None:
             "share": good / len(requests) if requests else None}
 
 
-def in_flight(trace: list[tuple[float, int, int]], cap: int) -> dict | None:
-    """Rows in flight over the decoding steps: time-weighted mean, the time share at each count
+def in_flight(trace: list[tuple[float, int, int]], cap: int, streams=None) -> dict | None:
+    """Requests in flight (docs/records.md): the time-weighted mean and the time share at each count
     (1..cap), and output tokens/s over the steps run at the cap (the steady part: a static batch's
-    drain, a stream's ramp-up and tail left out)."""
+    drain, a stream's ramp-up and tail left out). A serving job (``streams``: each stream's wall time
+    and its requests' (admitted, done) seconds, as both backends record them) counts over the whole
+    wall, idle time as 0 in flight; a static batch over its decoding steps."""
     total = sum(dt for dt, _, _ in trace)
     if not trace or total <= 0:
         return None
     share = [0.0] * (cap + 1)
-    for dt, rows, _ in trace:
-        share[min(rows, cap)] += dt / total
+    if streams:
+        wall = sum(w for w, _ in streams)
+        if wall <= 0:
+            return None
+        for w, spans in streams:  # a sweep over admissions (+1) and completions (-1)
+            events = sorted([(a, 1) for a, _ in spans] + [(d, -1) for _, d in spans], key=lambda e: (e[0], e[1]))
+            now, level = 0.0, 0
+            for t, step in events:
+                t = min(max(t, 0.0), w)
+                share[min(level, cap)] += (t - now) / wall
+                now, level = t, level + step
+            share[min(max(level, 0), cap)] += (w - now) / wall
+        mean = sum(k * s for k, s in enumerate(share))
+    else:
+        for dt, rows, _ in trace:
+            share[min(rows, cap)] += dt / total
+        mean = sum(dt * rows for dt, rows, _ in trace) / total
     full = [(dt, n) for dt, rows, n in trace if rows >= cap]
     t_full = sum(dt for dt, _ in full)
-    return {"mean": sum(dt * rows for dt, rows, _ in trace) / total, "time_share": share[1:],
+    return {"mean": mean, "time_share": share[1:],
             "steady_tokens_per_s": sum(n for _, n in full) / t_full if t_full > 0 else None,
             "steady_time_share": t_full / total}
 
