@@ -857,7 +857,9 @@ def test_continuous_batching_records_serving_metrics_and_pairs_its_own_ar(tiny_d
         assert m["match_ar"] == 1.0 and len(c_rec["requests"]) == 8
         assert m["latency"]["ttft_s"]["p50"] <= m["latency"]["ttft_s"]["p99"] and m["latency"]["itl_s"]["n"] > 0
         assert m["goodput"]["share"] == 0.0  # no request meets a TPOT under a nanosecond
-        assert m["in_flight"]["mean"] <= 2 and abs(sum(m["in_flight"]["time_share"]) - 1) < 1e-6
+        # shares of the stream's wall at 1..bs in flight; the rest is time with none (here only the
+        # edges of the stream: every request is there from the start)
+        assert m["in_flight"]["mean"] <= 2 and 0.95 < sum(m["in_flight"]["time_share"]) <= 1 + 1e-6
         assert all(rq["queue_s"] >= 0 for rq in c_rec["requests"])
         assert s_rec["metrics"]["goodput"] is None and s_rec["metrics"]["latency"]["e2e_s"]["n"] == 8
     second = [rq for rq in cont[1]["requests"] if rq["turn"] == 2]
