@@ -130,14 +130,21 @@ class Proposer:
             return True
         return cls.start is Proposer.start and cls.select_rows is Proposer.select_rows
 
+    def inner(self) -> list["Proposer"]:
+        """The proposers this one wraps (combo's members, SAM's fallback): their learning is its too."""
+        return []
+
     def snapshot(self) -> dict:
-        """A copy of what the method has learned across requests (``learned``)."""
-        return {k: copy.deepcopy(getattr(self, k)) for k in self.learned}
+        """A copy of what the method (and those it wraps) has learned across requests (``learned``)."""
+        return {"own": {k: copy.deepcopy(getattr(self, k)) for k in self.learned},
+                "inner": [p.snapshot() for p in self.inner()]}
 
     def restore(self, snap: dict) -> None:
         """Back to a ``snapshot`` (which stays usable again)."""
-        for k, v in snap.items():
+        for k, v in snap["own"].items():
             setattr(self, k, copy.deepcopy(v))
+        for p, s in zip(self.inner(), snap["inner"]):
+            p.restore(s)
 
     def describe(self) -> dict:
         """Method-specific fields recorded with the job."""

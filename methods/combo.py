@@ -137,13 +137,8 @@ class Combo(Proposer):
     def modules(self):
         return [mod for p in self.members for mod in p.modules()]
 
-    def snapshot(self) -> dict:
-        return {"own": super().snapshot(), "members": [p.snapshot() for p in self.members]}
-
-    def restore(self, snap: dict) -> None:
-        super().restore(snap["own"])
-        for p, s in zip(self.members, snap["members"]):
-            p.restore(s)
+    def inner(self):
+        return self.members
 
     def start(self, state: BatchState, hidden=None) -> None:
         for p in self.members:

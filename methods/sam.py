@@ -192,13 +192,8 @@ class SamDecoding(Proposer):
     def modules(self):
         return self.fallback.modules() if self.fallback is not None else []
 
-    def snapshot(self) -> dict:
-        return {"own": super().snapshot(), "fallback": self.fallback.snapshot() if self.fallback else None}
-
-    def restore(self, snap: dict) -> None:
-        super().restore(snap["own"])
-        if self.fallback is not None:
-            self.fallback.restore(snap["fallback"])
+    def inner(self):
+        return [self.fallback] if self.fallback is not None else []
 
     def start(self, state: BatchState, hidden=None) -> None:
         self.rows = [Row(s, self.corpus) for s in state.seqs]
