@@ -1,10 +1,11 @@
 """REST: retrieval-based speculative decoding (He et al. 2023, arXiv 2311.08252).
 
-A datastore of token sequences is indexed once with ``draftretriever`` (the REST authors'
-suffix-array library) and cached in ``$SPECBENCH_CACHE/rest``. Per step and row, the
-longest suffix of the context (``max_suffix`` down to ``min_suffix`` tokens) that occurs
-in the datastore retrieves its continuations; the library keeps the ``num_draft`` most
-frequent trie nodes of them (the paper's top-64), and that trie is the row's draft tree.
+A datastore of token sequences is indexed once into suffix arrays (``specbench.suffix_index``)
+and cached in ``$SPECBENCH_CACHE/rest``. Per step and row, the longest suffix of the context
+(``max_suffix`` down to ``min_suffix`` tokens) that occurs in the datastore retrieves its
+continuations; the ``num_draft`` most frequent trie nodes of them (the paper's top-64) are the
+row's draft tree. Ties are broken the same way every time (the REST authors' library breaks
+them by a hash map's order), so the same job gives the same drafts.
 Candidates are deterministic: greedy match, or under sampling the lossless rule with a
 one-hot q per node (each child tried against the residual of its parent), never REST's
 reference per-path sampling.
@@ -20,22 +21,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
 
+import torch
 
 from methods.base import BatchState, Proposer
-from specbench.draft import Draft, prefix_tree
+from specbench import suffix_index
+from specbench.draft import Draft
 from specbench.errors import ConfigError
 from specbench.hf import text_config
 from specbench.paths import cache_dir, file_lock, resolve_path
 
 BUILTIN = ("sharegpt", "python_code")
-# draftretriever 0.1.1 stores tokens as i32 (its README still says 16-bit; a test checks ids
-# above 65535 round-trip): a vocabulary past the i32 range would alias silently
-MAX_VOCAB = 2**31 - 1
+MAX_VOCAB = suffix_index.MAX_TOKENS - 1  # ids are stored as int32 (id + 1)
 # num_draft by device (`auto`): the paper's 64 trie nodes on a GPU, where a 64-node verify costs
 # about one token; on a CPU every node costs (fp32, native path: a 9-node forward ~1.6x a 1-token
 # one, 33 nodes ~3.5x). Measured on SmolLM2-135M, 2-core CPU, 5 MT-Bench questions x 128 tokens,
@@ -100,40 +101,35 @@ def datastore_key(spec: str, tokenizer) -> str:
 
 
 def build_datastore(spec: str, tokenizer, vocab_size: int, progress: bool = True) -> Path:
-    """The cached index of ``spec`` for this tokenizer (built once, under a file lock)."""
-    import draftretriever
+    """The cached index folder of ``spec`` for this tokenizer (built once, under a file lock)."""
     from tqdm.auto import tqdm
 
     name = spec if spec in BUILTIN else "file-" + _datastore_path(spec).stem
-    out = cache_dir() / "rest" / f"{name}-{datastore_key(spec, tokenizer)}.idx"
-    if out.exists():
+    out = cache_dir() / "rest" / f"{name}-{datastore_key(spec, tokenizer)}.sa"
+    if out.is_dir():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(out.with_name(out.name + ".lock")):
-        if out.exists():
+        if out.is_dir():
             return out
         for stale in out.parent.glob(f"{out.name}.tmp*"):  # a killed build's leftovers (we hold the lock)
-            stale.unlink()
-        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-        writer = draftretriever.Writer(str(tmp), vocab_size=vocab_size)
-        n_tok = 0
-        bar = tqdm(desc=f"REST datastore {spec}", unit="entry", disable=not progress, file=sys.stderr)
-        texts = corpus(spec)
-        while True:  # tokenized in batches (a fast tokenizer encodes a batch in parallel)
-            chunk = [t for _, t in zip(range(256), texts)]
-            if not chunk:
-                break
-            for ids in tokenizer(chunk, add_special_tokens=False)["input_ids"]:
-                if len(ids) >= 2:
-                    writer.add_entry(list(ids))
-                    n_tok += len(ids)
-            bar.update(len(chunk))
-        bar.close()
-        if n_tok == 0:
+            shutil.rmtree(stale, ignore_errors=True)
+
+        def entries():
+            bar = tqdm(desc=f"REST datastore {spec}", unit="entry", disable=not progress, file=sys.stderr)
+            texts = corpus(spec)
+            while True:  # tokenized in batches (a fast tokenizer encodes a batch in parallel)
+                chunk = [t for _, t in zip(range(256), texts)]
+                if not chunk:
+                    break
+                for ids in tokenizer(chunk, add_special_tokens=False)["input_ids"]:
+                    if len(ids) >= 2:
+                        yield ids
+                bar.update(len(chunk))
+            bar.close()
+
+        if suffix_index.build(entries(), out) == 0:
             raise ConfigError(f"rest.datastore '{spec}' has no text to index")
-        writer.finalize()
-        del writer
-        tmp.rename(out)
     return out
 
 
@@ -148,7 +144,7 @@ class Rest(Proposer):
         if path is not None and not path.is_file():
             raise ConfigError(f"rest.datastore '{spec}' is neither {' nor '.join(BUILTIN)} nor an existing "
                               ".txt/.jsonl file")
-        # draftretriever aborts the process (a Rust panic) on 1-token queries and on choices=1
+        # a 1-token suffix matches nearly everywhere; one node is not a tree
         for key, lo in (("num_draft", 2), ("max_suffix", 2), ("min_suffix", 2)):
             v = m[key]
             if key == "num_draft" and v == "auto":
@@ -160,7 +156,7 @@ class Rest(Proposer):
             raise ConfigError(f"rest.min_suffix ({m.min_suffix}) must not exceed rest.max_suffix ({m.max_suffix})")
         V = getattr(text_config(target_config), "vocab_size", 0) or 0
         if V > MAX_VOCAB:
-            raise ConfigError(f"rest: the target's vocabulary ({V} tokens) is too large for draftretriever's 32-bit "
+            raise ConfigError(f"rest: the target's vocabulary ({V} tokens) is too large for the datastore's 32-bit "
                               f"tokens (at most {MAX_VOCAB}); use another method for this model")
 
     @classmethod
@@ -181,42 +177,36 @@ class Rest(Proposer):
         m = cfg.method  # at most num_draft nodes: a chain of them at worst
         return int(AUTO_NUM_DRAFT.get(device.type, AUTO_NUM_DRAFT["cpu"]) if m.num_draft == "auto" else m.num_draft)
 
-    def __init__(self, cfg, target, tokenizer, device, dtype, reader=None):
+    @classmethod
+    def tiny(cls, target, tokenizer, folder) -> dict:
+        """A datastore of random text in the tiny vocabulary (some of its n-grams recur)."""
+        g = torch.Generator().manual_seed(0)
+        words = torch.randint(3, len(tokenizer), (40, 30), generator=g) % 24 + 3
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "rest.txt").write_text("\n".join(tokenizer.decode(w.tolist()) for w in words))
+        return {"method": {"datastore": str(folder / "rest.txt"), "num_draft": 8, "max_suffix": 6}}
+
+    def __init__(self, cfg, target, tokenizer, device, dtype, index=None):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method
         self.spec = str(m.datastore)
         nd = AUTO_NUM_DRAFT.get(device.type, AUTO_NUM_DRAFT["cpu"]) if m.num_draft == "auto" else m.num_draft
         self.num_draft, self.max_suffix, self.min_suffix = int(nd), int(m.max_suffix), int(m.min_suffix)
         if self.min_suffix < 2 or self.num_draft < 2:
-            raise ValueError("rest: min_suffix and num_draft must be >= 2 (draftretriever aborts below)")
-        if reader is None:
-            import draftretriever
-
+            raise ValueError("rest: min_suffix and num_draft must be >= 2")
+        if index is None:
             V = int(text_config(target.config).vocab_size)
-            self.index = build_datastore(self.spec, tokenizer, V, progress=bool(cfg.get("progress", True)))
-            reader = draftretriever.Reader(str(self.index))
-        self.reader = reader
+            index = suffix_index.SuffixIndex(build_datastore(self.spec, tokenizer, V,
+                                                             progress=bool(cfg.get("progress", True))))
+        self.index = index
 
-    def retrieve(self, seq: list[int]) -> list[list[int]]:
-        """Continuations of the longest suffix of ``seq`` found in the datastore."""
-        for n in range(min(self.max_suffix, len(seq)), self.min_suffix - 1, -1):
-            try:
-                found = self.reader.search(seq[-n:], choices=self.num_draft)[0]
-            except ValueError:  # "draft_choices was not cut enough": the library's trie overflowed
-                continue
-            paths = [[t for t in p if t >= 0] for p in found]
-            paths = [p for p in paths if p]
-            if paths:
-                return paths
-        return []
+    def retrieve(self, seq: list[int]) -> tuple[list[int], list[int]]:
+        """The draft trie (tokens, parents) from the longest suffix of ``seq`` found."""
+        return self.index.drafts(seq, self.max_suffix, self.min_suffix, self.num_draft)
 
     def propose(self, state: BatchState) -> Draft | None:
-        toks, pars = [], []
-        for s in state.seqs:
-            t, p = prefix_tree(self.retrieve(s))
-            toks.append(t[: self.num_draft])
-            pars.append(p[: self.num_draft])
-        return Draft.from_trees(toks, pars, state.device)
+        trees = [self.retrieve(s) for s in state.seqs]
+        return Draft.from_trees([t for t, _ in trees], [p for _, p in trees], state.device)
 
     def describe(self) -> dict:
         return {"datastore": self.spec, "num_draft": self.num_draft, "max_suffix": self.max_suffix,

@@ -188,7 +188,7 @@ def plan(a, kit: Path, work: Path, drafts: dict[str, Path]) -> list[tuple[str, l
     compile_ = [_sweep(base, ["method=pld", "compile=true", "kernel=torch", "bs=" + ",".join(size["bs"].split(",")[:2])])]
     memory = [_sweep(base, ["method=ar", f"ctx={size['mem_ctx']}", big])]
     suite = [[sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", "-k", "not rest",
-              f"--junitxml={work / 'suite.xml'}", *size["suite"]]]  # REST's draftretriever is not carried
+              f"--junitxml={work / 'suite.xml'}", *size["suite"]]]  # REST's pydivsufsort is not carried
     report = [[sys.executable, "-m", "analysis.report", str(runs / "records.jsonl"), "--out", str(work / "report")]]
     return [("suite", suite), ("real", real), ("synthetic", synthetic), ("continuous", continuous),
             ("profile", profile), ("compile", compile_), ("memory", memory), ("report", report)]

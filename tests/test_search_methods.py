@@ -68,7 +68,7 @@ def cases(model):
 @pytest.fixture(scope="module")
 def datastore(model, cases, tmp_path_factory):
     """A .jsonl corpus of the target's own greedy continuations, so retrieval finds real
-    matches; indexed with draftretriever through a word-level tokenizer."""
+    matches; indexed through a word-level tokenizer."""
     from conftest import save_tiny_hf
     from transformers import AutoTokenizer
 
@@ -195,7 +195,7 @@ def test_rest_num_draft_auto_takes_the_devices_count(model):
 
     for dev in ("cpu", "cuda"):
         r = Rest(rest_cfg("python_code", num_draft="auto"), model, None, torch.device(dev), torch.float32,
-                 reader=object())
+                 index=object())
         assert r.num_draft == R.AUTO_NUM_DRAFT[dev] and r.describe()["num_draft"] == r.num_draft
     assert R.AUTO_NUM_DRAFT["cpu"] < R.AUTO_NUM_DRAFT["cuda"]
     Rest.check(rest_cfg("python_code", num_draft="auto"), LlamaConfig(vocab_size=96))
@@ -211,9 +211,26 @@ def test_rest_datastore_is_cached_and_retrieves_the_longest_suffix(model, datast
     r = Rest(rest_cfg(path), model, tok, DEVICE, torch.float32)
     prompt = prompts_of([6], seed=7)[0]
     cont = reference_greedy(model, prompt, 30)
-    found = r.retrieve(prompt + cont[:5])
-    assert any(p[:3] == cont[5:8] for p in found)  # the continuation that follows in the corpus
-    assert r.retrieve([95, 94, 93, 95, 94]) == [] or all(len(p) for p in r.retrieve([95, 94, 93, 95, 94]))
+    tokens, parents = r.retrieve(prompt + cont[:5])
+    assert 0 < len(tokens) <= 16 and all(p < i + 1 for i, p in enumerate(parents))  # a trie, parents first
+    node = 0  # the continuation that follows in the corpus is a path of the trie
+    for t in cont[5:8]:
+        node = next((i + 1 for i, (u, p) in enumerate(zip(tokens, parents)) if p == node and u == t), None)
+        assert node is not None
+    assert r.index.longest(prompt + cont[:5], 6) == 6
+
+
+def test_rest_gives_the_same_drafts_every_time(model, datastore):
+    """The same REST job twice gives the same acceptance sequence: equally frequent trie nodes
+    are not chosen by a hash map's order, whatever ran before (item 18 of issue 44)."""
+    path, tok = datastore
+    prompts = prompts_of([5, 7, 6, 8], seed=3)
+    runs = []
+    for _ in range(4):
+        prop = Rest(rest_cfg(path, num_draft=3, max_suffix=4), model, tok, DEVICE, torch.float32)
+        runs.append([r.accept_lens for r in run_engine(model, prop, prompts, N_NEW)])
+    assert sum(map(sum, runs[0])) > 0  # drafts were accepted
+    assert all(r == runs[0] for r in runs[1:])
 
 
 def test_rest_refuses_a_wide_vocabulary(tmp_path):
@@ -222,7 +239,7 @@ def test_rest_refuses_a_wide_vocabulary(tmp_path):
     from specbench.errors import ConfigError
 
     cfg = rest_cfg("python_code")
-    with pytest.raises(ConfigError, match="too large for draftretriever"):
+    with pytest.raises(ConfigError, match="too large for the datastore's 32-bit tokens"):
         Rest.check(cfg, LlamaConfig(vocab_size=2**31))
     Rest.check(cfg, LlamaConfig(vocab_size=262144))  # Gemma 3's vocabulary fits
     with pytest.raises(ConfigError, match="neither sharegpt nor python_code"):
@@ -234,15 +251,45 @@ def test_rest_refuses_a_wide_vocabulary(tmp_path):
 
 
 def test_datastore_keeps_wide_token_ids(tmp_path):
-    """Ids above 16 bits are stored whole (a 16-bit wheel would alias 70000 with 4464)."""
-    import draftretriever
+    """Ids above 16 bits are stored whole (a 16-bit store would alias 70000 with 4464)."""
+    from specbench.suffix_index import SuffixIndex, build
 
-    w = draftretriever.Writer(str(tmp_path / "w.idx"), vocab_size=70001)
-    w.add_entry([70000, 1, 2, 3, 9, 70000, 1, 2, 3, 8])
-    w.finalize()
-    del w
-    r = draftretriever.Reader(str(tmp_path / "w.idx"))
-    assert r.search([70000, 1], choices=4)[0] and not r.search([4464, 1], choices=4)[0]
+    build([[70000, 1, 2, 3, 9, 70000, 1, 2, 3, 8]], tmp_path / "w")
+    r = SuffixIndex(tmp_path / "w")
+    assert r.tree([70000, 1], 4)[0] == [2, 3, 8, 9] and r.tree([4464, 1], 4) == ([], [])
+
+
+def test_datastore_search_is_rests_ranking(tmp_path):
+    """Against brute force on random corpora: the longest suffix found, and the most frequent
+    prefixes of the first k continuations (sorted), ties to the shallower then smaller node;
+    no continuation runs from one entry into the next."""
+    from collections import Counter
+
+    from specbench.suffix_index import SuffixIndex, build
+
+    rng = random.Random(0)
+    for trial in range(12):
+        vocab = rng.choice([3, 5, 20])
+        entries = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(rng.randrange(1, 8))]
+        build(entries, tmp_path / f"i{trial}")
+        ix = SuffixIndex(tmp_path / f"i{trial}")
+        suffixes = [e[i:] for e in entries for i in range(len(e))]
+        for _ in range(10):
+            ctx = [rng.randrange(vocab) for _ in range(rng.randrange(1, 8))]
+            best = 0
+            while best < min(6, len(ctx)) and any(s[:best + 1] == ctx[-best - 1:] for s in suffixes):
+                best += 1
+            assert ix.longest(ctx, 6) == best
+            q, k, long = ctx[-2:], rng.choice([2, 5, 5000]), 4
+            follow = sorted(s[len(q):] for s in suffixes if s[:len(q)] == q)[:k]
+            count = Counter(tuple(f[:j]) for f in follow[:k] for j in range(1, min(len(f), long) + 1))
+            want = sorted(count, key=lambda p: (-count[p], len(p), p))[:6]
+            tokens, parents = ix.tree(q, 6, k=k, long=long)
+            got = []
+            for t, p in zip(tokens, parents):
+                assert p <= len(got)
+                got.append((got[p - 1] if p else ()) + (t,))
+            assert sorted(got) == sorted(want)
 
 
 def test_python_code_datastore_is_the_stdlib():
@@ -316,11 +363,11 @@ def test_sampling_follows_target(name, tmp_path):
         prop = SpecDec(sd_cfg(K=2, temperature=1.0), target, None, DEVICE, torch.float32,
                        drafter=random_spec(target, k=2, seed=3))
     else:
-        class Reader:  # every pair of tokens: a dense trie, so the rule meets many siblings
-            def search(self, q, choices=None):
-                return [[[a, b] for a in range(3, 9) for b in (4, 5)]]
+        class Index:  # every pair of tokens: a dense trie, so the rule meets many siblings
+            def drafts(self, context, max_suffix, min_suffix, choices):
+                return prefix_tree([[a, b] for a in range(3, 9) for b in (4, 5)])
 
-        prop = Rest(rest_cfg("python_code", num_draft=20), target, None, DEVICE, torch.float32, reader=Reader())
+        prop = Rest(rest_cfg("python_code", num_draft=20), target, None, DEVICE, torch.float32, index=Index())
     n = 3000
     s = Sampling(1.0)
     res = run_engine(target, prop, [prompt] * n, 3, sampling=s, gen=torch.Generator().manual_seed(5))

@@ -62,13 +62,10 @@ def test_greedy_identity_with_rows_joining(model, refs, datastore, name, early_e
     for r, ref in zip(res, want):
         assert r.tokens == cut(ref, eos)
         assert len(r.accept_lens) == r.steps
-    # oracle_tree's drafts draw from one generator shared by the rows; REST's library
-    # (draftretriever 0.1.1) breaks ties between equally frequent continuations in an order that
-    # changes from search to search (a hash map seeded per call, sub-indexes searched in parallel):
-    # its drafts are not a function of the row alone
+    # oracle_tree's drafts draw from one generator shared by the rows
     # Token Recycling's matrix and SuffixDecoding's global tree are shared by the rows (as their
     # papers share them across queries), and so are they in the methods that wrap them
-    if name not in ("oracle_tree", "rest", "recycle", "sam_recycle", "suffix", "combo"):
+    if name not in ("oracle_tree", "recycle", "sam_recycle", "suffix", "combo"):
         # a row's drafts depend on that row alone: its acceptance is what it is decoded alone, so a
         # joining row's method state (a drafter's cache, a pool, an index) was built right
         from helpers import run_engine
