@@ -108,6 +108,17 @@ def settings(name: str):
     return node
 
 
+def defaults(name: str):
+    """The method config node a run of ``name`` starts from: a built-in method's yaml, an outside
+    method's own settings (``settings``)."""
+    from omegaconf import OmegaConf
+
+    from specbench.paths import CONF_DIR
+
+    path = CONF_DIR / "method" / f"{name}.yaml"
+    return OmegaConf.load(path) if name in REGISTRY and path.exists() else settings(name)
+
+
 def register(name: str, target: str) -> None:
     """Register ``name`` -> ``'module:Class'`` in this process (for tests; outside packages use
     the entry point group, which every process of a sweep sees)."""

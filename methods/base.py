@@ -94,6 +94,15 @@ class Proposer:
         """The draft model this job runs, for the record (None: the method has none)."""
         return None
 
+    @classmethod
+    def tiny(cls, target, tokenizer, folder) -> dict:
+        """Settings over this method's defaults (``{"K": 3, "method": {...}}``) that run it on a
+        tiny random ``target`` (a few-layer HF Llama named ``tiny`` in ``cfg.model``, its word-level
+        ``tokenizer``) with nothing downloaded. Every registered method is decoded with them and held
+        token-identical to greedy decoding (tests/test_registry.py). Write what they need (a random
+        drafter, a datastore) under the folder ``folder``. {} by default: the defaults need nothing."""
+        return {}
+
     def modules(self) -> list[torch.nn.Module]:
         """Extra models the method runs (their forward time counts as model time)."""
         return []

@@ -118,6 +118,13 @@ class Eagle(Proposer):
                               f"eagle.total_tokens={depth} (eagle.depth={depth})")
         return {"method": "eagle3", "model": folder, "num_speculative_tokens": depth}
 
+    @classmethod
+    def tiny(cls, target, tokenizer, folder) -> dict:
+        from specbench.drafters.eagle import EagleDrafter
+
+        d = EagleDrafter(target, torch.arange(target.config.vocab_size))
+        return {"method": {"checkpoint": drafters.save_random(d, folder / "eagle", "eagle", 0.3, target)}}
+
     def __init__(self, cfg, target, tokenizer, device, dtype, drafter=None):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method

@@ -135,6 +135,16 @@ class Medusa(Proposer):
         except (OSError, KeyError, TypeError, ValueError):
             return None
 
+    @classmethod
+    def tiny(cls, target, tokenizer, folder) -> dict:
+        from specbench.drafters.medusa import MedusaHeads
+
+        heads = MedusaHeads(target, torch.arange(target.config.vocab_size), 3)
+        acc = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]  # as measured heads would report them
+        path = drafters.save_random(heads, folder / "medusa", "medusa", 0.2, target, heads=3, acc=acc,
+                                    drafter={"heads": 3, "tree_size": 9})
+        return {"K": 3, "method": {"checkpoint": path, "tree_size": 9}}
+
     def __init__(self, cfg, target, tokenizer, device, dtype, heads=None, acc=None):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method

@@ -42,6 +42,14 @@ class SpecDec(Proposer):
     def draft_label(cls, cfg) -> str:
         return str(cfg.method.checkpoint)
 
+    @classmethod
+    def tiny(cls, target, tokenizer, folder) -> dict:
+        from specbench.drafters.specdec import SpecDrafter
+
+        d = SpecDrafter(target, 1, torch.arange(target.config.vocab_size), 3)  # the target's first layer, random queries
+        return {"K": 3, "method": {"checkpoint": drafters.save_random(d, folder / "specdec", "specdec", None, target,
+                                                                      layers=1, k=3)}}
+
     def __init__(self, cfg, target, tokenizer, device, dtype, drafter=None):
         super().__init__(cfg, target, tokenizer, device, dtype)
         m = cfg.method

@@ -68,6 +68,22 @@ def save(drafter: torch.nn.Module, folder: Path, meta: dict, dtype=torch.bfloat1
     (folder / "drafter.json").write_text(json.dumps(meta, indent=1, default=str))
 
 
+def save_random(drafter: torch.nn.Module, folder: Path, kind: str, std: float | None, target, /, **meta) -> str:
+    """``drafter`` untrained, its own weights drawn from N(0, std^2) (seeded; None: as built),
+    saved in fp32 as a ``kind`` checkpoint for ``target``, named ``tiny``: what a method's
+    ``tiny`` settings point at (``Proposer.tiny``). Returns the folder."""
+    if std is not None:
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if not name.startswith(drafter.shared_prefixes()):
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+    save(drafter.eval(), Path(folder), {"kind": kind, "name": f"random-{kind}", "target": "tiny",
+                                        "target_vocab_size": int(text_config(target.config).vocab_size), **meta},
+         dtype=torch.float32)
+    return str(folder)
+
+
 def load(folder, target, device, dtype, kind: str | None = None):
     """The drafter stored in ``folder``, on top of ``target``. ``kind`` (if given) must match."""
     from safetensors.torch import load_file
