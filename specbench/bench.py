@@ -1,0 +1,116 @@
+"""`python -m specbench.bench NAME [key=value ...]`: a benchmark preset end to end.
+
+A preset is ``conf/experiment/NAME.yaml`` (``# @package _global_``): its settings and its sweep
+(``hydra.sweeper.params``), so ``python -m specbench +experiment=NAME`` runs its main sweep. Its
+``bench`` node says what else the benchmark runs, in order:
+
+    bench:
+      about: one line for `make help` and the log
+      needs: {VAR: what it names}          # environment variables the steps use as $VAR
+      steps:
+        - sweep: ""                        # the preset itself (the default when there are no steps)
+        - sweep: method=rest bs=1,8            # the preset with these overrides (hydra.sweeper.params=null: without its sweep)
+        - profile: --bs 1,8 --n 1,2,5      # analysis.profile into the preset's results_dir
+        - show: identity.md                # print a file of the report
+      report: true                         # analysis.report over results_dir (the default)
+
+``key=value`` arguments go to every sweep (``results_dir=...`` moves the whole benchmark).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from specbench.paths import CONF_DIR
+
+EXPERIMENTS = CONF_DIR / "experiment"
+
+
+def names() -> list[str]:
+    return sorted(p.stem for p in EXPERIMENTS.glob("*.yaml"))
+
+
+def load(name: str):
+    path = EXPERIMENTS / f"{name}.yaml"
+    if not path.exists():
+        raise SystemExit(f"specbench.bench: no preset '{name}'; choices: {', '.join(names())}")
+    return OmegaConf.load(path)
+
+
+def steps(name: str, args: list[str]) -> list[list[str]]:
+    """The commands the benchmark ``name`` runs, with ``args`` (key=value) for each sweep."""
+    preset = load(name)
+    bench = preset.get("bench") or {}
+    results = next((a.partition("=")[2] for a in reversed(args) if a.startswith("results_dir=")),
+                   str(preset.get("results_dir", "results")))
+    env = dict(os.environ)
+    for var, what in (bench.get("needs") or {}).items():
+        if not env.get(var):
+            raise SystemExit(f"specbench.bench {name}: set {var}=<{what}>")
+    py = sys.executable
+    out = []
+    for step in bench.get("steps") or [{"sweep": ""}]:
+        (kind, text), = step.items()
+        words = shlex.split(string.Template(str(text)).substitute(env))
+        if kind == "sweep":
+            out.append([py, "-m", "specbench", f"+experiment={name}", *words, *args])
+        elif kind == "profile":
+            out.append([py, "-m", "analysis.profile", *words, "--results-dir", results])
+        elif kind == "show":
+            out.append(["cat", str(Path(results) / "report" / text)])
+        else:
+            raise SystemExit(f"specbench.bench {name}: unknown step '{kind}' (sweep, profile or show)")
+    if bench.get("report", True):
+        report = [py, "-m", "analysis.report", results, "--out", str(Path(results) / "report")]
+        shows = [i for i, s in enumerate(out) if s[0] == "cat"]
+        out.insert(shows[0] if shows else len(out), report)
+    return out
+
+
+def jobs(name: str, overrides: list[str]) -> list[list[str]]:
+    """The overrides of each job ``python -m specbench +experiment=NAME *overrides`` would run
+    (the preset's sweep, then the command line's, as Hydra's basic sweeper expands them), without
+    running any: the preset tests compose each of them."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    own = [o for o in overrides if o.startswith("hydra.")]
+    task = [o for o in overrides if not o.startswith("hydra.")]
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[f"+experiment={name}", *own], return_hydra_config=True)
+    params = [f"{k}={v}" for k, v in (cfg.hydra.sweeper.params or {}).items()]
+    parsed = OverridesParser.create().parse_overrides(params + task)
+    (batch,) = BasicSweeper.split_arguments(parsed, None)
+    return batch
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        for n in names():
+            print(f"  {n:<18} {(load(n).get('bench') or {}).get('about', '')}")
+        return 0
+    name, args = argv[0], argv[1:]
+    todo = steps(name, args)
+    for i, cmd in enumerate(todo, 1):
+        print(f"[bench {name}] step {i}/{len(todo)}: {shlex.join(cmd[1:] if cmd[0] == sys.executable else cmd)}",
+              flush=True)
+        rc = subprocess.call(cmd)
+        if rc:
+            print(f"[bench {name}] step {i} failed (exit {rc}); what it wrote stays in place: rerun with resume=true",
+                  file=sys.stderr)
+            return rc
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
