@@ -28,13 +28,9 @@ from specbench.draft import Draft, pad_rows
 from specbench.errors import ConfigError
 from specbench.paths import resolve_path
 
-# The tree shape by device (`auto`): on a GPU a 60-node verify costs about what one token
-# does (EAGLE-2's defaults); on a CPU it does not (fp32, native path: a 7-node forward ~1.3x a
-# 1-token one, 9 nodes ~1.6x), and each drafter level costs a drafter step and a draft-vocabulary
-# head (~0.2 of a target step), so the tree stays small and shallow there. Measured on
-# SmolLM2-135M, 2-core CPU, 5 MT-Bench questions x 128 tokens, each job paired with its own AR
-# (depth, total_tokens -> speedup, tau): (2, 4) 1.04x 1.73, (2, 6) 1.05x 1.83, (3, 4) 0.96x 1.78,
-# (3, 6) 1.00x 1.89; the third level's drafting costs more than its tau gains.
+# The tree shape by device (`auto`): on a GPU a 60-node verify costs about what one token does
+# (EAGLE-2's defaults); on a CPU every node and every drafter level costs, so the tree stays small
+# and shallow there (the measurements: docs/benchmarks/cpu-defaults.md).
 EAGLE3_FORMATS = ("eagle3", "speculators-eagle3")  # SafeAILab's layout, vLLM's speculators format
 AUTO = {"cuda": {"top_k": 10, "depth": 5, "total_tokens": 60}, "cpu": {"top_k": 4, "depth": 2, "total_tokens": 6}}
 # the (depth, total_tokens) trees K=auto chooses among, around each device's AUTO

@@ -34,14 +34,8 @@ from specbench.verify import greedy_pick
 
 
 # W, N and G by device (`auto`). On a GPU a verify of W*(N-1) + G*(N-1) = 42 nodes costs about
-# what one token does (the paper's smaller settings); on a CPU every node costs (fp32, native
-# path: an 8-node forward ~1.4x a 1-token one, 29 nodes ~3x), so the window and the guesses stay
-# small there. Measured on SmolLM2-135M, 2-core CPU, 5 MT-Bench questions x 128 tokens, each job
-# paired with its own AR ((W, N, G) -> speedup, tau): (7, 4, 7) 0.58-0.62x 1.97; (3, 4, 3) 1.00x
-# 1.85; (3, 3, 3) 1.01-1.08x 1.63-1.66; (2, 3, 2) 1.18-1.23x 1.57-1.62; (1, 3, 2) 1.27x 1.55;
-# (1, 3, 1) 1.25x 1.50; N = 2: 1.02-1.16x, tau 1.40-1.44. The native kernel takes a verify's rows in
-# passes of at most 4, so (2, 3, 2)'s 8 nodes + the root cost a third pass (T(9) ~1.17x T(8)); on 10
-# questions (1, 3, 2) 1.17x (tau 1.65) against (2, 3, 2) 1.04x (tau 1.70): (1, 3, 2), 7 rows.
+# what one token does (the paper's smaller settings); on a CPU every node costs, so the window and
+# the guesses stay small there: 7 rows, within two passes of the native kernel (docs/benchmarks/cpu-defaults.md).
 AUTO = {"cuda": {"W": 7, "N": 4, "G": 7}, "cpu": {"W": 1, "N": 3, "G": 2}}
 # the (W, N, G) K=auto chooses among, around each device's AUTO
 TUNE = {"cuda": [(3, 3, 3), (5, 4, 5), (7, 4, 7), (10, 5, 10), (15, 5, 15)],

@@ -32,12 +32,8 @@ from specbench.errors import ConfigError
 from specbench.paths import resolve_path
 
 
-# tree_size=auto on a CPU. Measured on SmolLM2-135M, 2-core CPU, fp32, native path, 5 MT-Bench
-# questions x 128 tokens, each job paired with its own AR: 4 / 8 / 16 nodes -> tau 1.42 / 1.56 /
-# 1.65 at 0.85 / 0.88 / 0.75x AR (chain of 4: tau 1.25, 0.90x). The native kernel takes a verify's
-# rows in passes of at most 4, so 9 rows (root + 8 nodes) cost a third pass: T(9) ~1.17x T(8) on
-# this host (analysis.profile, n = 1..16). On 10 questions: 7 nodes 1.04x (tau 1.50) against 8
-# nodes 0.83x (tau 1.52); so 7, which keeps the verify at 8 rows.
+# tree_size=auto on a CPU: 7 nodes keep the verify at 8 rows, two passes of the native kernel
+# (a ninth row costs a third; the measurements: docs/benchmarks/cpu-defaults.md).
 AUTO_CPU_TREE = 7
 TUNE_TREE = {"cuda": [8, 16, 32, 64], "cpu": [2, 4, 7, 12, 20]}  # default-tree sizes K=auto chooses among
 

@@ -38,12 +38,8 @@ from specbench.paths import cache_dir, file_lock, resolve_path
 BUILTIN = ("sharegpt", "python_code")
 MAX_VOCAB = suffix_index.MAX_TOKENS - 1  # ids are stored as int32 (id + 1)
 # num_draft by device (`auto`): the paper's 64 trie nodes on a GPU, where a 64-node verify costs
-# about one token; on a CPU every node costs (fp32, native path: a 9-node forward ~1.6x a 1-token
-# one, 33 nodes ~3.5x). Measured on SmolLM2-135M, 2-core CPU, 5 MT-Bench questions x 128 tokens,
-# `sharegpt`, each job paired with its own AR (num_draft -> speedup, tau): 4 1.18x 1.46, 6 1.20x
-# 1.57, 8 1.07-1.17x 1.69-1.72, 12 1.15x 1.85, 16 0.93x 1.95, 64 0.64-0.73x 2.35. The native kernel
-# takes a verify's rows in passes of at most 4, so 8 nodes + the root cost a third pass (T(9) ~1.17x
-# T(8)); on 10 questions 7 nodes 1.06x (tau 1.59) against 8 nodes 0.99x (tau 1.69): 7.
+# about one token; on a CPU every node costs: 7 nodes and the root, two passes of the native kernel
+# (docs/benchmarks/cpu-defaults.md).
 AUTO_NUM_DRAFT = {"cuda": 64, "cpu": 7}
 TUNE_NUM_DRAFT = {"cuda": [16, 32, 64, 96], "cpu": [2, 4, 7, 12, 20]}  # what K=auto chooses among
 

@@ -37,8 +37,7 @@ class Draft:
 
     def geometry(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``tree_geometry(self.parents)``, computed once per draft: the verify forward's mask
-        and the verification's walk both need it (a dozen small ops, ~0.1-0.2 ms right after a
-        forward)."""
+        and the verification's walk both need it (a dozen small ops)."""
         if self._geometry is None:
             self._geometry = tree_geometry(self.parents)
         return self._geometry

@@ -27,10 +27,9 @@ from specbench.draft import Draft
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` (the first index on ties, as torch's). For fp32 CPU logits: through
     the native extension where this process has loaded it (each thread scans the share of the
-    columns its core's output layer wrote: 10 us for a 49K row in cache against numpy's 17, and
-    Leviathan's time outside its forwards 2.22 -> 1.97 ms a step), else numpy's (torch's CPU
-    argmax reads a 49K vocabulary at ~1.3 floats a nanosecond here, numpy's at ~6). A decode
-    step takes one argmax per row per forward."""
+    columns its core's output layer wrote, while they are in its cache), else numpy's (torch's CPU
+    argmax is several times slower; docs/benchmarks/cpu-defaults.md). A decode step takes one
+    argmax per row per forward."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
         return logits.argmax(-1)
     argmax_rows = accel.argmax_rows
@@ -200,8 +199,8 @@ def _chain_keep(n_acc: torch.Tensor):
 
 
 # Trees of up to this many forward nodes in all (rows x nodes) on the CPU are walked on lists:
-# the vectorised walk's ~25 small tensor ops cost ~0.5 ms right after a forward (the weight
-# stream leaves the caches cold), a walk over a few dozen nodes in Python a few tens of us.
+# the vectorised walk's ~25 small tensor ops cost more right after a forward (the weight stream
+# leaves the caches cold) than a walk over a few dozen nodes in Python (docs/benchmarks/cpu-defaults.md).
 _LIST_WALK = 256
 
 

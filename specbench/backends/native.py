@@ -89,7 +89,7 @@ def heads_like(x: torch.Tensor, w: torch.Tensor, like: torch.nn.Module, owner) -
     """``x`` [n, I] through each of ``w``'s H matrices [H, O, I]: [H, n, O], as
     ``torch.einsum("ni,hoi->hno", x, w)``, on the kernel path of the layer ``like`` (native: the H
     matrices packed once, as one [H*O, I], for ``owner``; one kernel call where torch's batched
-    matmul read Medusa's four 576 x 576 heads at ~10 GB/s, 0.55 ms a step)."""
+    matmul streams the heads slowly: docs/benchmarks/cpu-defaults.md)."""
     H, O, I = w.shape
     if getattr(like, "_specbench_kernel", None) != NAME or as_loaded(w, x):
         return torch.einsum("ni,hoi->hno", x, w)
@@ -129,11 +129,10 @@ def attention_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: t
 # Where the cache's layer is a ``SlabLayer`` with its buffers made (every decode and verify
 # forward after the prefill), those steps run as two extension calls, ``attn_block`` (it writes
 # the new keys and values into the buffers itself) and ``mlp_block``: the same kernel calls in
-# the same order, so the same bits, without the ~20 torch ops and Python calls between them
-# (~2-3 us apiece on the 2-core CI host). Whole forwards at bs=1, ctx 256, interleaved with the
-# per-op composition: 0.91-0.93x the time at 1-8 new tokens (about 1.9 ms less per forward).
+# the same order, so the same bits, without the ~20 torch ops and Python calls between them.
 # And when every layer of a Llama runs fused, its model runs them from one loop of its own
-# (``_fused_model_forward``), Hugging Face's steps around them unchanged: 0.88-0.90x.
+# (``_fused_model_forward``), Hugging Face's steps around them unchanged (what each saves:
+# docs/benchmarks/cpu-defaults.md).
 
 def _fusable(mod: torch.nn.Module) -> bool:
     from transformers.activations import SiLUActivation
@@ -168,9 +167,8 @@ def _fused_weights(layer) -> tuple:
 
 # queries per row up to which the extension's attention runs (a task takes several queries of
 # one KV head and walks the cache in 64-key blocks, each block through all of them); beyond,
-# the model's own attention function. Measured here in whole forwards, interleaved, against
-# torch's flash attention with the same mask: faster at every point tried, bs=1 n=9..64
-# (-3 to -5 ms at ctx 256; chain and tree masks alike), bs=8 n=9..32 and ctx 2048 n=16/64
+# the model's own attention function (faster than torch's flash attention at every point tried:
+# docs/benchmarks/cpu-defaults.md)
 _ATTENTION_ROWS = 64
 _NO_MASK = torch.empty(0)
 
@@ -221,8 +219,8 @@ def _fused_llama_forward(self, hidden_states, attention_mask=None, position_ids=
 
 
 def _fused_rms_forward(self, x):
-    """A fused Llama's final RMSNorm through the extension (~10 us where Hugging Face's five torch
-    ops cost ~0.25 ms on caches the weight stream left cold)."""
+    """A fused Llama's final RMSNorm through the extension (one call where Hugging Face's five torch
+    ops each meet caches the weight stream left cold)."""
     if as_loaded(self.weight, x) or x.device.type != "cpu":
         return type(self).forward(self, x)
     return load().rms_norm(x, self.weight, self.variance_epsilon)
@@ -244,9 +242,9 @@ def _fused_model_forward(self, input_ids=None, attention_mask=None, position_ids
     forward over the engine's slab cache takes Hugging Face's own steps around the layers (the
     embedding, ``create_causal_mask``, the rotary tables, the final norm, called as its forward
     calls them) and runs every layer's two extension calls in one call (``_stack``): Hugging
-    Face's module call per layer and the fused layer's own checks cost ~100 us a layer once the
-    weight stream has left the caches cold (~3 ms a forward), a Python loop over the layers'
-    calls ~30 us a layer. Anything else (a prefill, another cache, hooks on a layer, hidden
+    Face's module call per layer and the fused layer's own checks cost more than a Python loop
+    over the layers' calls, which costs more than one call (docs/benchmarks/cpu-defaults.md).
+    Anything else (a prefill, another cache, hooks on a layer, hidden
     states or attentions asked for, autograd) takes its forward."""
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     slabs = _lean_slabs(self, input_ids, inputs_embeds, position_ids, attention_mask, cache, kwargs)
@@ -353,7 +351,7 @@ def _into_one_stream(model, weights: list) -> None:
     in the order a forward reads them (q|k|v, o_proj, gate|up, down_proj, layer after layer), in
     place in the list and in the packing caches (``_fused_weights``, o_proj's and down_proj's own),
     so the separate copies go. Whole forwards read one stream instead of 120 tensors wherever the
-    allocator put them: the layers' time at 1 new token 0.90-0.92x (interleaved in one process)."""
+    allocator put them (docs/benchmarks/cpu-defaults.md)."""
     slots = [i for i in range(len(weights)) if i % 6 in (1, 2, 4, 5)]
     sizes = [-(-weights[i].numel() // 16) * 16 for i in slots]  # 64-byte aligned
     arena, off = torch.empty(sum(sizes), dtype=torch.float32), 0
