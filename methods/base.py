@@ -44,6 +44,10 @@ class Proposer:
     # of them): the runner snapshots them before its untimed warm-up and restores them after it
     # and at the start of every repeat, so a timed request only benefits from those before it
     learned: tuple = ()
+    # attributes holding one entry per batch row (a list, or a tensor whose first dimension is the
+    # row): the base's start, add_rows and select_rows keep them from what new_rows makes, so a
+    # method with per-row state writes none of that bookkeeping
+    per_row: tuple = ()
 
     def __init__(self, cfg, target, tokenizer, device: torch.device, dtype: torch.dtype):
         self.cfg = cfg
@@ -107,9 +111,20 @@ class Proposer:
         """Extra models the method runs (their forward time counts as model time)."""
         return []
 
+    def new_rows(self, state: BatchState, hidden=None) -> dict:
+        """The ``per_row`` attributes' entries for the rows of ``state`` (a new batch, or rows
+        joining one; ``hidden`` as ``start`` gets it): {name: a list or a tensor, one entry a row}."""
+        raise NotImplementedError(f"method {self.name} lists per_row attributes but has no new_rows")
+
     def start(self, state: BatchState, hidden=None) -> None:
         """A new batch was prefilled; ``state.seqs`` hold prompt + first token. ``hidden``
-        (a ``specbench.hidden.Hidden``): the prompt tokens' states when asked for."""
+        (a ``specbench.hidden.Hidden``): the prompt tokens' states when asked for. By default the
+        ``per_row`` attributes are made anew (``new_rows``) and the wrapped proposers started."""
+        if self.per_row:
+            for k, v in self.new_rows(state, hidden).items():
+                setattr(self, k, v)
+        for p in self.inner():
+            p.start(state, hidden)
 
     def propose(self, state: BatchState) -> Draft | None:
         """Return a draft tree per row, or None to take a plain decoding step."""
@@ -121,15 +136,30 @@ class Proposer:
         committed to the target cache (the step's root and its accepted drafts)."""
 
     def select_rows(self, keep: list[int]) -> None:
-        """Finished rows left the batch: keep only the rows at these indices."""
+        """Finished rows left the batch: keep only the rows at these indices (by default, of the
+        ``per_row`` attributes and in the wrapped proposers)."""
+        for k in self.per_row:
+            v = getattr(self, k)
+            setattr(self, k, v[torch.tensor(keep, dtype=torch.long, device=v.device)] if torch.is_tensor(v)
+                    else [v[i] for i in keep])
+        for p in self.inner():
+            p.select_rows(keep)
 
     def add_rows(self, state: BatchState, hidden=None) -> None:
         """Rows joined the running batch (``batching=continuous``), after the rows already there:
         ``state`` holds only the new rows (prompt + first token each, as ``start`` sees a batch),
-        ``hidden`` their prompts' states. A method with per-row state (one that overrides
-        ``start`` or ``select_rows``) must extend it here; the default suits one without."""
+        ``hidden`` their prompts' states. By default the ``per_row`` attributes get the new rows'
+        entries (``new_rows``) and the wrapped proposers the rows; a method that keeps per-row
+        state otherwise (overriding ``start`` or ``select_rows``) must extend it here."""
         if not self.joins_rows():
             raise NotImplementedError(f"method {self.name} keeps per-row state but has no add_rows")
+        if self.per_row:
+            new = self.new_rows(state, hidden)
+            for k in self.per_row:
+                old = getattr(self, k)
+                setattr(self, k, torch.cat([old, new[k]]) if torch.is_tensor(old) else list(old) + list(new[k]))
+        for p in self.inner():
+            p.add_rows(state, hidden)
 
     @classmethod
     def joins_rows(cls) -> bool:

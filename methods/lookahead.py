@@ -80,6 +80,7 @@ class Pool:
 
 class Lookahead(Proposer):
     name = "lookahead"
+    per_row = ("levels", "pools", "n_window")  # the window, n-gram pool and window size per row
 
     @classmethod
     def check(cls, cfg, target_config) -> None:
@@ -117,20 +118,18 @@ class Lookahead(Proposer):
         self.pools: list[Pool] = []
         self.n_window: list[int] = []  # window nodes each row had in the last draft
 
-    def start(self, state: BatchState, hidden=None) -> None:
-        self.levels, self.pools, self.n_window = [], [], []
-        self.add_rows(state)
-
-    def add_rows(self, state: BatchState, hidden=None) -> None:
+    def new_rows(self, state: BatchState, hidden=None) -> dict:
+        new = {"levels": [], "pools": [], "n_window": []}
         for s, plen in zip(state.seqs, state.prompt_lens):
-            self.n_window.append(0)
+            new["n_window"].append(0)
             prompt = s[:plen]
             rng = random.Random(len(prompt) * 1000003 + sum(prompt[-64:]))
-            self.levels.append([[rng.choice(prompt) for _ in range(self.W)]])
+            new["levels"].append([[rng.choice(prompt) for _ in range(self.W)]])
             pool = Pool(self.pool_cap)
             if self.from_prompt:
                 pool.add_all(s, self.N)
-            self.pools.append(pool)
+            new["pools"].append(pool)
+        return new
 
     def propose(self, state: BatchState) -> Draft | None:
         rows_tok, rows_par, rows_cand = [], [], []
@@ -173,10 +172,6 @@ class Lookahead(Proposer):
                 levels.pop(0)
             levels.append(new)
 
-    def select_rows(self, keep: list[int]) -> None:
-        self.levels = [self.levels[i] for i in keep]
-        self.pools = [self.pools[i] for i in keep]
-        self.n_window = [self.n_window[i] for i in keep]
 
     def describe(self) -> dict:
         return {"W": self.W, "N": self.N, "G": self.G, "pool_cap": self.pool_cap, "prompt_ngrams": self.from_prompt}

@@ -47,6 +47,7 @@ def named_trees() -> dict[str, list[list[int]]]:
 
 class Medusa(Proposer):
     name = "medusa"
+    per_row = ("f",)  # [B, d] each row's last committed token's final state
     hidden_layers = ("final",)
 
     @classmethod
@@ -185,17 +186,11 @@ class Medusa(Proposer):
     def modules(self):
         return [self.heads]
 
-    def start(self, state: BatchState, hidden=None) -> None:
-        self.f = hidden.last("final")
+    def new_rows(self, state: BatchState, hidden=None) -> dict:
+        return {"f": hidden.last("final")}  # [B, d] the last committed token's final state
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
         self.f = hidden.last("final")
-
-    def select_rows(self, keep: list[int]) -> None:
-        self.f = self.f[torch.tensor(keep, dtype=torch.long, device=self.device)]
-
-    def add_rows(self, state: BatchState, hidden=None) -> None:
-        self.f = torch.cat([self.f, hidden.last("final")])
 
     def propose(self, state: BatchState) -> Draft:
         logits = self.heads(self.f.to(next(self.heads.parameters()).dtype))[: self.K]  # [K, B, V']

@@ -62,6 +62,7 @@ class NgramIndex:
 
 class PromptLookup(Proposer):
     name = "pld"
+    per_row = ("index",)  # an n-gram index per row
 
     def __init__(self, cfg, target, tokenizer, device, dtype):
         super().__init__(cfg, target, tokenizer, device, dtype)
@@ -70,14 +71,8 @@ class PromptLookup(Proposer):
         self.min_ngram = int(cfg.method.get("min_ngram", 1))
         self.index: list[NgramIndex] = []
 
-    def start(self, state: BatchState, hidden=None) -> None:
-        self.index = [NgramIndex(self.max_ngram, self.min_ngram) for _ in state.seqs]
-
-    def select_rows(self, keep: list[int]) -> None:
-        self.index = [self.index[i] for i in keep]
-
-    def add_rows(self, state: BatchState, hidden=None) -> None:
-        self.index += [NgramIndex(self.max_ngram, self.min_ngram) for _ in state.seqs]
+    def new_rows(self, state: BatchState, hidden=None) -> dict:
+        return {"index": [NgramIndex(self.max_ngram, self.min_ngram) for _ in state.seqs]}
 
     def propose(self, state: BatchState) -> Draft | None:
         rows = [ix.lookup(s, self.K, state.eos) for ix, s in zip(self.index, state.seqs)]

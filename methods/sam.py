@@ -140,6 +140,7 @@ class Row:
 
 class SamDecoding(Proposer):
     name = "sam"
+    per_row = ("rows",)  # each row's automaton state
     learned = ("used",)  # (and its fallback's)
 
     @classmethod
@@ -195,20 +196,8 @@ class SamDecoding(Proposer):
     def inner(self):
         return [self.fallback] if self.fallback is not None else []
 
-    def start(self, state: BatchState, hidden=None) -> None:
-        self.rows = [Row(s, self.corpus) for s in state.seqs]
-        if self.fallback is not None:
-            self.fallback.start(state, hidden)
-
-    def add_rows(self, state: BatchState, hidden=None) -> None:
-        self.rows += [Row(s, self.corpus) for s in state.seqs]
-        if self.fallback is not None:
-            self.fallback.add_rows(state, hidden)
-
-    def select_rows(self, keep: list[int]) -> None:
-        self.rows = [self.rows[i] for i in keep]
-        if self.fallback is not None:
-            self.fallback.select_rows(keep)
+    def new_rows(self, state: BatchState, hidden=None) -> dict:
+        return {"rows": [Row(s, self.corpus) for s in state.seqs]}  # the fallback (inner) gets its rows from the base
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
         if self.fallback is not None:

@@ -107,6 +107,7 @@ def grow(node: Node, budget: int, min_prob: float, tree: bool) -> tuple[list[int
 
 class SuffixDecoding(Proposer):
     name = "suffix"
+    per_row = ("rows",)  # each row's own suffix tree and match state
     learned = ("glob", "used")  # the global tree holds every earlier response of the job
 
     @classmethod
@@ -138,14 +139,8 @@ class SuffixDecoding(Proposer):
         gcur = self.glob.feed([], seq[prompt_len:]) if self.use_global else []  # the response so far
         return {"local": local, "cur": cur, "gcur": gcur, "seen": len(seq)}
 
-    def start(self, state: BatchState, hidden=None) -> None:
-        self.rows = [self._row(s, n) for s, n in zip(state.seqs, state.prompt_lens)]
-
-    def add_rows(self, state: BatchState, hidden=None) -> None:
-        self.rows += [self._row(s, n) for s, n in zip(state.seqs, state.prompt_lens)]
-
-    def select_rows(self, keep: list[int]) -> None:
-        self.rows = [self.rows[i] for i in keep]
+    def new_rows(self, state: BatchState, hidden=None) -> dict:
+        return {"rows": [self._row(s, n) for s, n in zip(state.seqs, state.prompt_lens)]}
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
         for r, seq in zip(self.rows, state.seqs):
