@@ -1,6 +1,8 @@
 """Registry of speculative-decoding methods: name -> proposer class, imported lazily.
 
-Built-in methods live here (one module + ``specbench/conf/method/<name>.yaml`` + tests). A
+Built-in methods live here: a module ``methods/<name>.py`` beside a yaml
+``specbench/conf/method/<name>.yaml`` is a method (its class: the ``Proposer`` subclass whose
+``name`` is ``<name>``); ``REGISTRY`` names the classes of the first ones explicitly. A
 method from another package needs no fork: its package declares an entry point in the group
 ``specbench.methods`` (``name = "my_pkg.my_module:MyProposer"``), or a run names the class
 itself (``method=my_pkg.my_module:MyProposer``). Such a method declares its own settings
@@ -35,17 +37,32 @@ REGISTRY: dict[str, str] = {
 }
 
 
+def found() -> dict[str, str]:
+    """Built-in methods beyond ``REGISTRY``: name -> module, for each yaml under conf/method with a
+    module of its name here."""
+    from specbench.paths import CONF_DIR
+
+    here = Path(__file__).parent
+    return {p.stem: f"methods.{p.stem}" for p in sorted((CONF_DIR / "method").glob("*.yaml"))
+            if p.stem not in REGISTRY and (here / f"{p.stem}.py").exists()}
+
+
+def builtin() -> list[str]:
+    """The built-in methods: ``REGISTRY``'s and those found beside their yaml."""
+    return sorted({*REGISTRY, *found()})
+
+
 @functools.cache
 def plugins() -> dict[str, str]:
     """Methods other installed packages declare (entry points of ``GROUP``): name -> target.
     A name that shadows a built-in method is refused, not silently taken."""
-    found = {}
+    out = {}
     for ep in metadata.entry_points(group=GROUP):
-        if ep.name in REGISTRY:
+        if ep.name in builtin():
             raise KeyError(f"package {ep.dist.name if ep.dist else '?'} declares method '{ep.name}', "
                            "the name of a built-in method; rename its entry point")
-        found[ep.name] = ep.value
-    return found
+        out[ep.name] = ep.value
+    return out
 
 
 def is_target(name: str) -> bool:
@@ -56,13 +73,23 @@ def is_target(name: str) -> bool:
 
 def names() -> list[str]:
     """The registered methods: built-in and declared by installed packages."""
-    return sorted({**REGISTRY, **plugins()})
+    return sorted({*builtin(), *plugins()})
 
 
 def target(name: str) -> str:
     """``module:Class`` of a method name (or of a ``module:Class`` name itself)."""
     if name in REGISTRY:
         return REGISTRY[name]
+    if name in found():
+        mod = importlib.import_module(found()[name])
+        from methods.base import Proposer
+
+        own = [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, Proposer)
+               and c.__module__ == mod.__name__ and c.name == name]
+        if len(own) != 1:
+            raise KeyError(f"method '{name}': {mod.__name__} must define one Proposer subclass with name = "
+                           f"'{name}', found {len(own)}")
+        return f"{mod.__name__}:{own[0].__name__}"
     if name in plugins():
         return plugins()[name]
     if is_target(name):
@@ -116,7 +143,7 @@ def defaults(name: str):
     from specbench.paths import CONF_DIR
 
     path = CONF_DIR / "method" / f"{name}.yaml"
-    return OmegaConf.load(path) if name in REGISTRY and path.exists() else settings(name)
+    return OmegaConf.load(path) if name in builtin() and path.exists() else settings(name)
 
 
 def register(name: str, target: str) -> None:

@@ -1,5 +1,6 @@
-"""The proposer interface. A method only proposes: the engine verifies, accepts, commits
-the KV cache and measures. A method never times itself nor writes metrics."""
+"""The method contract. ``MethodSpec``: what a method declares before anything loads;
+``Proposer``: what it does at run time. A method only proposes: the engine verifies, accepts,
+commits the KV cache and measures. A method never times itself nor writes metrics."""
 
 from __future__ import annotations
 
@@ -34,27 +35,20 @@ class BatchState:
     rows: int = 0  # the most rows the batch holds at once (its concurrency; to size caches for joiners)
 
 
-class Proposer:
+class MethodSpec:
+    """What a method declares, read before anything loads (class-level, each with a default): its
+    name and settings, its config checks, the shape of its drafts, what a record calls its draft,
+    its vLLM counterpart and the settings that run it on a tiny model."""
+
     name = "base"
+    # the settings of a method from another package: a dataclass (with a field `name: str`), or a
+    # yaml file beside its module; a built-in method's are specbench/conf/method/<name>.yaml
+    Settings = None
+    config_file: str | None = None
     lossless = True  # False for relaxed acceptance rules; recorded with every job
     # target hidden states the method drafts from ("final" = after the final norm, or a
     # decoder layer index); the engine hands them to start() and update() (specbench.hidden)
     hidden_layers: tuple = ()
-    # attributes holding what the method learns across requests (answers it has seen, statistics
-    # of them): the runner snapshots them before its untimed warm-up and restores them after it
-    # and at the start of every repeat, so a timed request only benefits from those before it
-    learned: tuple = ()
-    # attributes holding one entry per batch row (a list, or a tensor whose first dimension is the
-    # row): the base's start, add_rows and select_rows keep them from what new_rows makes, so a
-    # method with per-row state writes none of that bookkeeping
-    per_row: tuple = ()
-
-    def __init__(self, cfg, target, tokenizer, device: torch.device, dtype: torch.dtype):
-        self.cfg = cfg
-        self.target = target
-        self.tokenizer = tokenizer
-        self.device = device
-        self.dtype = dtype
 
     @classmethod
     def check(cls, cfg, target_config) -> None:
@@ -99,6 +93,13 @@ class Proposer:
         return None
 
     @classmethod
+    def vllm_config(cls, cfg) -> dict | None:
+        """``backend=vllm``: the ``speculative_config`` vLLM runs this method with for ``cfg``
+        (None: plain decoding). A method vLLM has no counterpart of leaves this as it is, and
+        ``backend=vllm`` refuses it, naming those that have one (``specbench.vllm_engine``)."""
+        raise NotImplementedError
+
+    @classmethod
     def tiny(cls, target, tokenizer, folder) -> dict:
         """Settings over this method's defaults (``{"K": 3, "method": {...}}``) that run it on a
         tiny random ``target`` (a few-layer HF Llama named ``tiny`` in ``cfg.model``, its word-level
@@ -106,6 +107,38 @@ class Proposer:
         token-identical to greedy decoding (tests/test_registry.py). Write what they need (a random
         drafter, a datastore) under the folder ``folder``. {} by default: the defaults need nothing."""
         return {}
+
+    @classmethod
+    def joins_rows(cls) -> bool:
+        """Whether rows can join a running batch: the method says how (``add_rows``) or keeps no
+        per-row state (overrides neither ``start`` nor ``select_rows``)."""
+        if cls.add_rows is not Proposer.add_rows:
+            return True
+        return cls.start is Proposer.start and cls.select_rows is Proposer.select_rows
+
+
+class Proposer(MethodSpec):
+    """The runtime protocol: a method is built for a job (``__init__``), then for each batch
+    ``start``, then per step ``propose`` and, after the verify, ``update``; rows leave
+    (``select_rows``) and join (``add_rows``) a running batch. A method keeps per-row state in its
+    ``per_row`` attributes and the base does that bookkeeping; what it learns across requests is in
+    its ``learned`` attributes."""
+
+    # attributes holding what the method learns across requests (answers it has seen, statistics
+    # of them): the runner snapshots them before its untimed warm-up and restores them after it
+    # and at the start of every repeat, so a timed request only benefits from those before it
+    learned: tuple = ()
+    # attributes holding one entry per batch row (a list, or a tensor whose first dimension is the
+    # row): the base's start, add_rows and select_rows keep them from what new_rows makes, so a
+    # method with per-row state writes none of that bookkeeping
+    per_row: tuple = ()
+
+    def __init__(self, cfg, target, tokenizer, device: torch.device, dtype: torch.dtype):
+        self.cfg = cfg
+        self.target = target
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dtype = dtype
 
     def modules(self) -> list[torch.nn.Module]:
         """Extra models the method runs (their forward time counts as model time)."""
@@ -161,14 +194,6 @@ class Proposer:
         for p in self.inner():
             p.add_rows(state, hidden)
 
-    @classmethod
-    def joins_rows(cls) -> bool:
-        """Whether rows can join a running batch: the method says how (``add_rows``) or keeps no
-        per-row state (overrides neither ``start`` nor ``select_rows``)."""
-        if cls.add_rows is not Proposer.add_rows:
-            return True
-        return cls.start is Proposer.start and cls.select_rows is Proposer.select_rows
-
     def inner(self) -> list["Proposer"]:
         """The proposers this one wraps (combo's members, SAM's fallback): their learning is its too."""
         return []
@@ -188,10 +213,3 @@ class Proposer:
     def describe(self) -> dict:
         """Method-specific fields recorded with the job."""
         return {}
-
-    @classmethod
-    def vllm_config(cls, cfg) -> dict | None:
-        """``backend=vllm``: the ``speculative_config`` vLLM runs this method with for ``cfg``
-        (None: plain decoding). A method vLLM has no counterpart of leaves this as it is, and
-        ``backend=vllm`` refuses it, naming those that have one (``specbench.vllm_engine``)."""
-        raise NotImplementedError

@@ -63,7 +63,7 @@ def store_outside_methods(argv: list[str]) -> list[str]:
     for arg in argv:
         key, eq, val = arg.partition("=")
         if key == "method" and eq:
-            names += [v.strip() for v in val.split(",") if v.strip() not in methods.REGISTRY]
+            names += [v.strip() for v in val.split(",") if v.strip() not in methods.builtin()]
     for name in dict.fromkeys(names):
         try:
             node = methods.settings(name)

@@ -16,7 +16,7 @@ from helpers import DEVICE, greedy_cases, run_engine, serve_engine
 
 PLUGIN = REPO / "examples" / "plugin"
 PLUGINS = tomllib.loads((PLUGIN / "pyproject.toml").read_text())["project"]["entry-points"]["specbench.methods"]
-NAMES = sorted(methods.REGISTRY) + sorted(PLUGINS)
+NAMES = methods.builtin() + sorted(PLUGINS)
 N_NEW = 20
 
 
@@ -78,4 +78,39 @@ def test_the_registry_lists_every_built_in_method():
     """Each yaml under conf/method names a registered method (none is left out of the tests above)."""
     from specbench.paths import CONF_DIR
 
-    assert {p.stem for p in (CONF_DIR / "method").glob("*.yaml")} <= set(methods.REGISTRY)
+    assert {p.stem for p in (CONF_DIR / "method").glob("*.yaml")} <= set(methods.builtin())
+
+
+@pytest.fixture
+def documented():
+    """docs/adding-a-method.md's method, written where a newcomer writes it: its module and its
+    yaml, nothing else (removed afterwards)."""
+    import re
+
+    from specbench.paths import CONF_DIR
+
+    text = (REPO / "docs" / "adding-a-method.md").read_text()
+    code = re.search(r"## 1\..*?```python\n(.*?)```", text, re.S).group(1)
+    yaml = re.search(r"## 2\..*?```yaml\n(.*?)```", text, re.S).group(1)
+    files = [REPO / "methods" / "last_token.py", CONF_DIR / "method" / "last_token.yaml"]
+    assert not any(f.exists() for f in files)
+    try:
+        files[0].write_text(code)
+        files[1].write_text(yaml)
+        yield "last_token"
+    finally:
+        for f in files:
+            f.unlink(missing_ok=True)
+        sys.modules.pop("methods.last_token", None)
+
+
+def test_the_documented_method_is_one_module_and_one_yaml(tiny, build, documented):
+    """The worked example runs as written: found beside its yaml, its drafts accepted, greedy
+    identity at bs 4 and with rows joining."""
+    assert documented in methods.names()
+    _, model, _, cases = tiny
+    prompts, refs = cases[4]
+    res = run_engine(model, build(documented), prompts, N_NEW)
+    assert [r.tokens for r in res] == refs and sum(sum(r.accept_lens) for r in res) > 0
+    res, _ = serve_engine(model, build(documented), prompts + prompts[:2], N_NEW, concurrency=3)
+    assert [r.tokens for r in res] == refs + refs[:2]

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from methods.base import BatchState, Proposer
-from specbench.draft import Draft
-from specbench.errors import ConfigError
+from specbench.api import BatchState, ConfigError, Draft, Proposer
 
 
 @dataclass
@@ -26,6 +24,7 @@ class BigramSettings:
 class BigramChain(Proposer):
     name = "bigram"
     Settings = BigramSettings
+    per_row = ("tables", "seen")  # the base keeps them as rows leave and join
 
     @classmethod
     def check(cls, cfg, target_config) -> None:
@@ -47,9 +46,8 @@ class BigramChain(Proposer):
         self.tables: list[dict[int, int]] = []
         self.seen: list[int] = []  # per row: the positions whose successor is in the table
 
-    def start(self, state: BatchState, hidden=None) -> None:
-        self.tables = [{} for _ in state.seqs]
-        self.seen = [0] * len(state.seqs)
+    def new_rows(self, state: BatchState, hidden=None) -> dict:
+        return {"tables": [{} for _ in state.seqs], "seen": [0] * len(state.seqs)}
 
     def _extend(self, b: int, seq: list[int]) -> None:
         table = self.tables[b]
@@ -72,14 +70,6 @@ class BigramChain(Proposer):
         if not any(rows):
             return None
         return Draft.from_lists(rows, state.device)
-
-    def select_rows(self, keep: list[int]) -> None:
-        self.tables = [self.tables[i] for i in keep]
-        self.seen = [self.seen[i] for i in keep]
-
-    def add_rows(self, state: BatchState, hidden=None) -> None:  # rows joining (batching=continuous)
-        self.tables += [{} for _ in state.seqs]
-        self.seen += [0] * len(state.seqs)
 
     def describe(self) -> dict:
         return {"successor": "latest" if self.latest else "first"}
