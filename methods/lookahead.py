@@ -35,7 +35,7 @@ from specbench.verify import greedy_pick
 
 # W, N and G by device (`auto`). On a GPU a verify of W*(N-1) + G*(N-1) = 42 nodes costs about
 # what one token does (the paper's smaller settings); on a CPU every node costs, so the window and
-# the guesses stay small there: 7 rows, within two passes of the native kernel (docs/benchmarks/cpu-defaults.md).
+# the guesses stay small there: 7 rows, within two passes of the native kernel (docs/tuning.md).
 AUTO = {"cuda": {"W": 7, "N": 4, "G": 7}, "cpu": {"W": 1, "N": 3, "G": 2}}
 # the (W, N, G) K=auto chooses among, around each device's AUTO
 TUNE = {"cuda": [(3, 3, 3), (5, 4, 5), (7, 4, 7), (10, 5, 10), (15, 5, 15)],

@@ -33,7 +33,7 @@ from specbench.paths import resolve_path
 
 
 # tree_size=auto on a CPU: 7 nodes keep the verify at 8 rows, two passes of the native kernel
-# (a ninth row costs a third; the measurements: docs/benchmarks/cpu-defaults.md).
+# (a ninth row costs a third; the measurements: docs/tuning.md).
 AUTO_CPU_TREE = 7
 TUNE_TREE = {"cuda": [8, 16, 32, 64], "cpu": [2, 4, 7, 12, 20]}  # default-tree sizes K=auto chooses among
 

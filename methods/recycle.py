@@ -25,7 +25,7 @@ from specbench.draft import Draft
 from specbench.errors import ConfigError
 
 # nodes of the default tree: on the CPU's native kernel a verify takes its rows in passes of 4, so
-# the root and 3 nodes cost one pass (docs/benchmarks/cpu-defaults.md); the paper's tree is 80 nodes on a GPU
+# the root and 3 nodes cost one pass (docs/tuning.md); the paper's tree is 80 nodes on a GPU
 AUTO_TREE = {"cuda": 64, "cpu": 3}
 TUNE_TREE = {"cuda": [16, 32, 64, 96], "cpu": [2, 4, 6, 8, 12, 16]}  # what K=auto chooses among
 RANK_KEEP = 0.6  # the prior: a rank-0 candidate is kept with probability ~RANK_KEEP, each later rank

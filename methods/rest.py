@@ -39,7 +39,7 @@ BUILTIN = ("sharegpt", "python_code")
 MAX_VOCAB = suffix_index.MAX_TOKENS - 1  # ids are stored as int32 (id + 1)
 # num_draft by device (`auto`): the paper's 64 trie nodes on a GPU, where a 64-node verify costs
 # about one token; on a CPU every node costs: 7 nodes and the root, two passes of the native kernel
-# (docs/benchmarks/cpu-defaults.md).
+# (docs/tuning.md).
 AUTO_NUM_DRAFT = {"cuda": 64, "cpu": 7}
 TUNE_NUM_DRAFT = {"cuda": [16, 32, 64, 96], "cpu": [2, 4, 7, 12, 20]}  # what K=auto chooses among
 

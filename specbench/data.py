@@ -1,6 +1,6 @@
 """Prompt sets. Every set becomes a list of ``Question`` (id, category, turns); the runner
 turns each turn into token ids with the model's chat template (plain text for base
-models). The data come from PyPI wheels (docs/design.md section 7) or any file in the MT-Bench /
+models). The data come from PyPI wheels (docs/environment.md) or any file in the MT-Bench /
 Spec-Bench question.jsonl format."""
 
 from __future__ import annotations

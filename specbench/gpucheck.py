@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 KIT = REPO / ".gpu"
 KIT_LIMIT = 20 << 20
-# Pure-Python packages specbench imports that the GPU image lacks (docs/design.md section 7).
+# Pure-Python packages specbench imports that the GPU image lacks (docs/environment.md).
 WHEELS = ("hydra-core", "omegaconf", "antlr4-python3-runtime")
 
 # A published acceptance profile and flat rates beside it (conditional acceptance per draft depth).

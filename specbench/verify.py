@@ -28,7 +28,7 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` (the first index on ties, as torch's). For fp32 CPU logits: through
     the native extension where this process has loaded it (each thread scans the share of the
     columns its core's output layer wrote, while they are in its cache), else numpy's (torch's CPU
-    argmax is several times slower; docs/benchmarks/cpu-defaults.md). A decode step takes one
+    argmax is several times slower; docs/cpu-backend.md). A decode step takes one
     argmax per row per forward."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
         return logits.argmax(-1)
@@ -200,7 +200,7 @@ def _chain_keep(n_acc: torch.Tensor):
 
 # Trees of up to this many forward nodes in all (rows x nodes) on the CPU are walked on lists:
 # the vectorised walk's ~25 small tensor ops cost more right after a forward (the weight stream
-# leaves the caches cold) than a walk over a few dozen nodes in Python (docs/benchmarks/cpu-defaults.md).
+# leaves the caches cold) than a walk over a few dozen nodes in Python (docs/cpu-backend.md).
 _LIST_WALK = 256
 
 

@@ -89,7 +89,7 @@ def heads_like(x: torch.Tensor, w: torch.Tensor, like: torch.nn.Module, owner) -
     """``x`` [n, I] through each of ``w``'s H matrices [H, O, I]: [H, n, O], as
     ``torch.einsum("ni,hoi->hno", x, w)``, on the kernel path of the layer ``like`` (native: the H
     matrices packed once, as one [H*O, I], for ``owner``; one kernel call where torch's batched
-    matmul streams the heads slowly: docs/benchmarks/cpu-defaults.md)."""
+    matmul streams the heads slowly: docs/cpu-backend.md)."""
     H, O, I = w.shape
     if getattr(like, "_specbench_kernel", None) != NAME or as_loaded(w, x):
         return torch.einsum("ni,hoi->hno", x, w)
@@ -132,7 +132,7 @@ def attention_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: t
 # the same order, so the same bits, without the ~20 torch ops and Python calls between them.
 # And when every layer of a Llama runs fused, its model runs them from one loop of its own
 # (``_fused_model_forward``), Hugging Face's steps around them unchanged (what each saves:
-# docs/benchmarks/cpu-defaults.md).
+# docs/cpu-backend.md).
 
 def _fusable(mod: torch.nn.Module) -> bool:
     from transformers.activations import SiLUActivation
@@ -168,7 +168,7 @@ def _fused_weights(layer) -> tuple:
 # queries per row up to which the extension's attention runs (a task takes several queries of
 # one KV head and walks the cache in 64-key blocks, each block through all of them); beyond,
 # the model's own attention function (faster than torch's flash attention at every point tried:
-# docs/benchmarks/cpu-defaults.md)
+# docs/cpu-backend.md)
 _ATTENTION_ROWS = 64
 _NO_MASK = torch.empty(0)
 
@@ -243,7 +243,7 @@ def _fused_model_forward(self, input_ids=None, attention_mask=None, position_ids
     embedding, ``create_causal_mask``, the rotary tables, the final norm, called as its forward
     calls them) and runs every layer's two extension calls in one call (``_stack``): Hugging
     Face's module call per layer and the fused layer's own checks cost more than a Python loop
-    over the layers' calls, which costs more than one call (docs/benchmarks/cpu-defaults.md).
+    over the layers' calls, which costs more than one call (docs/cpu-backend.md).
     Anything else (a prefill, another cache, hooks on a layer, hidden
     states or attentions asked for, autograd) takes its forward."""
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
@@ -351,7 +351,7 @@ def _into_one_stream(model, weights: list) -> None:
     in the order a forward reads them (q|k|v, o_proj, gate|up, down_proj, layer after layer), in
     place in the list and in the packing caches (``_fused_weights``, o_proj's and down_proj's own),
     so the separate copies go. Whole forwards read one stream instead of 120 tensors wherever the
-    allocator put them (docs/benchmarks/cpu-defaults.md)."""
+    allocator put them (docs/cpu-backend.md)."""
     slots = [i for i in range(len(weights)) if i % 6 in (1, 2, 4, 5)]
     sizes = [-(-weights[i].numel() // 16) * 16 for i in slots]  # 64-byte aligned
     arena, off = torch.empty(sum(sizes), dtype=torch.float32), 0
