@@ -134,7 +134,7 @@ class Eagle(Proposer):
                 drafter, self.format = load(folder, target, device, dtype), fmt
             else:
                 drafter = drafters.load(folder, target, device, dtype, kind="eagle")
-        self.d = drafter
+        self.drafter = drafter
         self.tree = m.get("tree")
         if self.tree is not None:  # EAGLE-1's static tree: nodes by depth, parents first
             paths = sorted({tuple(p) for p in published.named_trees("eagle")[self.tree]}, key=lambda p: (len(p), p))
@@ -153,16 +153,18 @@ class Eagle(Proposer):
         self.h_last = None  # [B, d] the drafter's prediction of the root's feature
 
     def modules(self):
-        return [self.d]
+        return [self.drafter]
 
     # ------------------------------------------------------------------ drafter cache
     def start(self, state: BatchState, hidden=None) -> None:
         B = len(state.seqs)
-        blk = self.d.block
-        dt = next(self.d.parameters()).dtype
-        self.Kc = torch.zeros(B, blk.Hk, 0, blk.Dh, device=self.device, dtype=dt)
-        self.Vc = torch.zeros_like(self.Kc)
-        self.len = torch.zeros(B, dtype=torch.long, device=self.device)
+        blk = self.drafter.block
+        dt = next(self.drafter.parameters()).dtype
+        # the drafter's own cache: keys and values [B, Hk, width, Dh], right-padded; a row's first
+        # `cached` [B] slots are its own
+        self.keys = torch.zeros(B, blk.Hk, 0, blk.Dh, device=self.device, dtype=dt)
+        self.values = torch.zeros_like(self.keys)
+        self.cached = torch.zeros(B, dtype=torch.long, device=self.device)
         self._append(state, hidden)
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
@@ -171,144 +173,150 @@ class Eagle(Proposer):
     def _append(self, state: BatchState, hidden) -> None:
         """Append pairs (f_i, x_{i+1}) for the newly committed tokens: their features and
         the tokens that followed them (the last ``counts[b]`` tokens of each sequence)."""
-        feats = self.d.features(hidden)
+        feats = self.drafter.features(hidden)
         counts = hidden.counts
-        B, m = feats.shape[:2]
+        B, new = feats.shape[:2]
         dev = self.device
-        toks = pad_rows([seq[len(seq) - c:] for seq, c in zip(state.seqs, counts.tolist())], dev, width=m)
-        feats = feats.to(self.Kc.dtype)
-        C = self.Kc.shape[2]
-        j = torch.arange(m, device=dev)
-        pos = self.len[:, None] + j[None]
-        ctx = (torch.arange(C, device=dev)[None] < self.len[:, None])[:, None].expand(B, m, C)
+        toks = pad_rows([seq[len(seq) - c:] for seq, c in zip(state.seqs, counts.tolist())], dev, width=new)
+        feats = feats.to(self.keys.dtype)
+        width = self.keys.shape[2]
+        j = torch.arange(new, device=dev)
+        pos = self.cached[:, None] + j[None]
+        ctx = (torch.arange(width, device=dev)[None] < self.cached[:, None])[:, None].expand(B, new, width)
         own = (j[None, :] <= j[:, None])[None] & (j[None, None, :] < counts[:, None, None])
-        own = own | torch.eye(m, dtype=torch.bool, device=dev)[None]  # padded pairs see themselves
-        h, k, v = self.d.step(feats, toks, pos, self.Kc, self.Vc, torch.cat([ctx, own], dim=2))
-        new_C = int((self.len + counts).max())
-        if new_C > C:
-            pad = self.Kc.new_zeros(B, self.Kc.shape[1], new_C - C, self.Kc.shape[3])
-            self.Kc = torch.cat([self.Kc, pad], dim=2)
-            self.Vc = torch.cat([self.Vc, pad], dim=2)
+        own = own | torch.eye(new, dtype=torch.bool, device=dev)[None]  # padded pairs see themselves
+        mask = torch.cat([ctx, own], dim=2)
+        h, new_keys, new_values = self.drafter.step(feats, toks, pos, self.keys, self.values, mask)
+        new_width = int((self.cached + counts).max())
+        if new_width > width:
+            pad = self.keys.new_zeros(B, self.keys.shape[1], new_width - width, self.keys.shape[3])
+            self.keys = torch.cat([self.keys, pad], dim=2)
+            self.values = torch.cat([self.values, pad], dim=2)
         sel = j[None] < counts[:, None]
-        rows = torch.arange(B, device=dev)[:, None].expand(B, m)[sel]
-        src = j[None].expand(B, m)[sel]
-        dst = (self.len[:, None] + j[None])[sel]
-        self.Kc[rows, :, dst] = k[rows, :, src]
-        self.Vc[rows, :, dst] = v[rows, :, src]
-        self.len = self.len + counts
+        rows = torch.arange(B, device=dev)[:, None].expand(B, new)[sel]
+        src = j[None].expand(B, new)[sel]
+        dst = (self.cached[:, None] + j[None])[sel]
+        self.keys[rows, :, dst] = new_keys[rows, :, src]
+        self.values[rows, :, dst] = new_values[rows, :, src]
+        self.cached = self.cached + counts
         self.h_last = h[torch.arange(B, device=dev), counts - 1]
 
     def add_rows(self, state: BatchState, hidden=None) -> None:
         """The new rows' drafter caches are built from their prompts alone, then appended (the
         caches are right-padded to the wider one: a row sees only its first ``len`` slots)."""
-        old = (self.Kc, self.Vc, self.len, self.h_last)
+        old = (self.keys, self.values, self.cached, self.h_last)
         self.start(state, hidden)
-        Ka, Va, la, ha = old
-        C = max(Ka.shape[2], self.Kc.shape[2])
+        old_keys, old_values, old_cached, old_h = old
+        width = max(old_keys.shape[2], self.keys.shape[2])
 
         def pad(t):
-            return torch.nn.functional.pad(t, (0, 0, 0, C - t.shape[2]))
+            return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]))
 
-        self.Kc, self.Vc = torch.cat([pad(Ka), pad(self.Kc)]), torch.cat([pad(Va), pad(self.Vc)])
-        self.len, self.h_last = torch.cat([la, self.len]), torch.cat([ha, self.h_last])
+        self.keys = torch.cat([pad(old_keys), pad(self.keys)])
+        self.values = torch.cat([pad(old_values), pad(self.values)])
+        self.cached, self.h_last = torch.cat([old_cached, self.cached]), torch.cat([old_h, self.h_last])
 
     def select_rows(self, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.len = self.len[idx]
-        C = int(self.len.max()) if len(keep) else 0
-        self.Kc = self.Kc[idx, :, :C]
-        self.Vc = self.Vc[idx, :, :C]
+        self.cached = self.cached[idx]
+        width = int(self.cached.max()) if len(keep) else 0
+        self.keys = self.keys[idx, :, :width]
+        self.values = self.values[idx, :, :width]
         self.h_last = self.h_last[idx]
 
     # ------------------------------------------------------------------ the static tree
     def _propose_static(self) -> Draft:
         """EAGLE-1: every node of the named tree is the rank-th likeliest token of the drafter's
         step at its parent; the nodes of a depth that have children run one step together."""
-        d, dev, R = self.d, self.device, self.top_k
-        vid = d.vocab_ids.to(dev)
+        drafter, dev, top_k = self.drafter, self.device, self.top_k
+        vocab_ids = drafter.vocab_ids.to(dev)
         h0 = self.h_last
         B, D = h0.shape
         N = self.anc.shape[0]
         tok = torch.zeros(B, N, dtype=torch.long, device=dev)
         out = h0.new_zeros(B, N, D)  # the drafter's output at each node that ran (root: h_last)
         out[:, 0] = h0
-        top = d.logits(h0).topk(R, dim=-1).indices[:, None]  # [B, 1, R] ranked candidates of the root
+        top = drafter.logits(h0).topk(top_k, dim=-1).indices[:, None]  # [B, 1, top_k] ranked candidates of the root
         ran = torch.zeros(1, dtype=torch.long, device=dev)  # the nodes whose step produced `top`
-        Kp = self.Kc.new_zeros(B, self.Kc.shape[1], 0, self.Kc.shape[3])
-        Vp = Kp
-        pend = torch.zeros(0, dtype=torch.long, device=dev)
-        C = self.Kc.shape[2]
-        for dd, (nodes, parents, ranks) in enumerate(self.static, start=1):
+        tree_keys = self.keys.new_zeros(B, self.keys.shape[1], 0, self.keys.shape[3])
+        tree_values = tree_keys
+        pending = torch.zeros(0, dtype=torch.long, device=dev)
+        width = self.keys.shape[2]
+        for depth, (nodes, parents, ranks) in enumerate(self.static, start=1):
             slot = (ran[:, None] == parents[None]).float().argmax(0)  # each node's parent among `ran`
-            tok[:, nodes] = vid[top[:, slot, ranks]]
-            if dd == self.depth:
+            tok[:, nodes] = vocab_ids[top[:, slot, ranks]]
+            if depth == self.depth:
                 break
-            nxt = self.static[dd][1].unique()  # this depth's nodes that have children
+            nxt = self.static[depth][1].unique()  # this depth's nodes that have children
             F = nxt.numel()
-            ctx = (torch.arange(C, device=dev)[None] < self.len[:, None])[:, None].expand(B, F, C)
-            seen = self.anc[nxt][:, pend][None].expand(B, F, pend.numel())
+            ctx = (torch.arange(width, device=dev)[None] < self.cached[:, None])[:, None].expand(B, F, width)
+            seen = self.anc[nxt][:, pending][None].expand(B, F, pending.numel())
             mask = torch.cat([ctx, seen, torch.eye(F, dtype=torch.bool, device=dev)[None].expand(B, F, F)], dim=2)
-            pos = (self.len + dd - 1)[:, None].expand(B, F)
-            h, kk, vv = d.step(out[:, self.parents[nxt - 1]], tok[:, nxt], pos, torch.cat([self.Kc, Kp], 2),
-                               torch.cat([self.Vc, Vp], 2), mask)
-            Kp, Vp, pend = torch.cat([Kp, kk], 2), torch.cat([Vp, vv], 2), torch.cat([pend, nxt])
+            pos = (self.cached + depth - 1)[:, None].expand(B, F)
+            h, step_keys, step_values = drafter.step(out[:, self.parents[nxt - 1]], tok[:, nxt], pos,
+                                                     torch.cat([self.keys, tree_keys], 2),
+                                                     torch.cat([self.values, tree_values], 2), mask)
+            tree_keys, tree_values = torch.cat([tree_keys, step_keys], 2), torch.cat([tree_values, step_values], 2)
+            pending = torch.cat([pending, nxt])
             out[:, nxt] = h
-            top, ran = d.logits(h).topk(R, dim=-1).indices, nxt
+            top, ran = drafter.logits(h).topk(top_k, dim=-1).indices, nxt
         return Draft(tokens=tok[:, 1:], parents=self.parents[None].expand(B, -1))
 
     # ------------------------------------------------------------------ the dynamic tree
     def propose(self, state: BatchState) -> Draft:
         if self.tree is not None:
             return self._propose_static()
-        d, k, dev = self.d, self.top_k, self.device
-        vid = d.vocab_ids.to(dev)
+        drafter, top_k, dev = self.drafter, self.top_k, self.device
+        vocab_ids = drafter.vocab_ids.to(dev)
         h0 = self.h_last
         B, D = h0.shape
-        N = 1 + k + (self.depth - 1) * k * k
+        N = 1 + top_k + (self.depth - 1) * top_k * top_k
         tok = torch.zeros(B, N, dtype=torch.long, device=dev)
         par = torch.zeros(B, N, dtype=torch.long, device=dev)
         score = torch.full((B, N), float("-inf"), device=dev)
         anc = torch.zeros(B, N, N, dtype=torch.bool, device=dev)
         anc[:, 0, 0] = True
-        lp = torch.log_softmax(d.logits(h0).float(), dim=-1)
-        s1, i1 = lp.topk(k, dim=-1)
-        first = torch.arange(1, k + 1, device=dev)
-        tok[:, first] = vid[i1]
-        score[:, first] = s1
+        logp = torch.log_softmax(drafter.logits(h0).float(), dim=-1)
+        first_logp, first_ids = logp.topk(top_k, dim=-1)
+        first = torch.arange(1, top_k + 1, device=dev)
+        tok[:, first] = vocab_ids[first_ids]
+        score[:, first] = first_logp
         anc[:, first, 0] = True
         anc[:, first, first] = True
-        n = k + 1
-        frontier = first[None].expand(B, k)
-        feat = h0[:, None].expand(B, k, D)
-        Kp = self.Kc.new_zeros(B, self.Kc.shape[1], 0, self.Kc.shape[3])
-        Vp = Kp
-        pend = torch.zeros(B, 0, dtype=torch.long, device=dev)  # tree node of each pending pair
-        C = self.Kc.shape[2]
-        ctx = (torch.arange(C, device=dev)[None] < self.len[:, None])[:, None].expand(B, k, C)
-        eye = torch.eye(k, dtype=torch.bool, device=dev)[None].expand(B, k, k)
+        n = top_k + 1
+        frontier = first[None].expand(B, top_k)
+        feat = h0[:, None].expand(B, top_k, D)
+        # the tree's own drafter keys and values [B, Hk, pairs so far, Dh], beside the cache
+        tree_keys = self.keys.new_zeros(B, self.keys.shape[1], 0, self.keys.shape[3])
+        tree_values = tree_keys
+        pending = torch.zeros(B, 0, dtype=torch.long, device=dev)  # tree node of each pending pair
+        width = self.keys.shape[2]
+        ctx = (torch.arange(width, device=dev)[None] < self.cached[:, None])[:, None].expand(B, top_k, width)
+        eye = torch.eye(top_k, dtype=torch.bool, device=dev)[None].expand(B, top_k, top_k)
         rows = torch.arange(B, device=dev)[:, None]
-        for dd in range(2, self.depth + 1):
-            a = anc.gather(1, frontier[..., None].expand(B, k, N))  # ancestors of each frontier node
-            seen = a.gather(2, pend[:, None, :].expand(B, k, pend.shape[1]))
+        for depth in range(2, self.depth + 1):
+            a = anc.gather(1, frontier[..., None].expand(B, top_k, N))  # ancestors of each frontier node
+            seen = a.gather(2, pending[:, None, :].expand(B, top_k, pending.shape[1]))
             mask = torch.cat([ctx, seen, eye], dim=2)
-            pos = (self.len + dd - 2)[:, None].expand(B, k)
-            h, kk, vv = d.step(feat, tok.gather(1, frontier), pos, torch.cat([self.Kc, Kp], 2),
-                               torch.cat([self.Vc, Vp], 2), mask)
-            Kp, Vp = torch.cat([Kp, kk], 2), torch.cat([Vp, vv], 2)
-            pend = torch.cat([pend, frontier], 1)
-            lp = torch.log_softmax(d.logits(h).float(), dim=-1)
-            cs, ci = lp.topk(k, dim=-1)  # [B, k, k]
-            kids = torch.arange(n, n + k * k, device=dev)
-            cscore = (score.gather(1, frontier)[..., None] + cs).reshape(B, k * k)
-            tok[:, kids] = vid[ci].reshape(B, k * k)
-            par[:, kids] = frontier.repeat_interleave(k, dim=1)
+            pos = (self.cached + depth - 2)[:, None].expand(B, top_k)
+            h, step_keys, step_values = drafter.step(feat, tok.gather(1, frontier), pos,
+                                                     torch.cat([self.keys, tree_keys], 2),
+                                                     torch.cat([self.values, tree_values], 2), mask)
+            tree_keys, tree_values = torch.cat([tree_keys, step_keys], 2), torch.cat([tree_values, step_values], 2)
+            pending = torch.cat([pending, frontier], 1)
+            logp = torch.log_softmax(drafter.logits(h).float(), dim=-1)
+            child_logp, child_ids = logp.topk(top_k, dim=-1)  # [B, top_k, top_k]
+            kids = torch.arange(n, n + top_k * top_k, device=dev)
+            cscore = (score.gather(1, frontier)[..., None] + child_logp).reshape(B, top_k * top_k)
+            tok[:, kids] = vocab_ids[child_ids].reshape(B, top_k * top_k)
+            par[:, kids] = frontier.repeat_interleave(top_k, dim=1)
             score[:, kids] = cscore
-            anc[:, kids] = a.repeat_interleave(k, dim=1)
+            anc[:, kids] = a.repeat_interleave(top_k, dim=1)
             anc[:, kids, kids] = True
-            best = cscore.topk(k, dim=-1).indices
+            best = cscore.topk(top_k, dim=-1).indices
             frontier = kids[best]
-            feat = h.repeat_interleave(k, dim=1).gather(1, best[..., None].expand(B, k, D))
-            n += k * k
+            feat = h.repeat_interleave(top_k, dim=1).gather(1, best[..., None].expand(B, top_k, D))
+            n += top_k * top_k
         return self._select(tok[:, :n], par[:, :n], score[:, :n], rows)
 
     def _select(self, tok, par, score, rows) -> Draft:
@@ -334,5 +342,5 @@ class Eagle(Proposer):
         return {"tree": self.tree or "dynamic", "top_k": self.top_k, "depth": self.depth, "total_tokens": self.total,
                 "checkpoint_format": self.format,
                 "version": 3 if self.format in EAGLE3_FORMATS else 2,
-                "drafter_params": sum(p.numel() for p in self.d.parameters()),
-                "draft_vocab": int(self.d.vocab_ids.numel())}
+                "drafter_params": sum(p.numel() for p in self.drafter.parameters()),
+                "draft_vocab": int(self.drafter.vocab_ids.numel())}
