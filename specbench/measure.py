@@ -1,6 +1,6 @@
 """Measuring one method over a prompt set: the engine run batch by batch (``MethodRun``, which
-two runs can take in turns), its timers, memory and energy, the compile warm-up, and the
-metrics of a record."""
+two runs can take in turns), its timers, memory and energy, and the compile warm-up. The metric
+maths is ``specbench.metrics``."""
 
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ import random
 import sys
 import threading
 import time
-from collections import Counter
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 import methods
 from specbench import data as D
+from specbench import metrics as M
 from specbench.errors import ConfigError
 from specbench.hf import eos_ids
 from specbench.models import compiled_graphs, is_compiled
 from specbench.paths import CONF_DIR
 from specbench.monitor import NvmlMonitor
-from specbench.timing import PHASES, PhaseTimer, sync
+from specbench.timing import PhaseTimer, sync
 from specbench.verify import Sampling, Synthetic
 
 
@@ -84,11 +84,6 @@ def weight_bytes(modules) -> int:
                 seen.add(key)
                 total += t.untyped_storage().nbytes()
     return total
-
-
-def encode_accepts(lens: list[int]) -> str:
-    """Per-step accepted draft counts, one base-36 digit a step."""
-    return "".join("0123456789abcdefghijklmnopqrstuvwxyz"[min(x, 35)] for x in lens)
 
 
 def build_requests(cfg, tokenizer):
@@ -209,7 +204,7 @@ class MethodRun:
             "new_tokens": n, "steps": r.steps, "wall_s": r.t_done - r.t_arrival, "ttft_s": r.t_first - r.t_arrival,
             "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
             **({"arrival_s": r.t_arrival, "queue_s": r.t_admit - r.t_arrival} if self.continuous else {}),
-            "accepted": sum(r.accept_lens), "accepts": encode_accepts(r.accept_lens),
+            "accepted": sum(r.accept_lens), "accepts": M.encode_accepts(r.accept_lens),
             "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
             "prompt_sha": hashlib.sha1(str(prompt).encode()).hexdigest()[:16],
             "tokens": toks,
@@ -311,49 +306,21 @@ class MethodRun:
         requests' scratch fields)."""
         requests, wall = self.requests, self.wall
         times = self.timer.totals()
-        all_lens = [x for rq in requests for x in rq.pop("_lens")]
-        all_nodes = sum(rq.pop("_nodes") for rq in requests)
-        fwd_nodes = sum(rq.pop("_fnodes") for rq in requests)
-        row_steps = len(all_lens)
-        depth = max([self.K] + all_lens)
-        hist = Counter(all_lens)
-        alphas = [sum(1 for x in all_lens if x >= i) / row_steps for i in range(1, depth + 1)] if row_steps else []
-        taus = [1.0 + rq["accepted"] / rq["steps"] for rq in requests if rq["steps"]]
-        new_tokens = sum(rq["new_tokens"] for rq in requests)
-        time_s = {p: times.get(p, 0.0) for p in PHASES}
-        time_s["other"] = max(0.0, wall - sum(time_s.values()))
-        time_s["forward"] = times.get("forward", 0.0)
-        ttfts = [rq["ttft_s"] for rq in requests]
-        tpots = [rq["tpot_s"] for rq in requests if rq["tpot_s"] is not None]
+        lens = [x for rq in requests for x in rq.pop("_lens")]
+        nodes = sum(rq.pop("_nodes") for rq in requests), sum(rq.pop("_fnodes") for rq in requests)
         itls = [x for rq in requests for x in rq.pop("_itl")]
+        new_tokens = sum(rq["new_tokens"] for rq in requests)
         metrics = {
             "new_tokens": new_tokens,
             "wall_s": wall,
             "tokens_per_s": new_tokens / wall if wall > 0 else None,
-            "steps": row_steps,
+            **M.acceptance(lens, self.K, requests, *nodes),
             "iterations": self.eng.iterations,
             "batches": self.n_batches,
-            "tau": 1.0 + sum(all_lens) / row_steps if row_steps else 1.0,
-            "draft_nodes": all_nodes / row_steps if row_steps else 0.0,  # candidates verified per row per step
-            "forward_nodes": fwd_nodes / row_steps if row_steps else 0.0,  # + non-candidate nodes (Lookahead's window)
-            "accept_rate_per_pos": alphas,
-            # accepted at position i among the steps that accepted i-1 (alpha_i / alpha_{i-1}): the
-            # conditional rate the anchors (EAGLE's n-alpha, vLLM) report beside the marginal one
-            "accept_rate_per_pos_cond": [a / p if p > 0 else None for a, p in zip(alphas, [1.0] + alphas[:-1])],
-            # tau of each request (1 + its accepted drafts / its steps), averaged over requests:
-            # requests with few steps weigh as much as long ones (tau above weighs every step alike)
-            "tau_per_request": sum(taus) / len(taus) if taus else None,
-            "accept_len_hist": [hist.get(i, 0) for i in range(depth + 1)],
-            "time_s": time_s,
-            "verify_share": time_s["verify"] / wall if wall > 0 else None,
-            "engine_overhead": (wall - time_s["forward"]) / wall if wall > 0 else None,
-            "ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
-            "tpot_s": sum(tpots) / len(tpots) if tpots else None,
-            "latency": {"ttft_s": percentiles(ttfts), "tpot_s": percentiles(tpots), "itl_s": percentiles(itls),
-                        "e2e_s": percentiles([rq["wall_s"] for rq in requests])},
-            "requests_per_s": len(requests) / wall if wall > 0 else None,
-            "goodput": goodput(self.cfg, requests, wall),
-            "in_flight": in_flight(self.trace, int(self.cfg.bs), self._streams(requests) if self.continuous else None),
+            **M.phases(times, wall),
+            **M.latency(requests, itls, wall),
+            "goodput": M.goodput(self.cfg, requests, wall),
+            "in_flight": M.in_flight(self.trace, int(self.cfg.bs), self._streams(requests) if self.continuous else None),
             "peak_mem_bytes": self.own_peak(),
             "process_peak_bytes": self.mem.peak,  # the whole process's (allocator or RSS): every run in it
             "energy_j": self.nvml.energy_j,
@@ -386,69 +353,6 @@ def rate_of(cfg) -> float:
     """``rate``: requests per second (Poisson arrivals) or ``inf`` (all at once)."""
     r = cfg.get("rate", "inf")
     return math.inf if r is None or str(r).lower() in ("inf", "infinity") else float(r)
-
-
-def percentiles(xs: list[float]) -> dict | None:
-    """Mean and p50 / p90 / p99 (nearest rank) of ``xs``; None when empty."""
-    if not xs:
-        return None
-    v = sorted(xs)
-
-    def at(p):
-        return v[min(len(v) - 1, max(0, math.ceil(p / 100 * len(v)) - 1))]
-
-    return {"mean": sum(v) / len(v), "p50": at(50), "p90": at(90), "p99": at(99), "n": len(v)}
-
-
-def goodput(cfg, requests: list[dict], wall: float) -> dict | None:
-    """Requests per second that met the SLO (``slo.ttft_ms``, ``slo.tpot_ms``; null = no bound),
-    and their share; None when no bound is set."""
-    slo = cfg.get("slo") or {}
-    ttft, tpot = slo.get("ttft_ms"), slo.get("tpot_ms")
-    if ttft is None and tpot is None:
-        return None
-
-    def ok(rq):
-        return (ttft is None or rq["ttft_s"] * 1e3 <= ttft) and \
-            (tpot is None or rq["tpot_s"] is None or rq["tpot_s"] * 1e3 <= tpot)
-
-    good = sum(1 for rq in requests if ok(rq))
-    return {"slo": {"ttft_ms": ttft, "tpot_ms": tpot}, "requests_per_s": good / wall if wall > 0 else None,
-            "share": good / len(requests) if requests else None}
-
-
-def in_flight(trace: list[tuple[float, int, int]], cap: int, streams=None) -> dict | None:
-    """Requests in flight (docs/records.md): the time-weighted mean and the time share at each count
-    (1..cap), and output tokens/s over the steps run at the cap (the steady part: a static batch's
-    drain, a stream's ramp-up and tail left out). A serving job (``streams``: each stream's wall time
-    and its requests' (admitted, done) seconds, as both backends record them) counts over the whole
-    wall, idle time as 0 in flight; a static batch over its decoding steps."""
-    total = sum(dt for dt, _, _ in trace)
-    if not trace or total <= 0:
-        return None
-    share = [0.0] * (cap + 1)
-    if streams:
-        wall = sum(w for w, _ in streams)
-        if wall <= 0:
-            return None
-        for w, spans in streams:  # a sweep over admissions (+1) and completions (-1)
-            events = sorted([(a, 1) for a, _ in spans] + [(d, -1) for _, d in spans], key=lambda e: (e[0], e[1]))
-            now, level = 0.0, 0
-            for t, step in events:
-                t = min(max(t, 0.0), w)
-                share[min(level, cap)] += (t - now) / wall
-                now, level = t, level + step
-            share[min(max(level, 0), cap)] += (w - now) / wall
-        mean = sum(k * s for k, s in enumerate(share))
-    else:
-        for dt, rows, _ in trace:
-            share[min(rows, cap)] += dt / total
-        mean = sum(dt * rows for dt, rows, _ in trace) / total
-    full = [(dt, n) for dt, rows, n in trace if rows >= cap]
-    t_full = sum(dt for dt, _ in full)
-    return {"mean": mean, "time_share": share[1:],
-            "steady_tokens_per_s": sum(n for _, n in full) / t_full if t_full > 0 else None,
-            "steady_time_share": t_full / total}
 
 
 @torch.inference_mode()

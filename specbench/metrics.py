@@ -1,0 +1,140 @@
+"""The metrics of a record, each convention stated once (docs/records.md lists the fields).
+
+- A **step** is one decoding step of one row (a row-step): a verify forward over a batch of B rows
+  is B steps. The prefill's token is not a step.
+- **tau** (mean accepted length, tokens a step) = 1 + accepted drafts / steps: every step emits its
+  accepted drafts and one token of the target's own (AR: tau = 1). ``tau_per_request`` is each
+  request's own tau averaged over requests, so short requests weigh as much as long ones.
+- **alpha_i** (``accept_rate_per_pos``) is the share of steps whose accepted length reached draft
+  position i (marginal); ``accept_rate_per_pos_cond`` is alpha_i / alpha_{i-1}, accepted at i among
+  the steps that accepted i-1 (the conditional rate EAGLE's n-alpha and vLLM report). Both count
+  over every step, also those whose draft did not reach depth i.
+- **Phases** (``time_s``): prefill, draft, verify, accept as the timer measured them, ``other`` the
+  rest of the wall; ``forward`` the time inside model forwards (it overlaps the phases).
+  ``verify_share`` = verify / wall; ``engine_overhead`` = (wall - forward) / wall.
+- **Latency** is counted from a request's arrival: TTFT to its first token, TPOT per output token
+  after it, ITL between its successive steps' outputs (a step emits its accepted tokens at once),
+  E2E to its last token; each as ``{mean, p50, p90, p99, n}`` (nearest rank).
+- **Goodput**: requests per second whose TTFT and TPOT stay within the SLO.
+- **In flight**: requests in flight, time-weighted (``in_flight``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from specbench.timing import PHASES
+
+
+def acceptance(lens: list[int], K: int, requests: list[dict], draft_nodes: int = 0, forward_nodes: int = 0) -> dict:
+    """From every step's accepted draft count (``lens``) and the requests (``accepted``, ``steps``):
+    steps, tau, the acceptance per position (marginal and conditional), tau per request, the
+    histogram of accepted lengths (0..max(K, longest)), and the draft and forward nodes per step."""
+    steps = len(lens)
+    depth = max([K] + lens)
+    hist = Counter(lens)
+    alphas = [sum(1 for x in lens if x >= i) / steps for i in range(1, depth + 1)] if steps else []
+    taus = [1.0 + rq["accepted"] / rq["steps"] for rq in requests if rq["steps"]]
+    return {
+        "steps": steps,
+        "tau": 1.0 + sum(lens) / steps if steps else 1.0,
+        "draft_nodes": draft_nodes / steps if steps else 0.0,  # candidates verified per row per step
+        "forward_nodes": forward_nodes / steps if steps else 0.0,  # + non-candidate nodes (Lookahead's window)
+        "accept_rate_per_pos": alphas,
+        "accept_rate_per_pos_cond": [a / p if p > 0 else None for a, p in zip(alphas, [1.0] + alphas[:-1])],
+        "tau_per_request": sum(taus) / len(taus) if taus else None,
+        "accept_len_hist": [hist.get(i, 0) for i in range(depth + 1)],
+    }
+
+
+def phases(times: dict, wall: float) -> dict:
+    """The time by phase (``other``: the wall the phases leave), the verify share and the share
+    of the wall outside model forwards."""
+    time_s = {p: times.get(p, 0.0) for p in PHASES}
+    time_s["other"] = max(0.0, wall - sum(time_s.values()))
+    time_s["forward"] = times.get("forward", 0.0)
+    return {"time_s": time_s,
+            "verify_share": time_s["verify"] / wall if wall > 0 else None,
+            "engine_overhead": (wall - time_s["forward"]) / wall if wall > 0 else None}
+
+
+def latency(requests: list[dict], itls: list[float], wall: float) -> dict:
+    """Mean TTFT and TPOT over requests, their percentiles with ITL's and E2E's, requests per second."""
+    ttfts = [rq["ttft_s"] for rq in requests]
+    tpots = [rq["tpot_s"] for rq in requests if rq["tpot_s"] is not None]
+    return {
+        "ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
+        "tpot_s": sum(tpots) / len(tpots) if tpots else None,
+        "latency": {"ttft_s": percentiles(ttfts), "tpot_s": percentiles(tpots), "itl_s": percentiles(itls),
+                    "e2e_s": percentiles([rq["wall_s"] for rq in requests])},
+        "requests_per_s": len(requests) / wall if wall > 0 else None,
+    }
+
+
+def encode_accepts(lens: list[int]) -> str:
+    """Per-step accepted draft counts, one base-36 digit a step."""
+    return "".join("0123456789abcdefghijklmnopqrstuvwxyz"[min(x, 35)] for x in lens)
+
+
+def percentiles(xs: list[float]) -> dict | None:
+    """Mean and p50 / p90 / p99 (nearest rank) of ``xs``; None when empty."""
+    if not xs:
+        return None
+    v = sorted(xs)
+
+    def at(p):
+        return v[min(len(v) - 1, max(0, math.ceil(p / 100 * len(v)) - 1))]
+
+    return {"mean": sum(v) / len(v), "p50": at(50), "p90": at(90), "p99": at(99), "n": len(v)}
+
+
+def goodput(cfg, requests: list[dict], wall: float) -> dict | None:
+    """Requests per second that met the SLO (``slo.ttft_ms``, ``slo.tpot_ms``; null = no bound),
+    and their share; None when no bound is set."""
+    slo = cfg.get("slo") or {}
+    ttft, tpot = slo.get("ttft_ms"), slo.get("tpot_ms")
+    if ttft is None and tpot is None:
+        return None
+
+    def ok(rq):
+        return (ttft is None or rq["ttft_s"] * 1e3 <= ttft) and \
+            (tpot is None or rq["tpot_s"] is None or rq["tpot_s"] * 1e3 <= tpot)
+
+    good = sum(1 for rq in requests if ok(rq))
+    return {"slo": {"ttft_ms": ttft, "tpot_ms": tpot}, "requests_per_s": good / wall if wall > 0 else None,
+            "share": good / len(requests) if requests else None}
+
+
+def in_flight(trace: list[tuple[float, int, int]], cap: int, streams=None) -> dict | None:
+    """Requests in flight (docs/records.md): the time-weighted mean and the time share at each count
+    (1..cap), and output tokens/s over the steps run at the cap (the steady part: a static batch's
+    drain, a stream's ramp-up and tail left out). A serving job (``streams``: each stream's wall time
+    and its requests' (admitted, done) seconds, as both backends record them) counts over the whole
+    wall, idle time as 0 in flight; a static batch over its decoding steps."""
+    total = sum(dt for dt, _, _ in trace)
+    if not trace or total <= 0:
+        return None
+    share = [0.0] * (cap + 1)
+    if streams:
+        wall = sum(w for w, _ in streams)
+        if wall <= 0:
+            return None
+        for w, spans in streams:  # a sweep over admissions (+1) and completions (-1)
+            events = sorted([(a, 1) for a, _ in spans] + [(d, -1) for _, d in spans], key=lambda e: (e[0], e[1]))
+            now, level = 0.0, 0
+            for t, step in events:
+                t = min(max(t, 0.0), w)
+                share[min(level, cap)] += (t - now) / wall
+                now, level = t, level + step
+            share[min(max(level, 0), cap)] += (w - now) / wall
+        mean = sum(k * s for k, s in enumerate(share))
+    else:
+        for dt, rows, _ in trace:
+            share[min(rows, cap)] += dt / total
+        mean = sum(dt * rows for dt, rows, _ in trace) / total
+    full = [(dt, n) for dt, rows, n in trace if rows >= cap]
+    t_full = sum(dt for dt, _ in full)
+    return {"mean": mean, "time_share": share[1:],
+            "steady_tokens_per_s": sum(n for _, n in full) / t_full if t_full > 0 else None,
+            "steady_time_share": t_full / total}
