@@ -14,7 +14,9 @@ import sys
 import time
 import traceback
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -126,15 +128,42 @@ def serving_of(cfg) -> dict | None:
             **how}
 
 
-def measure(cfg, names: list[str], model, tokenizer, device, dtype, questions, sweep_id, progress=None) -> list[dict]:
+@dataclass
+class Job:
+    """One validated, loaded sweep point: its settings, what it runs on, and the records it has
+    written so far."""
+
+    cfg: DictConfig
+    method: str  # the method of the sweep point (a paired job also runs "ar")
+    model: Any  # None on backend=vllm (vLLM loads it in its own process)
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    questions: list
+    sweep_id: str
+    written: list[dict] = field(default_factory=list)
+    bar: Any = None  # the job's progress bar (tqdm)
+
+    def record(self, name: str) -> dict:
+        """A record of method ``name`` with this job's settings and environment, not yet measured."""
+        return _record_base(self.cfg, name, self.device, self.dtype, self.sweep_id)
+
+    def fail(self, name: str, status: str, msg: str) -> dict:
+        rec = _fail(self.cfg, name, self.device, self.dtype, self.sweep_id, status, msg)
+        self.written.append(rec)
+        return rec
+
+
+def measure(job: Job, names: list[str]) -> list[dict]:
     """One record per method of ``names`` (taking turns unit by unit when there are several)."""
+    cfg = job.cfg
     out = []
     run_cls = vllm_engine.VllmRun if vllm_engine.wanted(cfg) else MethodRun
-    for name, (metrics, requests, proposer) in zip(names, run_methods(cfg, names, model, tokenizer, device, dtype,
-                                                                     questions, progress, run_cls)):
-        rec = _record_base(cfg, name, device, dtype, sweep_id)
+    for name, (metrics, requests, proposer) in zip(names, run_methods(cfg, names, job.model, job.tokenizer, job.device,
+                                                                     job.dtype, job.questions, job.bar, run_cls)):
+        rec = job.record(name)
         # task score (GSM8K accuracy, HumanEval pass@1) where the data set has one; outside the timing
-        metrics["quality"] = quality.score(cfg.dataset.name, {q.id: q for q in questions}, requests)
+        metrics["quality"] = quality.score(cfg.dataset.name, {q.id: q for q in job.questions}, requests)
         for r in requests:
             r.pop("_text", None)
         rec["metrics"], rec["requests"] = metrics, requests
@@ -174,7 +203,6 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
     """Run one sweep point (plus its AR baseline when missing); returns the records written."""
     sweep_id = sweep_id or sweep_id_of(cfg)
     method_name = cfg.method.name
-    written: list[dict] = []
     device = dtype = None
     try:
         npos = validate(cfg)
@@ -206,8 +234,9 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
     except Exception as e:  # noqa: BLE001 - a method that fails to import, a model that fails to load
         traceback.print_exc(file=sys.stderr)
         return [_fail(cfg, method_name, device, dtype, sweep_id, "error", f"loading: {_one_line(e)}")]
+    loaded = Job(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id)
     if not bool(cfg.get("resume", False)):
-        return _job(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id, written, False)
+        return _job(loaded, False)
     # resume: decide and run under this job's lock, so that two sweeps resumed at once never both run it
     probe = _record_base(cfg, method_name, device, dtype, sweep_id)
     tag = hashlib.sha1(repr((R.job_key(probe), R.env_key(probe))).encode()).hexdigest()[:12]
@@ -218,39 +247,40 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
             print(f"[specbench] resume: {_job_name(cfg, method_name, device)} is already recorded (sweep "
                   f"{done.get('sweep_id')}); skipped", file=sys.stderr)
             return []
-        return _job(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id, written, True)
+        return _job(loaded, True)
 
 
-def _job(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id, written, resume) -> list[dict]:
+def _job(job: Job, resume: bool) -> list[dict]:
     """A validated, loaded job: its AR baseline (found, run, or paired) and the method."""
+    cfg, method_name = job.cfg, job.method
     paired = cfg.ar_baseline == "paired" and method_name != "ar"
-    probe = _record_base(cfg, "ar", device, dtype, sweep_id)
-    scope = None if cfg.ar_baseline == "any" or resume else sweep_id
+    probe = job.record("ar")
+    scope = None if cfg.ar_baseline == "any" or resume else job.sweep_id
     ar = None if paired else _find_ar(cfg, probe, scope)
-    n_turns = sum(len(q.turns) for q in questions)
+    n_turns = sum(len(q.turns) for q in job.questions)
     n_runs = (1 if method_name == "ar" or ar is not None else 2) * int(cfg.get("repeats") or 1)
-    bar = _bar(n_runs * n_turns, _job_name(cfg, method_name, device), cfg.progress)
+    job.bar = _bar(n_runs * n_turns, _job_name(cfg, method_name, job.device), cfg.progress)
     try:
         if paired:  # its own AR baseline, taking turns with it batch by batch
-            _run_paired(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id, bar, written)
-            return written
+            _run_paired(job, method_name)
+            return job.written
         if ar is None or method_name == "ar":
             # each AR baseline runs once: a job (of this process or a parallel worker) that finds
             # none takes that baseline's lock, looks again, and runs it if it is still missing
             tag = hashlib.sha1(repr(R.baseline_key(probe)).encode()).hexdigest()[:12]
             with file_lock(Path(f"{cfg.records}.ar-{tag}.lock")):
                 ar = _find_ar(cfg, probe, scope)
-                if method_name == "ar" and ar is not None and ar.get("sweep_id") == sweep_id:
+                if method_name == "ar" and ar is not None and ar.get("sweep_id") == job.sweep_id:
                     print(f"[specbench] ar bs={cfg.bs}: the same AR job already ran in this sweep; reusing it",
                           file=sys.stderr)
-                    return written
+                    return job.written
                 if ar is None:
-                    ar = _run_one(cfg, "ar", None, model, tokenizer, device, dtype, questions, sweep_id, bar, written)
+                    ar = _run_one(job, "ar", None)
         if method_name != "ar":
-            _run_one(cfg, method_name, ar, model, tokenizer, device, dtype, questions, sweep_id, bar, written)
+            _run_one(job, method_name, ar)
     finally:
-        bar.close()
-    return written
+        job.bar.close()
+    return job.written
 
 
 def _find_ar(cfg, probe, scope) -> dict | None:
@@ -259,35 +289,33 @@ def _find_ar(cfg, probe, scope) -> dict | None:
     return None if entry is None else R.load(cfg.records, entry)
 
 
-def _run_one(cfg, name, ar, model, tokenizer, device, dtype, questions, sweep_id, bar, written) -> dict | None:
+def _run_one(job: Job, name: str, ar: dict | None) -> dict | None:
     """Measure one method, pair it with the AR record ``ar``, append and log the record."""
-    recs = _measured(cfg, name, device, dtype, sweep_id, written,
-                     lambda: measure(cfg, [name], model, tokenizer, device, dtype, questions, sweep_id, bar))
-    return None if recs is None else _keep(cfg, recs[0], ar, written)
+    recs = _measured(job, name, lambda: measure(job, [name]))
+    return None if recs is None else _keep(job, recs[0], ar)
 
 
-def _run_paired(cfg, name, model, tokenizer, device, dtype, questions, sweep_id, bar, written) -> dict | None:
+def _run_paired(job: Job, name: str) -> dict | None:
     """Measure AR and a method taking turns on the same batches (``ar_baseline=paired``):
     both records are written, the method's speedup is against this AR record."""
-    recs = _measured(cfg, name, device, dtype, sweep_id, written,
-                     lambda: measure(cfg, ["ar", name], model, tokenizer, device, dtype, questions, sweep_id, bar))
+    recs = _measured(job, name, lambda: measure(job, ["ar", name]))
     if recs is None:
         return None
     ar, rec = recs
     ar["paired_with"], rec["paired_with"] = rec["job_id"], ar["job_id"]
-    if _keep(cfg, ar, None, written) is None:
+    if _keep(job, ar, None) is None:
         return None
-    return _keep(cfg, rec, ar, written)
+    return _keep(job, rec, ar)
 
 
-def _measured(cfg, name, device, dtype, sweep_id, written, run) -> list[dict] | None:
+def _measured(job: Job, name: str, run) -> list[dict] | None:
     """``run()``'s records, or None after recording its failure under ``name`` (the sweep goes
     on) unless the failure leaves the device unusable."""
     failure = None
     try:
         return run()
     except KeyboardInterrupt:
-        _fail(cfg, name, device, dtype, sweep_id, "error", "interrupted (KeyboardInterrupt)")
+        _fail(job.cfg, name, job.device, job.dtype, job.sweep_id, "error", "interrupted (KeyboardInterrupt)")
         raise
     except (torch.OutOfMemoryError, MemoryError) as e:
         failure = ("oom", _one_line(e))
@@ -297,17 +325,17 @@ def _measured(cfg, name, device, dtype, sweep_id, written, run) -> list[dict] | 
         traceback.print_exc(file=sys.stderr)
         failure = ("error", _one_line(e))
         if _poisons_device(e):
-            written.append(_fail(cfg, name, device, dtype, sweep_id, *failure))
+            job.fail(name, *failure)
             raise SweepAborted(f"{failure[1]}: the CUDA context is unusable after a device-side error, so "
                                "no later job can run in this process; records so far are kept; fix the "
                                "cause and rerun the sweep") from None
     # out of the except block: the traceback (and the KV cache it holds) is gone
-    _free(device)
-    written.append(_fail(cfg, name, device, dtype, sweep_id, *failure))
+    _free(job.device)
+    job.fail(name, *failure)
     return None
 
 
-def _keep(cfg, rec, ar, written) -> dict | None:
+def _keep(job: Job, rec: dict, ar: dict | None) -> dict | None:
     """Pair ``rec`` with the AR record ``ar``, append and log it; None when it could not be written."""
     if rec["method"] == "ar":
         rec["metrics"]["speedup"] = 1.0
@@ -315,11 +343,11 @@ def _keep(cfg, rec, ar, written) -> dict | None:
             rec["metrics"]["match_ar"] = 1.0
     elif ar is not None:
         fill_against_ar(rec, ar)
-    if not _append(cfg, rec):
+    if not _append(job.cfg, rec):
         return None
-    written.append(rec)
+    job.written.append(rec)
     try:
-        loggers.log_record(cfg, rec)
+        loggers.log_record(job.cfg, rec)
     except Exception as e:  # noqa: BLE001 - a logger never costs a measurement
         print(f"specbench: warning: logger failed: {_one_line(e)}", file=sys.stderr)
     return rec
