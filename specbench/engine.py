@@ -62,6 +62,22 @@ class _Fill:
     first: int | None = None  # its first token, once the whole prompt is in
 
 
+@dataclass
+class _Batch:
+    """The rows in flight and how they are served: each row's request key and result, the
+    method's view of them, the shared cache, each row's pending token (picked, not yet in the
+    cache)."""
+    max_new_tokens: int
+    gen: torch.Generator | None
+    concurrency: int
+    together: bool  # a static batch: its rows start decoding together
+    live: list = field(default_factory=list)  # the request key of each row
+    res: list = field(default_factory=list)  # their RowResults, row by row
+    state: BatchState | None = None
+    cache: RaggedCache | None = None
+    pending: torch.Tensor | None = None  # [B]
+
+
 class Requests:
     """The requests ``Engine.serve`` takes from, FIFO by arrival. ``add`` may be called while it
     serves (a follow-up turn once its first turn is answered)."""
@@ -203,50 +219,13 @@ class Engine:
         return Hidden(layers, torch.tensor(lens, device=self.device))
 
     def _serve(self, requests, max_new_tokens, gen, concurrency, on_done, tap, together=False) -> dict:
-        s = self.sampling
-        results: dict = {}
-        live: list = []  # the request key of each row in flight
-        res: list[RowResult] = []  # their results, row by row
-        cache = state = pending = None
+        batch = _Batch(max_new_tokens, gen, concurrency, together)
         self.trace = []
         sync(self.device)
         self._harness0 = self.harness_s
         t0 = time.perf_counter()
-
+        results: dict = {}  # key -> RowResult of every request done
         finished: list = []  # (key, result) of requests done since on_done last heard
-
-        def finish(done: list[bool]):
-            nonlocal pending
-            gone = [(live[i], res[i]) for i, d in enumerate(done) if d]
-            pending = self._drop_finished(done, live, state, cache, pending, res)
-            for key, r in gone:
-                results[key] = r
-            finished.extend(gone)
-
-        def join(joining, subs, first, hidden, new_res):
-            """Prefilled requests join the batch (its cache, the method) or start it."""
-            nonlocal cache, state, pending
-            new_state = BatchState(seqs=[list(r.prompt) + [t] for r, t in zip(joining, first.tolist())],
-                                   prompt_lens=[len(r.prompt) for r in joining], sampling=s, gen=gen,
-                                   device=self.device, eos=self.eos, max_new_tokens=max_new_tokens, rows=concurrency)
-            room = max_new_tokens + self.widest + 1
-            with self.timer.phase("prefill"):  # the method's own prefill (a draft model's cache) is prefill too
-                if not live:
-                    cache, state, pending = subs[0], new_state, first
-                    if len(subs) > 1:
-                        cache.add_rows(*subs[1:], room=room, rows=concurrency, wider=not together)
-                    self.proposer.start(state, hidden)
-                else:
-                    cache.add_rows(*subs, room=room, rows=concurrency, wider=True)
-                    state.seqs += new_state.seqs
-                    state.prompt_lens += new_state.prompt_lens
-                    pending = torch.cat([pending, first])
-                    self.proposer.add_rows(new_state, hidden)
-            live.extend(r.key for r in joining)
-            res.extend(new_res)
-            self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes())  # buffers are made at joins
-            finish([r.hit_eos or max_new_tokens <= 1 for r in res])
-
         filling: deque = deque()  # requests being prefilled piece by piece (prefill_chunk)
         ready: list = []  # whole prompts waiting for the rest of a static batch (together)
         while True:
@@ -257,12 +236,13 @@ class Engine:
                     on_done(key, r, self._clock(t0))
                 self.harness_s += time.perf_counter() - h
             finished.clear()
-            free = concurrency - len(live) - len(filling) - len(ready)
+            free = concurrency - len(batch.live) - len(filling) - len(ready)
             joining = requests.take(free, self._clock(t0)) if free > 0 else []
             if self.chunk is None:
                 if joining:
                     sub, first, hidden, new_res = self._admit(joining, max_new_tokens, gen, tap, t0)
-                    join(joining, [sub], first, hidden, new_res)
+                    self._join(batch, joining, [sub], first, hidden, new_res)
+                    finished += self._finish(batch, [r.hit_eos or max_new_tokens <= 1 for r in batch.res], results)
                     continue  # more may have arrived, and rows may be free again
             else:
                 filling.extend(_Fill(r, RowResult(t_arrival=r.arrival)) for r in joining)  # admitted at its first piece
@@ -270,79 +250,83 @@ class Engine:
                     ready += self._fill(filling, max_new_tokens, gen, tap, t0)
                 if ready and not (together and filling):
                     fills, ready = ready, []
-                    join([f.req for f in fills], [f.cache for f in fills],
-                         torch.tensor([f.first for f in fills], device=self.device), self._fills_hidden(fills),
-                         [f.res for f in fills])
-                if not live and (filling or ready):
+                    self._join(batch, [f.req for f in fills], [f.cache for f in fills],
+                               torch.tensor([f.first for f in fills], device=self.device), self._fills_hidden(fills),
+                               [f.res for f in fills])
+                    finished += self._finish(batch, [r.hit_eos or max_new_tokens <= 1 for r in batch.res], results)
+                if not batch.live and (filling or ready):
                     continue  # no rows to decode between the pieces
-            if not live:
+            if not batch.live:
                 nxt = requests.next_arrival()
                 if nxt is None:
                     break
                 time.sleep(max(0.0, nxt - (self._clock(t0))))  # idle until the next arrival
                 continue
-            extra, done = self._step(state, cache, pending, res, live, max_new_tokens, gen, tap, t0)
+            extra, done = self._step(batch, tap, t0)
             with self.timer.phase("accept"):
-                pending = extra
-                finish(done)
+                batch.pending = extra
+                finished += self._finish(batch, done, results)
         sync(self.device)
         return results
 
-    def _step(self, state, cache, pending, res, live, max_new_tokens, gen, tap, t0):
+    def _join(self, batch: "_Batch", joining, subs, first, hidden, new_res) -> None:
+        """Prefilled requests join the batch (its cache, the method) or start it."""
+        new_state = BatchState(seqs=[list(r.prompt) + [t] for r, t in zip(joining, first.tolist())],
+                               prompt_lens=[len(r.prompt) for r in joining], sampling=self.sampling, gen=batch.gen,
+                               device=self.device, eos=self.eos, max_new_tokens=batch.max_new_tokens,
+                               rows=batch.concurrency)
+        room = batch.max_new_tokens + self.widest + 1
+        with self.timer.phase("prefill"):  # the method's own prefill (a draft model's cache) is prefill too
+            if not batch.live:
+                batch.cache, batch.state, batch.pending = subs[0], new_state, first
+                if len(subs) > 1:
+                    batch.cache.add_rows(*subs[1:], room=room, rows=batch.concurrency, wider=not batch.together)
+                self.proposer.start(batch.state, hidden)
+            else:
+                batch.cache.add_rows(*subs, room=room, rows=batch.concurrency, wider=True)
+                batch.state.seqs += new_state.seqs
+                batch.state.prompt_lens += new_state.prompt_lens
+                batch.pending = torch.cat([batch.pending, first])
+                self.proposer.add_rows(new_state, hidden)
+        batch.live.extend(r.key for r in joining)
+        batch.res.extend(new_res)
+        self.peak_cache_bytes = max(self.peak_cache_bytes, batch.cache.nbytes())  # buffers are made at joins
+
+    def _finish(self, batch: "_Batch", done: list[bool], results: dict) -> list:
+        """Finished rows leave the batch (engine, cache and method) into ``results``; returns them
+        as (key, result)."""
+        gone = [(batch.live[i], batch.res[i]) for i, d in enumerate(done) if d]
+        if gone:
+            keep = [i for i, d in enumerate(done) if not d]
+            batch.live[:] = [batch.live[i] for i in keep]
+            batch.res[:] = [batch.res[i] for i in keep]
+            batch.state.seqs[:] = [batch.state.seqs[i] for i in keep]
+            batch.state.prompt_lens[:] = [batch.state.prompt_lens[i] for i in keep]
+            if keep:
+                batch.cache.select_rows(keep)
+                self.proposer.select_rows(keep)
+            batch.pending = batch.pending[keep]
+        results.update(gone)
+        return gone
+
+    def _step(self, batch: "_Batch", tap, t0):
         """One decoding step of the rows in flight: propose, verify, accept, commit, update.
         Returns (each row's pending token, which rows finished)."""
-        s = self.sampling
+        state, cache, res, max_new_tokens = batch.state, batch.cache, batch.res, batch.max_new_tokens
         self.iterations += 1
         with self.timer.phase("draft"):
             draft = self.proposer.propose(state)
             if draft is not None:
-                draft.check(len(live))
+                draft.check(len(res))
                 draft = self._trim(draft, [max_new_tokens - len(r.tokens) for r in res])
         with self.timer.phase("verify"):
-            if draft is None:
-                tokens = pending[:, None]
-                depth = torch.zeros_like(tokens)
-                anc = None
-            else:
-                tokens = torch.cat([pending[:, None], draft.tokens], dim=1)
-                if draft.is_chain:
-                    depth = torch.arange(tokens.shape[1], device=self.device)[None].expand_as(tokens)
-                    anc = None
-                else:
-                    depth, anc = draft.geometry()
+            tokens, depth, anc = self._nodes(batch.pending, draft)
             self.widest = max(self.widest, tokens.shape[1])
             out = cache.forward(tokens, depth, anc)
         with self.timer.phase("accept"):
-            v = verify(out.logits, draft, s, gen)
+            v = verify(out.logits, draft, self.sampling, batch.gen)
             cache.commit(v.keep, v.counts)
-            extra = v.extra.tolist()
-            now = self._clock(t0)
-            n_cand = draft.accept_mask().sum(1).tolist() if draft is not None else [0] * len(live)
-            n_all = [0] * len(live) if draft is None else [draft.n] * len(live) if draft.valid is None \
-                else draft.valid.sum(1).tolist()
-            done = []
-            emitted = 0
-            for i, r in enumerate(res):
-                new = v.accepted[i] + [extra[i]]
-                room = max_new_tokens - len(r.tokens)
-                for j, t in enumerate(new[:room]):
-                    if t in self.eos:
-                        new = new[: j + 1]
-                        r.hit_eos = True
-                        break
-                new = new[:room]
-                r.tokens.extend(new)
-                state.seqs[i].extend(new)
-                r.steps += 1
-                # drafts kept: an EOS or the token budget cuts the rest
-                r.accept_lens.append(min(len(v.accepted[i]), len(new)))
-                r.drafted.append(int(n_cand[i]))
-                r.nodes.append(int(n_all[i]))
-                r.t_done = now
-                r.chunks.append(now)
-                emitted += len(new)
-                done.append(r.hit_eos or len(r.tokens) >= max_new_tokens)
-            self.trace.append((now, len(live), emitted))
+            done = self._emit(batch, v, draft, t0)
             hidden = Hidden(tap.take(), v.counts).gather(v.keep, v.counts) if tap.names else None
         with self.timer.phase("draft"):  # the method's own work after a step (a drafter's cache) is drafting
             state.logits, state.nodes = out.logits, tokens
@@ -351,6 +335,51 @@ class Engine:
             self.proposer.update(state, v.accepted, hidden)
             state.logits = state.nodes = state.node_valid = None
         return v.extra, done
+
+    def _nodes(self, pending: torch.Tensor, draft: Draft | None):
+        """The verify forward's nodes [B, n+1] (each row's pending token, then its draft), their
+        depths, and the tree's ancestor matrix (None for a chain or no draft)."""
+        if draft is None:
+            tokens = pending[:, None]
+            return tokens, torch.zeros_like(tokens), None
+        tokens = torch.cat([pending[:, None], draft.tokens], dim=1)
+        if draft.is_chain:
+            return tokens, torch.arange(tokens.shape[1], device=self.device)[None].expand_as(tokens), None
+        depth, anc = draft.geometry()
+        return tokens, depth, anc
+
+    def _emit(self, batch: "_Batch", v, draft: Draft | None, t0: float) -> list[bool]:
+        """Each row's accepted drafts and extra token into its result and sequence (cut at an EOS
+        and at the token budget), and the step's trace; returns which rows finished."""
+        res, max_new_tokens = batch.res, batch.max_new_tokens
+        extra = v.extra.tolist()  # waits for the step's work on the device: the tokens exist from here
+        now = self._clock(t0)
+        n_cand = draft.accept_mask().sum(1).tolist() if draft is not None else [0] * len(res)
+        n_all = [0] * len(res) if draft is None else [draft.n] * len(res) if draft.valid is None \
+            else draft.valid.sum(1).tolist()
+        done = []
+        emitted = 0
+        for i, r in enumerate(res):
+            new = v.accepted[i] + [extra[i]]
+            room = max_new_tokens - len(r.tokens)
+            for j, t in enumerate(new[:room]):
+                if t in self.eos:
+                    new = new[: j + 1]
+                    r.hit_eos = True
+                    break
+            new = new[:room]
+            r.tokens.extend(new)
+            batch.state.seqs[i].extend(new)
+            r.steps += 1
+            r.accept_lens.append(min(len(v.accepted[i]), len(new)))  # drafts kept: an EOS or the budget cuts the rest
+            r.drafted.append(int(n_cand[i]))
+            r.nodes.append(int(n_all[i]))
+            r.t_done = now
+            r.chunks.append(now)
+            emitted += len(new)
+            done.append(r.hit_eos or len(r.tokens) >= max_new_tokens)
+        self.trace.append((now, len(res), emitted))
+        return done
 
     def _trim(self, draft: Draft, room: list[int]) -> Draft | None:
         """A chain never verifies more drafts than the token budget can still take (the
@@ -372,19 +401,3 @@ class Engine:
             ok = torch.arange(draft.n, device=self.device)[None] < lim
             draft.valid = ok if draft.valid is None else draft.valid & ok
         return draft
-
-    def _drop_finished(self, done: list[bool], live: list, state: BatchState, cache: RaggedCache,
-                       pending: torch.Tensor, res: list) -> torch.Tensor:
-        """Finished rows leave the batch (engine, cache and method); returns the pending
-        tokens of the rows that stay."""
-        if not any(done):
-            return pending
-        keep = [i for i, d in enumerate(done) if not d]
-        live[:] = [live[i] for i in keep]
-        res[:] = [res[i] for i in keep]
-        state.seqs[:] = [state.seqs[i] for i in keep]
-        state.prompt_lens[:] = [state.prompt_lens[i] for i in keep]
-        if keep:
-            cache.select_rows(keep)
-            self.proposer.select_rows(keep)
-        return pending[keep]
