@@ -10,6 +10,7 @@ import random
 import sys
 import threading
 import time
+from typing import Any, Protocol
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -97,6 +98,115 @@ def build_requests(cfg, tokenizer):
     return qs
 
 
+class Run(Protocol):
+    """What ``run_methods`` (and ``tune``) drive: one method over the prompt set, unit by unit.
+    ``MethodRun`` (our engine) and ``vllm_engine.VllmRun`` implement it, each with a ``Tally``."""
+
+    name: str
+    proposer: Any  # the record's method side: ``describe()`` and ``lossless``
+    K: int  # positions of the per-position acceptance
+
+    def units(self) -> list[tuple[int, int]]: ...
+
+    def run_unit(self, unit: tuple[int, int], progress=None) -> None: ...
+
+    def metrics(self) -> tuple[dict, list[dict]]: ...
+
+    def close(self) -> None: ...
+
+
+class Tally:
+    """What a run's units produced, kept alike on both backends: the request records, the timed
+    wall (per repeat), the batches, the per-step trace; and the metrics computed from them."""
+
+    def __init__(self, cfg: DictConfig, tokenizer, K: int, reach: int, npos: int, n_questions: int):
+        self.cfg, self.tokenizer, self.K, self.reach, self.npos = cfg, tokenizer, K, reach, npos
+        self.n_questions = n_questions
+        self.repeats = int(cfg.get("repeats") or 1)
+        self.continuous = cfg.get("batching", "static") == "continuous"
+        self.requests: list[dict] = []
+        self.wall, self.n_batches = 0.0, 0
+        self.rep_tokens, self.rep_wall = [0] * self.repeats, [0.0] * self.repeats
+        self.trace: list[tuple[float, int, int]] = []  # (step duration, rows in flight, tokens) of every decoding step
+
+    def units(self) -> list[tuple[int, int]]:
+        """(repeat, first question) of every batch, in order; repeats=N measures the set N times.
+        ``batching=continuous``: the whole set is one stream of requests per repeat."""
+        if self.continuous:
+            return [(rep, 0) for rep in range(self.repeats)]
+        return [(rep, start) for rep in range(self.repeats) for start in range(0, self.n_questions, self.cfg.bs)]
+
+    def check_positions(self, prompt: list[int]) -> None:
+        if len(prompt) + self.cfg.max_new_tokens + self.reach + 1 > self.npos:
+            raise ConfigError(f"a prompt of {len(prompt)} tokens + max_new_tokens={self.cfg.max_new_tokens} + "
+                              f"{self.reach} draft positions exceeds the {self.npos} positions of the job's models")
+
+    def timed(self, rep: int, seconds: float) -> None:
+        """A timed unit (a batch's turn, or a stream) of repeat ``rep`` took ``seconds``."""
+        self.wall += seconds
+        self.rep_wall[rep] += seconds
+        self.n_batches += 1
+
+    def request(self, q, turn: int, unit: int, rep: int, prompt: list[int], r) -> dict:
+        """A finished request's record (and its scratch fields for the job's metrics), kept."""
+        toks = r.tokens
+        n = len(toks)
+        text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        self.rep_tokens[rep] += n
+        itl = [b - a for a, b in zip([r.t_first] + r.chunks[:-1], r.chunks)]
+        rec = {
+            "id": q.id, "turn": turn + 1, "batch": unit,
+            **({"repeat": rep} if self.repeats > 1 else {}),
+            "category": q.category, "prompt_tokens": len(prompt),
+            "new_tokens": n, "steps": r.steps, "wall_s": r.t_done - r.t_arrival, "ttft_s": r.t_first - r.t_arrival,
+            "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
+            **({"arrival_s": r.t_arrival, "queue_s": r.t_admit - r.t_arrival} if self.continuous else {}),
+            "accepted": sum(r.accept_lens), "accepts": M.encode_accepts(r.accept_lens),
+            "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
+            "prompt_sha": hashlib.sha1(str(prompt).encode()).hexdigest()[:16],
+            "tokens": toks,
+            "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_text": text, "_itl": itl,
+        }
+        self.requests.append(rec)
+        return rec
+
+    def streams(self) -> list[tuple[float, list[tuple[float, float]]]]:
+        """Each stream (a repeat of ``batching=continuous``): its wall time and every request's
+        (admitted, done) seconds on its clock, from the request records (both backends write them)."""
+        spans: dict[int, list] = {}
+        for rq in self.requests:
+            a = rq["arrival_s"]
+            spans.setdefault(rq.get("repeat", 0), []).append((a + rq["queue_s"], a + rq["wall_s"]))
+        return [(self.rep_wall[rep], s) for rep, s in sorted(spans.items())]
+
+    def metrics(self, times: dict, iterations: int) -> tuple[dict, list[dict]]:
+        """The job's metrics from its requests (``times``: the phases' seconds; ``iterations``: the
+        decoding steps of the batch), once, after its last unit (it takes the requests' scratch
+        fields). Memory and energy are the run's to add."""
+        requests, wall = self.requests, self.wall
+        lens = [x for rq in requests for x in rq.pop("_lens")]
+        nodes = sum(rq.pop("_nodes") for rq in requests), sum(rq.pop("_fnodes") for rq in requests)
+        itls = [x for rq in requests for x in rq.pop("_itl")]
+        new_tokens = sum(rq["new_tokens"] for rq in requests)
+        metrics = {
+            "new_tokens": new_tokens,
+            "wall_s": wall,
+            "tokens_per_s": new_tokens / wall if wall > 0 else None,
+            **M.acceptance(lens, self.K, requests, *nodes),
+            "iterations": iterations,
+            "batches": self.n_batches,
+            **M.phases(times, wall),
+            **M.latency(requests, itls, wall),
+            "goodput": M.goodput(self.cfg, requests, wall),
+            "in_flight": M.in_flight(self.trace, int(self.cfg.bs), self.streams() if self.continuous else None),
+            "speedup": None,
+            "match_ar": None,
+        }
+        if self.repeats > 1:  # each pass over the prompt set on its own: the spread between repeats
+            metrics["repeat_tokens_per_s"] = [t / w if w > 0 else None for t, w in zip(self.rep_tokens, self.rep_wall)]
+        return metrics, requests
+
+
 class MethodRun:
     """One method over the prompt set, a unit (one batch of prompts, every turn, one repeat) at
     a time, so that two runs can take turns on the same units (``ar_baseline=paired``). Each
@@ -116,8 +226,6 @@ class MethodRun:
         self.chat = bool(cfg.model.get("chat", True))
         eos = eos_ids(model, tokenizer)
         method = methods.get(method_name)
-        self.npos = method.positions(mcfg, model.config)
-        self.reach = method.reach(mcfg, device)
 
         def engine(timer):  # its own seeded stream of synthetic acceptance draws, if any
             sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p),
@@ -140,28 +248,16 @@ class MethodRun:
         self.gen = torch.Generator(device).manual_seed(int(cfg.seed))
         torch.manual_seed(int(cfg.seed))
         self._rng = _rng_state(device)
-        self.repeats = int(cfg.get("repeats") or 1)
-        self.requests: list[dict] = []
-        self.wall, self.n_batches = 0.0, 0
-        self.rep_tokens, self.rep_wall = [0] * self.repeats, [0.0] * self.repeats
+        self.tally = Tally(cfg, tokenizer, self.K, method.reach(mcfg, device), method.positions(mcfg, model.config),
+                           len(questions))
+        self.continuous = self.tally.continuous
         self.mem, self.nvml = PeakMemory(device), NvmlMonitor(device)
         self.weight_bytes = weight_bytes([model, *self.proposer.modules()])  # this run's models, shared ones once
         self.graphs_timed = 0  # graphs torch.compile made inside the timing (shapes the warm-up did not meet)
-        self.continuous = cfg.get("batching", "static") == "continuous"
         self.rate = rate_of(cfg)
-        self.trace: list[tuple[float, int, int]] = []  # (step duration, rows in flight, tokens) of every decoding step
 
     def close(self) -> None:
         """Release what the run holds outside this process (nothing: our engine is in it)."""
-
-    def _streams(self, requests: list[dict]) -> list[tuple[float, list[tuple[float, float]]]]:
-        """Each stream (a repeat of ``batching=continuous``): its wall time and every request's
-        (admitted, done) seconds on its clock, from the request records (both backends write them)."""
-        spans: dict[int, list] = {}
-        for rq in requests:
-            a = rq["arrival_s"]
-            spans.setdefault(rq.get("repeat", 0), []).append((a + rq["queue_s"], a + rq["wall_s"]))
-        return [(self.rep_wall[rep], s) for rep, s in sorted(spans.items())]
 
     def own_peak(self) -> int:
         """The run's own peak memory: its models' weights (shared ones once), plus on a GPU the most
@@ -172,44 +268,14 @@ class MethodRun:
         return self.weight_bytes + extra
 
     def units(self) -> list[tuple[int, int]]:
-        """(repeat, first question) of every batch, in order; repeats=N measures the set N times.
-        ``batching=continuous``: the whole set is one stream of requests per repeat."""
-        if self.continuous:
-            return [(rep, 0) for rep in range(self.repeats)]
-        return [(rep, start) for rep in range(self.repeats) for start in range(0, len(self.questions), self.cfg.bs)]
+        return self.tally.units()
 
     def _take_trace(self) -> None:
         """The engine's per-step trace of its last call, as step durations."""
         prev = 0.0
         for t, rows, n in self.eng.trace:
-            self.trace.append((t - prev, rows, n))
+            self.tally.trace.append((t - prev, rows, n))
             prev = t
-
-    def _check_positions(self, prompt: list[int]) -> None:
-        if len(prompt) + self.cfg.max_new_tokens + self.reach + 1 > self.npos:
-            raise ConfigError(f"a prompt of {len(prompt)} tokens + max_new_tokens={self.cfg.max_new_tokens} + "
-                              f"{self.reach} draft positions exceeds the {self.npos} positions of the job's models")
-
-    def _request(self, q, turn: int, unit: int, rep: int, prompt: list[int], r) -> dict:
-        """A finished request's record (and its scratch fields for the job's metrics)."""
-        toks = r.tokens
-        n = len(toks)
-        text = self.tokenizer.decode(toks, skip_special_tokens=True)
-        self.rep_tokens[rep] += n
-        itl = [b - a for a, b in zip([r.t_first] + r.chunks[:-1], r.chunks)]
-        return {
-            "id": q.id, "turn": turn + 1, "batch": unit,
-            **({"repeat": rep} if self.repeats > 1 else {}),
-            "category": q.category, "prompt_tokens": len(prompt),
-            "new_tokens": n, "steps": r.steps, "wall_s": r.t_done - r.t_arrival, "ttft_s": r.t_first - r.t_arrival,
-            "tpot_s": (r.t_done - r.t_first) / (n - 1) if n > 1 else None,
-            **({"arrival_s": r.t_arrival, "queue_s": r.t_admit - r.t_arrival} if self.continuous else {}),
-            "accepted": sum(r.accept_lens), "accepts": M.encode_accepts(r.accept_lens),
-            "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
-            "prompt_sha": hashlib.sha1(str(prompt).encode()).hexdigest()[:16],
-            "tokens": toks,
-            "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_text": text, "_itl": itl,
-        }
 
     def _run_stream(self, rep: int, progress=None) -> None:
         """``batching=continuous``: every question's first turn a request, arriving at ``rate``
@@ -223,7 +289,7 @@ class MethodRun:
         prompts, reqs, t = {}, [], 0.0
         for i, q in enumerate(self.questions):
             prompt = q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], self.chat)
-            self._check_positions(prompt)
+            self.tally.check_positions(prompt)
             prompts[(i, 0)] = prompt
             reqs.append(Request((i, 0), prompt, t))
             t += rng.expovariate(self.rate) if math.isfinite(self.rate) else 0.0
@@ -232,12 +298,11 @@ class MethodRun:
         def on_done(key, r, now):
             i, turn = key
             q = self.questions[i]
-            rec = self._request(q, turn, i, rep, prompts[key], r)
+            rec = self.tally.request(q, turn, i, rep, prompts[key], r)
             history[i].append((q.turns[turn], rec["_text"]))
-            self.requests.append(rec)
             if turn + 1 < len(q.turns) and cfg.ctx is None:
                 nxt = D.render(tokenizer, history[i], q.turns[turn + 1], self.chat)
-                self._check_positions(nxt)
+                self.tally.check_positions(nxt)
                 prompts[(i, turn + 1)] = nxt
                 queue.add(Request((i, turn + 1), nxt, now))
             if progress is not None:
@@ -255,9 +320,7 @@ class MethodRun:
             if self.compiled:
                 self.graphs_timed += compiled_graphs() - graphs
         self._take_trace()
-        self.wall += dt
-        self.rep_wall[rep] += dt
-        self.n_batches += 1
+        self.tally.timed(rep, dt)
         self._rng = _rng_state(self.device)
 
     def run_unit(self, unit: tuple[int, int], progress=None) -> None:
@@ -279,7 +342,7 @@ class MethodRun:
                     prompts = [batch[i].ctx_ids for i in rows]
                 else:
                     prompts = [D.render(tokenizer, history[i], batch[i].turns[turn], self.chat) for i in rows]
-                self._check_positions(max(prompts, key=len))
+                self.tally.check_positions(max(prompts, key=len))
                 graphs = compiled_graphs() if self.compiled else 0
                 sync(device)
                 t = time.perf_counter()
@@ -288,54 +351,31 @@ class MethodRun:
                 dt = time.perf_counter() - t
                 if self.compiled:
                     self.graphs_timed += compiled_graphs() - graphs
-                self.wall += dt
-                self.rep_wall[rep] += dt
-                self.n_batches += 1
+                self.tally.timed(rep, dt)
                 self._take_trace()
                 for i, r in zip(rows, out):
                     q = batch[i]
-                    rec = self._request(q, turn, n_batches_q, rep, prompts[rows.index(i)], r)
+                    rec = self.tally.request(q, turn, n_batches_q, rep, prompts[rows.index(i)], r)
                     history[i].append((q.turns[turn], rec["_text"]))
-                    self.requests.append(rec)
                 if progress is not None:
                     progress.update(len(rows))
         self._rng = _rng_state(device)
 
     def metrics(self) -> tuple[dict, list[dict]]:
-        """The job's metrics and its requests, once, after its last unit (it takes the
-        requests' scratch fields)."""
-        requests, wall = self.requests, self.wall
-        times = self.timer.totals()
-        lens = [x for rq in requests for x in rq.pop("_lens")]
-        nodes = sum(rq.pop("_nodes") for rq in requests), sum(rq.pop("_fnodes") for rq in requests)
-        itls = [x for rq in requests for x in rq.pop("_itl")]
-        new_tokens = sum(rq["new_tokens"] for rq in requests)
-        metrics = {
-            "new_tokens": new_tokens,
-            "wall_s": wall,
-            "tokens_per_s": new_tokens / wall if wall > 0 else None,
-            **M.acceptance(lens, self.K, requests, *nodes),
-            "iterations": self.eng.iterations,
-            "batches": self.n_batches,
-            **M.phases(times, wall),
-            **M.latency(requests, itls, wall),
-            "goodput": M.goodput(self.cfg, requests, wall),
-            "in_flight": M.in_flight(self.trace, int(self.cfg.bs), self._streams(requests) if self.continuous else None),
+        """The job's metrics and its requests, once, after its last unit."""
+        metrics, requests = self.tally.metrics(self.timer.totals(), self.eng.iterations)
+        metrics.update({
             "peak_mem_bytes": self.own_peak(),
             "process_peak_bytes": self.mem.peak,  # the whole process's (allocator or RSS): every run in it
             "energy_j": self.nvml.energy_j,
             "nvml": self.nvml.result,
-            "speedup": None,
-            "match_ar": None,
-        }
+        })
         if self.compiled:
             metrics["compile"] = {"graphs_in_timing": self.graphs_timed}
             if self.graphs_timed:
                 print(f"[specbench] warning: {self.name}: torch.compile made {self.graphs_timed} graph(s) inside the "
                       "timing (shapes its warm-up did not meet): its speed includes compiling; rerun with repeats=2 "
                       "and read the second pass (metrics.repeat_tokens_per_s)", file=sys.stderr)
-        if self.repeats > 1:  # each pass over the prompt set on its own: the spread between repeats
-            metrics["repeat_tokens_per_s"] = [t / w if w > 0 else None for t, w in zip(self.rep_tokens, self.rep_wall)]
         return metrics, requests
 
 

@@ -30,7 +30,7 @@ from methods.base import Proposer
 from specbench import data as D
 from specbench.engine import RowResult
 from specbench.errors import ConfigError
-from specbench.measure import MethodRun, rate_of
+from specbench.measure import Tally, rate_of
 from specbench.models import load_config, model_dir
 from specbench.paths import REPO, resolve_path
 
@@ -254,19 +254,6 @@ def row_result(m: dict) -> RowResult:
                      chunks=list(m["chunks"][1:]))
 
 
-class _Timer:
-    """vLLM's phases are not ours to time: every second of a vLLM job is 'other'."""
-
-    @staticmethod
-    def totals() -> dict:
-        return {}
-
-
-class _Counted:
-    def __init__(self):
-        self.iterations = 0
-
-
 class _Described:
     """What a record keeps of the method's side (``proposer.describe()``, ``lossless``)."""
 
@@ -283,9 +270,9 @@ class _Described:
                 "load_s": round(self.worker.load_s, 2)}
 
 
-class VllmRun(MethodRun):
-    """``MethodRun`` on vLLM: the same units (a batch and its turns, or the whole stream), the same
-    request records and metrics, plus vLLM's own counters (``metrics.vllm``)."""
+class VllmRun:
+    """A ``measure.Run`` on vLLM: the same units (a batch and its turns, or the whole stream), the
+    same request records and metrics (a ``Tally``), plus vLLM's own counters (``metrics.vllm``)."""
 
     def __init__(self, cfg, method_name: str, model, tokenizer, device, dtype, questions):
         from omegaconf import OmegaConf
@@ -300,8 +287,8 @@ class VllmRun(MethodRun):
         spec = spec_config(mcfg, method_name)
         self.K = (method.spec_len(mcfg, device) or 0) if spec is not None else 0
         self.chat = bool(cfg.model.get("chat", True))
-        self.npos = method.positions(mcfg, load_config(cfg.model))
-        self.reach = self.K
+        self.tally = Tally(cfg, tokenizer, self.K, self.K, method.positions(mcfg, load_config(cfg.model)),
+                           len(questions))
         self.eos = sorted(_eos(cfg))
         self.sampling = {"temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
                          "max_tokens": int(cfg.max_new_tokens), "stop_token_ids": self.eos, "seed": int(cfg.seed)}
@@ -312,21 +299,18 @@ class VllmRun(MethodRun):
             ids = [q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], self.chat) for q in qs]
             self.worker.stream([{"id": f"w{i}", "prompt": p, "at": 0.0} for i, p in enumerate(ids)],
                                {**self.sampling, "max_tokens": 8})
-        self.timer, self.eng = _Timer(), _Counted()
-        self.repeats = int(cfg.get("repeats") or 1)
-        self.requests: list[dict] = []
-        self.wall, self.n_batches = 0.0, 0
-        self.rep_tokens, self.rep_wall = [0] * self.repeats, [0.0] * self.repeats
-        self.graphs_timed, self.compiled = 0, False
-        self.continuous = cfg.get("batching", "static") == "continuous"
+        self.iterations = 0  # vLLM's engine steps (one forward each)
+        self.continuous = self.tally.continuous
         self.rate = rate_of(cfg)
-        self.trace: list[tuple[float, int, int]] = []
         self.counters: dict = {}
+
+    def units(self) -> list[tuple[int, int]]:
+        return self.tally.units()
 
     def _stream(self, requests, follow=None) -> tuple[list[dict], float]:
         done, summary = self.worker.stream(requests, self.sampling, follow)
-        self.trace += [tuple(x) for x in summary["trace"]]
-        self.eng.iterations += len(summary["trace"])
+        self.tally.trace += [tuple(x) for x in summary["trace"]]
+        self.iterations += len(summary["trace"])
         for k, v in summary["counters"].items():
             if isinstance(v, list):
                 prev = self.counters.get(k) or []
@@ -343,7 +327,7 @@ class VllmRun(MethodRun):
         prompts, reqs, t = {}, [], 0.0
         for i, q in enumerate(self.questions):
             prompt = q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], self.chat)
-            self._check_positions(prompt)
+            self.tally.check_positions(prompt)
             prompts[f"{i}:0"] = prompt
             reqs.append({"id": f"{i}:0", "prompt": prompt, "at": t})
             t += rng.expovariate(self.rate) if math.isfinite(self.rate) else 0.0
@@ -351,23 +335,20 @@ class VllmRun(MethodRun):
         def follow(m):
             i, turn = map(int, m["id"].split(":"))
             q = self.questions[i]
-            rec = self._request(q, turn, i, rep, prompts[m["id"]], row_result(m))
+            rec = self.tally.request(q, turn, i, rep, prompts[m["id"]], row_result(m))
             history[i].append((q.turns[turn], rec["_text"]))
-            self.requests.append(rec)
             if progress is not None:
                 progress.update(1)
             if turn + 1 < len(q.turns) and cfg.ctx is None:
                 nxt = D.render(tokenizer, history[i], q.turns[turn + 1], self.chat)
-                self._check_positions(nxt)
+                self.tally.check_positions(nxt)
                 key = f"{i}:{turn + 1}"
                 prompts[key] = nxt
                 return {"id": key, "prompt": nxt, "at": m["done_s"]}
             return None
 
         _, dt = self._stream(reqs, follow)
-        self.wall += dt
-        self.rep_wall[rep] += dt
-        self.n_batches += 1
+        self.tally.timed(rep, dt)
 
     def run_unit(self, unit: tuple[int, int], progress=None) -> None:
         if self.continuous:
@@ -380,24 +361,21 @@ class VllmRun(MethodRun):
             rows = [i for i, q in enumerate(batch) if turn < len(q.turns)]
             prompts = [batch[i].ctx_ids if cfg.ctx is not None else
                        D.render(tokenizer, history[i], batch[i].turns[turn], self.chat) for i in rows]
-            self._check_positions(max(prompts, key=len))
+            self.tally.check_positions(max(prompts, key=len))
             done, dt = self._stream([{"id": str(i), "prompt": p, "at": 0.0} for i, p in zip(rows, prompts)])
-            self.wall += dt
-            self.rep_wall[rep] += dt
-            self.n_batches += 1
+            self.tally.timed(rep, dt)
             by_id = {int(m["id"]): m for m in done}
             for i, p in zip(rows, prompts):
                 q = batch[i]
-                rec = self._request(q, turn, start // cfg.bs, rep, p, row_result(by_id[i]))
+                rec = self.tally.request(q, turn, start // cfg.bs, rep, p, row_result(by_id[i]))
                 history[i].append((q.turns[turn], rec["_text"]))
-                self.requests.append(rec)
             if progress is not None:
                 progress.update(len(rows))
 
     def metrics(self) -> tuple[dict, list[dict]]:
-        self.mem = _Peak(self.worker.peak_rss())
-        self.nvml = _NoNvml()
-        m, requests = super().metrics()
+        peak = self.worker.peak_rss()  # vLLM's worker is a process of its own: its peak RSS is the run's alone
+        m, requests = self.tally.metrics({}, self.iterations)
+        m.update({"peak_mem_bytes": peak, "process_peak_bytes": peak, "energy_j": None, "nvml": None})
         c = self.counters
         drafts = c.get("vllm:spec_decode_num_drafts", 0)
         drafted = c.get("vllm:spec_decode_num_draft_tokens", 0)
@@ -415,20 +393,6 @@ class VllmRun(MethodRun):
 
     def close(self) -> None:
         self.worker.close()
-
-    def own_peak(self) -> int:
-        """vLLM's worker is a process of its own: its peak RSS is the run's alone."""
-        return self.mem.peak
-
-
-class _Peak:
-    def __init__(self, peak):
-        self.peak = peak
-
-
-class _NoNvml:
-    energy_j = None
-    result = None
 
 
 def _eos(cfg) -> set[int]:
