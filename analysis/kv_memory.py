@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
-from specbench.measure import PeakMemory
+from specbench.monitor import PeakMemory
 
 # (label, verify nodes a step incl. the root, most drafts a step keeps): AR, PLD K=4, EAGLE's
 # CPU tree (6 nodes) and its GPU tree (60)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from specbench.measure import PeakMemory
+from specbench.monitor import PeakMemory
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,6 @@ import hashlib
 import math
 import random
 import sys
-import threading
 import time
 from typing import Any, Protocol
 
@@ -22,69 +21,9 @@ from specbench.errors import ConfigError
 from specbench.hf import eos_ids
 from specbench.models import compiled_graphs, is_compiled
 from specbench.paths import CONF_DIR
-from specbench.monitor import NvmlMonitor
+from specbench.monitor import NvmlMonitor, PeakMemory, weight_bytes
 from specbench.timing import PhaseTimer, sync
 from specbench.verify import Sampling, Synthetic
-
-
-class PeakMemory:
-    """Peak GPU allocator memory, or peak process RSS sampled every ``interval`` s on the CPU:
-    the highest over every block it has been entered for."""
-
-    def __init__(self, device, interval: float = 0.02):
-        self.device, self.interval = device, interval
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = None
-
-    @staticmethod
-    def rss() -> int:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * 4096
-        except OSError:
-            return 0
-
-    transient = 0  # GPU: the most the blocks allocated on top of what was allocated when each began
-
-    def __enter__(self):
-        self._stop.clear()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = int(torch.cuda.memory_allocated(self.device))
-        else:
-            self.peak = max(self.peak, self.rss())
-
-            def loop():
-                while not self._stop.wait(self.interval):
-                    self.peak = max(self.peak, self.rss())
-
-            self._thread = threading.Thread(target=loop, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            top = int(torch.cuda.max_memory_allocated(self.device))
-            self.peak = max(self.peak, top)
-            self.transient = max(self.transient, top - self.base)
-        else:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self.peak, self.rss())
-
-
-def weight_bytes(modules) -> int:
-    """Bytes of the parameters and buffers of ``modules``, each storage once (a draft made of the
-    target's own layers adds nothing)."""
-    seen, total = set(), 0
-    for m in modules:
-        for t in list(m.parameters()) + list(m.buffers()):
-            key = (t.device, t.untyped_storage().data_ptr())
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-    return total
 
 
 def build_requests(cfg, tokenizer):

@@ -1,18 +1,79 @@
-"""Optional NVML sampling over a whole job: power, energy, memory and SM clock. Needs the
-`nvidia-ml-py` distribution (imported as `pynvml`) and a GPU; without them every reading is
-None and nothing fails."""
+"""What a job's runs are watched with: peak memory (the GPU allocator's, or the process's RSS),
+the bytes of their models' weights, and optional NVML sampling over a whole job (power, energy,
+memory and SM clock; needs the `nvidia-ml-py` distribution, imported as `pynvml`, and a GPU;
+without them every reading is None and nothing fails)."""
 
 from __future__ import annotations
 
 import threading
+
+import torch
+
+
+class PeakMemory:
+    """Peak GPU allocator memory, or peak process RSS sampled every ``interval`` s on the CPU:
+    the highest over every block it has been entered for."""
+
+    def __init__(self, device, interval: float = 0.02):
+        self.device, self.interval = device, interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    @staticmethod
+    def rss() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096
+        except OSError:
+            return 0
+
+    transient = 0  # GPU: the most the blocks allocated on top of what was allocated when each began
+
+    def __enter__(self):
+        self._stop.clear()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = int(torch.cuda.memory_allocated(self.device))
+        else:
+            self.peak = max(self.peak, self.rss())
+
+            def loop():
+                while not self._stop.wait(self.interval):
+                    self.peak = max(self.peak, self.rss())
+
+            self._thread = threading.Thread(target=loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            top = int(torch.cuda.max_memory_allocated(self.device))
+            self.peak = max(self.peak, top)
+            self.transient = max(self.transient, top - self.base)
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self.rss())
+
+
+def weight_bytes(modules) -> int:
+    """Bytes of the parameters and buffers of ``modules``, each storage once (a draft made of the
+    target's own layers adds nothing)."""
+    seen, total = set(), 0
+    for m in modules:
+        for t in list(m.parameters()) + list(m.buffers()):
+            key = (t.device, t.untyped_storage().data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
 
 
 def gpu_handle(nv, device):
     """The NVML handle of torch's ``device``, matched by the GPU's UUID: torch numbers only
     the GPUs in CUDA_VISIBLE_DEVICES (as SLURM sets it), NVML numbers every GPU, so an index
     would read another GPU's energy."""
-    import torch
-
     uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
     if not uuid:
         raise RuntimeError("no GPU UUID from torch: energy not attributed rather than read from a guessed GPU")

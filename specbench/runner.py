@@ -24,9 +24,10 @@ from omegaconf import DictConfig, OmegaConf
 import methods
 from specbench import backends, loggers, quality, tune, vllm_engine
 from specbench import records as R
-from specbench.measure import (MethodRun, PeakMemory, _spec_len, accept_of, build_requests, rate_of,  # noqa: F401
+from specbench.measure import (MethodRun, _spec_len, accept_of, build_requests, rate_of,  # noqa: F401
                                run_methods, warm_compiled)
 from specbench.errors import ConfigError  # noqa: F401
+from specbench.monitor import PeakMemory  # noqa: F401
 from specbench.models import cached_model, load_tokenizer, resolve_device, resolve_dtype  # noqa: F401
 from specbench.paths import file_lock  # noqa: F401
 from specbench.validation import check_prompts, validate
