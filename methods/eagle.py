@@ -23,7 +23,7 @@ import torch
 
 from methods.base import BatchState, Proposer
 from specbench import drafters
-from specbench.drafters import published
+from specbench.drafters import formats
 from specbench.draft import Draft, pad_rows
 from specbench.errors import ConfigError
 from specbench.paths import resolve_path
@@ -31,7 +31,7 @@ from specbench.paths import resolve_path
 # The tree shape by device (`auto`): on a GPU a 60-node verify costs about what one token does
 # (EAGLE-2's defaults); on a CPU every node and every drafter level costs, so the tree stays small
 # and shallow there (the measurements: docs/tuning.md).
-EAGLE3_FORMATS = ("eagle3", "speculators-eagle3")  # SafeAILab's layout, vLLM's speculators format
+EAGLE3_FORMATS = formats.eagle3.NAMES  # SafeAILab's layout, vLLM's speculators format
 AUTO = {"cuda": {"top_k": 10, "depth": 5, "total_tokens": 60}, "cpu": {"top_k": 4, "depth": 2, "total_tokens": 6}}
 # the (depth, total_tokens) trees K=auto chooses among, around each device's AUTO
 TUNE = {"cuda": [(3, 16), (4, 32), (5, 60), (6, 80), (7, 100)],
@@ -50,18 +50,18 @@ class Eagle(Proposer):
             raise ConfigError(f"eagle.version must be 2 (EAGLE-1/2's drafter) or 3 (EAGLE-3's), got {version!r}; "
                               "both draft EAGLE-2's dynamic tree")
         tree = m.get("tree")
-        if tree is not None and tree not in published.named_trees("eagle"):
+        if tree is not None and tree not in formats.named_trees("eagle"):
             raise ConfigError(f"eagle.tree must be null (EAGLE-2's dynamic tree) or an EAGLE-1 static tree "
-                              f"({', '.join(published.named_trees('eagle'))}), got {tree!r}")
+                              f"({', '.join(formats.named_trees('eagle'))}), got {tree!r}")
         for key in ("top_k", "depth", "total_tokens"):
             v = m[key]
             if v != "auto" and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"eagle.{key} must be 'auto' or an integer >= 1, got {v!r}")
         folder = resolve_path(m.checkpoint)
-        fmt = published.detect(folder)
+        fmt = formats.detect(folder)
         try:
             if fmt is not None and fmt.startswith("speculators-"):  # vLLM's format: only its eagle3 is read
-                published.check_eagle3(folder, target_config)
+                formats.eagle3.check(folder, target_config)
             three = fmt in EAGLE3_FORMATS
             if three != (version == 3):
                 what = "an EAGLE-3 drafter" if three else "an EAGLE-1/2 drafter"
@@ -69,10 +69,10 @@ class Eagle(Proposer):
                                   f"{3 if three else 2}, or name an EAGLE-{3 if version == 3 else 2} checkpoint "
                                   f"(python -m specbench.train drafter={'eagle3' if version == 3 else 'eagle'})")
             if fmt in ("eagle1", "eagle3"):  # SafeAILab's published layouts
-                (published.check_eagle3 if fmt == "eagle3" else published.check_eagle1)(folder, target_config)
+                formats.check(fmt, folder, target_config)
             elif fmt is None:
                 drafters.check_fits(folder, cfg, target_config, "eagle", "eagle.checkpoint")
-        except published.FormatError as e:
+        except formats.FormatError as e:
             raise ConfigError(f"eagle.checkpoint {e}") from None
 
     @classmethod
@@ -80,7 +80,7 @@ class Eagle(Proposer):
         """(top_k, depth, total_tokens) of a method config on ``device`` (``auto`` resolved; a
         static tree: its widest rank, its depth and its nodes)."""
         if m.get("tree") is not None:
-            paths = published.named_trees("eagle")[m.tree]
+            paths = formats.named_trees("eagle")[m.tree]
             return 1 + max(p[-1] for p in paths), max(map(len, paths)), len(paths)
         auto = AUTO.get(device.type, AUTO["cpu"])
         return tuple(auto[k] if m[k] == "auto" else int(m[k]) for k in ("top_k", "depth", "total_tokens"))
@@ -104,7 +104,7 @@ class Eagle(Proposer):
         step's top-1, which is EAGLE-2's dynamic tree with top_k=1 and total_tokens=depth."""
         m = cfg.method
         folder = resolve_path(m.checkpoint)
-        if m.get("version", 2) != 3 or published.detect(folder) not in EAGLE3_FORMATS:
+        if m.get("version", 2) != 3 or formats.detect(folder) not in EAGLE3_FORMATS:
             raise ConfigError("backend=vllm runs EAGLE-3 drafters in SafeAILab's or vLLM's speculators layout (eagle.version=3 "
                               "eagle.checkpoint=<folder>; ours: python -m specbench.train drafter=eagle3); "
                               "the shipped EAGLE-1/2 head normalises its input, which vLLM's EAGLE-1 layout cannot hold")
@@ -128,16 +128,15 @@ class Eagle(Proposer):
         self.format = "specbench"
         if drafter is None:
             folder = resolve_path(m.checkpoint)
-            fmt = published.detect(folder)
+            fmt = formats.detect(folder)
             if fmt in ("eagle1", *EAGLE3_FORMATS):
-                load = published.load_eagle3 if fmt in EAGLE3_FORMATS else published.load_eagle1
-                drafter, self.format = load(folder, target, device, dtype), fmt
+                drafter, self.format = formats.load(fmt, folder, target, device, dtype), fmt
             else:
                 drafter = drafters.load(folder, target, device, dtype, kind="eagle")
         self.drafter = drafter
         self.tree = m.get("tree")
         if self.tree is not None:  # EAGLE-1's static tree: nodes by depth, parents first
-            paths = sorted({tuple(p) for p in published.named_trees("eagle")[self.tree]}, key=lambda p: (len(p), p))
+            paths = sorted({tuple(p) for p in formats.named_trees("eagle")[self.tree]}, key=lambda p: (len(p), p))
             index = {(): 0, **{p: i + 1 for i, p in enumerate(paths)}}
             self.static = [(torch.tensor([index[p] for p in paths if len(p) == dd], device=device),
                             torch.tensor([index[p[:-1]] for p in paths if len(p) == dd], device=device),

@@ -25,7 +25,7 @@ import torch
 
 from methods.base import BatchState, Proposer
 from specbench import backends, drafters
-from specbench.drafters import published
+from specbench.drafters import formats
 from specbench.draft import Draft
 from specbench.drafters.medusa import sparse_tree
 from specbench.errors import ConfigError
@@ -42,7 +42,7 @@ TUNE_TREE = {"cuda": [8, 16, 32, 64], "cpu": [2, 4, 7, 12, 20]}  # default-tree 
 def named_trees() -> dict[str, list[list[int]]]:
     """Medusa's published candidate trees by name (rank i of path position k: the (i+1)-th
     likeliest token of head k)."""
-    return published.named_trees("medusa")
+    return formats.named_trees("medusa")
 
 
 class Medusa(Proposer):
@@ -63,14 +63,14 @@ class Medusa(Proposer):
         if not 0 < float(m.eps) < 1 or float(m.delta) <= 0:
             raise ConfigError(f"medusa.eps must be in (0, 1) and medusa.delta > 0, got {m.eps}, {m.delta}")
         folder = resolve_path(m.checkpoint)
-        fmt = published.detect(folder)
+        fmt = formats.detect(folder)
         if fmt == "medusa2" and Path(resolve_path(cfg.model.get("path") or "")).resolve() != Path(folder).resolve():
             raise ConfigError(f"medusa.checkpoint '{m.checkpoint}' is a Medusa-2 model (heads trained with a fine-tuned "
                               f"target, inside it): set model.path={m.checkpoint} too, so the heads read that target")
         if fmt in ("medusa1", "medusa2"):  # the authors' layouts (FasterDecoding's Medusa-1, Medusa-2)
             try:
-                published.check_medusa1(folder, target_config)
-            except published.FormatError as e:
+                formats.check(fmt, folder, target_config)
+            except formats.FormatError as e:
                 raise ConfigError(f"medusa.checkpoint {e}") from None
         else:
             drafters.check_fits(folder, cfg, target_config, "medusa", "medusa.checkpoint")
@@ -104,7 +104,7 @@ class Medusa(Proposer):
         if m.accept != "exact":
             raise ConfigError("medusa.accept=typical is our engine's: with backend=vllm use medusa.accept=exact")
         folder = resolve_path(m.checkpoint)
-        if published.detect(folder) is not None:
+        if formats.detect(folder) is not None:
             raise ConfigError(f"medusa.checkpoint {m.checkpoint} is a published Medusa folder; backend=vllm takes our "
                               "medusa checkpoints (python -m specbench.train drafter=medusa) for now")
         k = cls.spec_len(cfg, None)
@@ -126,8 +126,8 @@ class Medusa(Proposer):
         """The checkpoint's head count (None: no readable checkpoint, which check() reports)."""
         folder = resolve_path(cfg.method.checkpoint)
         try:
-            if published.detect(folder) in ("medusa1", "medusa2"):
-                return published.medusa1_shape(folder)[0]
+            if formats.detect(folder) in ("medusa1", "medusa2"):
+                return formats.medusa.medusa1_shape(folder)[0]
             return int(drafters.read_meta(folder)["drafter"]["heads"])
         except (OSError, KeyError, TypeError, ValueError):
             return None
@@ -147,9 +147,9 @@ class Medusa(Proposer):
         m = cfg.method
         self.format = "specbench"
         folder = resolve_path(m.checkpoint) if heads is None else None
-        fmt = published.detect(folder) if folder is not None else None
+        fmt = formats.detect(folder) if folder is not None else None
         if fmt in ("medusa1", "medusa2"):
-            heads = published.load_medusa1(folder, target, device, dtype)
+            heads = formats.load(fmt, folder, target, device, dtype)
             backends.apply(heads, backends.kernel_of(target))  # on the target's kernel path
             self.format, size = fmt, None
             if m.tree == "default":  # no measured accuracies to build the sparse tree from

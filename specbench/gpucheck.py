@@ -113,7 +113,7 @@ def random_drafters(shape: str, device: str, dtype: str, tokenizer: str | None, 
     from specbench.drafters.eagle import EagleDrafter
     from specbench.drafters.eagle3 import Eagle3Drafter, layer_config
     from specbench.drafters.medusa import MedusaHeads
-    from specbench.drafters.published import save_eagle3
+    from specbench.drafters.formats.eagle3 import save as save_eagle3
     from specbench.models import load_model, resolve_device, resolve_dtype
     from specbench.paths import CONF_DIR
 

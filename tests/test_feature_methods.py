@@ -197,10 +197,10 @@ def test_eagle1_static_tree_nodes_are_the_ranked_unroll(model):
     be the rj-th likeliest token of the drafter unrolled along its ancestors; and decoding with
     the static tree stays token-identical to AR."""
     from methods.base import BatchState
-    from specbench.drafters import published
+    from specbench.drafters import formats
     from specbench.hidden import Hidden
 
-    paths = sorted(map(tuple, published.named_trees("eagle")["mc_sim_7b_63"]), key=lambda p: (len(p), p))
+    paths = sorted(map(tuple, formats.named_trees("eagle")["mc_sim_7b_63"]), key=lambda p: (len(p), p))
     assert len(paths) == 25 and max(map(len, paths)) == 5
     d = random_eagle(model, seed=4)
     prompt, seq, f = real_prefix(model)
@@ -431,7 +431,7 @@ def test_eagle3_trainer_end_to_end(feature_setup, monkeypatch):
     SafeAILab's EAGLE-3 layout with its card, loads through eagle.version=3, and decoding with it
     is token-identical to plain greedy with drafts accepted."""
     from helpers import tiny_llama
-    from specbench.drafters import published
+    from specbench.drafters import formats
     from specbench.drafters.eagle3 import tap_layers
     from specbench.train import features, heads
 
@@ -456,7 +456,7 @@ def test_eagle3_trainer_end_to_end(feature_setup, monkeypatch):
     assert res["summary"]["eval_loss"] < before["eval_loss"]  # it learned
     assert len(res["summary"]["eval_top1_agreement"]) == 4  # per unrolled step
     heads.finish(c, res, out, "tiny8", {**features.stats(items), "dropped": {}, "key": "k"}, "python -m specbench.train")
-    assert published.detect(out) == "eagle3" and (out / "README.md").read_text().startswith("# tiny_eagle3")
+    assert formats.detect(out) == "eagle3" and (out / "README.md").read_text().startswith("# tiny_eagle3")
     cfg3 = eagle_cfg(version=3, checkpoint=str(out))
     cfg3.model = {"name": "tiny8", "path": "tiny8"}
     Eagle.check(cfg3, target.config)

@@ -1,4 +1,4 @@
-"""Published drafter layouts (``specbench.drafters.published``): fixtures written by the authors'
+"""Published drafter layouts (``specbench.drafters.formats``): fixtures written by the authors'
 reference code (``tests/fixtures/make_reference.py``) load and give the reference's outputs; a
 layout that does not match, or a drafter for another target, is refused in one line; our heads
 exported in the published layout load back with the same logits; the engine stays token-identical
@@ -15,7 +15,7 @@ from helpers import CPU, greedy_cases, run_engine, tiny_llama
 from methods.medusa import Medusa
 from specbench import backends
 from specbench.backends import extension
-from specbench.drafters import published
+from specbench.drafters import formats
 from specbench.drafters.medusa import MedusaHeads
 from specbench.errors import ConfigError
 
@@ -39,8 +39,8 @@ def medusa_cfg(folder, **kw):
 def test_medusa1_fixture_gives_the_reference_logits(target, folder, kernel):
     if kernel == "native" and extension.unavailable():
         pytest.skip(f"native kernels: {extension.unavailable()}")
-    assert published.detect(folder) == "medusa1"
-    heads = published.load_medusa1(folder, target, CPU, torch.float32)
+    assert formats.detect(folder) == "medusa1"
+    heads = formats.medusa.load(folder, target, CPU, torch.float32)
     backends.apply(heads, kernel)
     ref = torch.load(folder / "reference.pt", weights_only=True)
     with torch.no_grad():
@@ -52,25 +52,25 @@ def test_medusa1_fixture_gives_the_reference_logits(target, folder, kernel):
 def test_a_layout_that_does_not_match_is_refused_in_one_line(target, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(MEDUSA1[0], bad)
-    state = torch.load(bad / published.MEDUSA1_HEADS, weights_only=True)
+    state = torch.load(bad / formats.medusa.MEDUSA1_HEADS, weights_only=True)
     state["0.1.linear.weight"] = state.pop("0.0.linear.weight")  # a renamed key
-    torch.save(state, bad / published.MEDUSA1_HEADS)
-    with pytest.raises(published.FormatError) as e:
-        published.load_medusa1(bad, target, CPU, torch.float32)
+    torch.save(state, bad / formats.medusa.MEDUSA1_HEADS)
+    with pytest.raises(formats.FormatError) as e:
+        formats.medusa.load(bad, target, CPU, torch.float32)
     msg = str(e.value)
     assert "\n" not in msg and "missing ['0.0.linear.weight']" in msg and "unexpected ['0.1.linear.weight']" in msg
     (bad / "config.json").write_text('{"medusa_num_heads": 4, "medusa_num_layers": 1}')  # declares a head it lacks
-    with pytest.raises(published.FormatError, match=r"missing \['0.0.linear.weight', '3.0.linear.bias'"):
-        published.check_medusa1(bad, target.config)
+    with pytest.raises(formats.FormatError, match=r"missing \['0.0.linear.weight', '3.0.linear.bias'"):
+        formats.medusa.check(bad, target.config)
     (bad / "config.json").write_text("{}")
-    with pytest.raises(published.FormatError, match="no medusa_num_heads"):
-        published.check_medusa1(bad, target.config)
+    with pytest.raises(formats.FormatError, match="no medusa_num_heads"):
+        formats.medusa.check(bad, target.config)
 
 
 def test_a_drafter_for_another_target_is_refused(target):
     wider = tiny_llama(seed=0, vocab=128)
-    with pytest.raises(published.FormatError, match="the target has 128 tokens x 64: a drafter for another target"):
-        published.check_medusa1(MEDUSA1[0], wider.config)
+    with pytest.raises(formats.FormatError, match="the target has 128 tokens x 64: a drafter for another target"):
+        formats.medusa.check(MEDUSA1[0], wider.config)
     with pytest.raises(ConfigError, match="a drafter for another target"):
         Medusa.check(medusa_cfg(MEDUSA1[0]), wider.config)
     Medusa.check(medusa_cfg(MEDUSA1[0]), target.config)  # fits
@@ -86,9 +86,9 @@ def test_our_heads_exported_load_back_with_our_logits(target, tmp_path):
         ours.weight.normal_(0, 0.2)
         ours.bias.normal_(0, 0.2)
     export_medusa(ours, target, tmp_path / "out", "tiny")
-    ref_keys = set(torch.load(MEDUSA1[0] / published.MEDUSA1_HEADS, weights_only=True))
-    assert set(torch.load(tmp_path / "out" / published.MEDUSA1_HEADS, weights_only=True)) == ref_keys  # the reference's layout
-    back = published.load_medusa1(tmp_path / "out", target, CPU, torch.float32)
+    ref_keys = set(torch.load(MEDUSA1[0] / formats.medusa.MEDUSA1_HEADS, weights_only=True))
+    assert set(torch.load(tmp_path / "out" / formats.medusa.MEDUSA1_HEADS, weights_only=True)) == ref_keys  # the reference's layout
+    back = formats.medusa.load(tmp_path / "out", target, CPU, torch.float32)
     f = torch.randn(5, 64)
     with torch.no_grad():
         assert torch.allclose(back(f)[..., vocab], ours(f), rtol=1e-5, atol=1e-5)
@@ -106,18 +106,18 @@ def test_our_eagle_exported_loads_back_with_our_outputs(target, tmp_path):
     with torch.no_grad():
         for p in ours.parameters():
             p.normal_(0, 0.2)
-    published.save_eagle1(tmp_path / "out", ours, dtype=torch.float32)
+    formats.eagle1.save(tmp_path / "out", ours, dtype=torch.float32)
     ref_keys = set(torch.load(EAGLE1 / "pytorch_model.bin", weights_only=True)) - {"embed_tokens.weight"}
     assert set(torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)) == ref_keys
-    assert published.detect(tmp_path / "out") == "eagle1"
-    back = published.load_eagle1(tmp_path / "out", target, CPU, torch.float32)
+    assert formats.detect(tmp_path / "out") == "eagle1"
+    back = formats.eagle1.load(tmp_path / "out", target, CPU, torch.float32)
     ref = {"hidden": torch.randn(2, 6, 64), "input_ids": torch.randint(0, 96, (2, 6))}
     h_back, h_ours = causal_step(back, ref), causal_step(ours.eval(), ref)
     assert torch.allclose(h_back, h_ours, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         assert torch.allclose(back.logits(h_back)[..., vocab], ours.logits(h_ours), rtol=1e-5, atol=1e-5)
-    with pytest.raises(published.FormatError, match="train it with drafter.input_norm=false"):
-        published.save_eagle1(tmp_path / "normed", EagleDrafter(target, vocab))
+    with pytest.raises(formats.FormatError, match="train it with drafter.input_norm=false"):
+        formats.eagle1.save(tmp_path / "normed", EagleDrafter(target, vocab))
 
 
 @pytest.mark.parametrize("bs", [1, 4])
@@ -158,10 +158,10 @@ def eagle_cfg(folder, **kw):
 def test_eagle1_fixture_gives_the_reference_features(kernel):
     if kernel == "native" and extension.unavailable():
         pytest.skip(f"native kernels: {extension.unavailable()}")
-    assert published.detect(EAGLE1) == "eagle1"
+    assert formats.detect(EAGLE1) == "eagle1"
     target = tiny_llama(seed=0, scale=4.0)
     backends.apply(target, kernel)  # the drafter follows its target's path
-    d = published.load_eagle1(EAGLE1, target, CPU, torch.float32)
+    d = formats.eagle1.load(EAGLE1, target, CPU, torch.float32)
     assert d.block.ln1 is None and d.block.gate.out_features == 96  # its own layer shape, no input norm
     assert backends.kernel_of(d) == kernel
     ref = torch.load(EAGLE1 / "reference.pt", weights_only=True)
@@ -183,13 +183,13 @@ def test_eagle1_refusals(target, tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "missing ['fc.bias']" in msg and "unexpected ['layers.0.input_layernorm.weight']" in msg
     narrow = tiny_llama(seed=0, hidden=32)
-    with pytest.raises(published.FormatError, match="the target's hidden size is 32: a drafter for another target"):
-        published.check_eagle1(EAGLE1, narrow.config)
+    with pytest.raises(formats.FormatError, match="the target's hidden size is 32: a drafter for another target"):
+        formats.eagle1.check(EAGLE1, narrow.config)
     three = tmp_path / "eagle3"
     three.mkdir()
     (three / "config.json").write_text("{}")
     torch.save({"fc.weight": torch.zeros(1), "midlayer.hidden_norm.weight": torch.zeros(1)}, three / "pytorch_model.bin")
-    assert published.detect(three) == "eagle3"
+    assert formats.detect(three) == "eagle3"
     from methods.eagle import Eagle
 
     with pytest.raises(ConfigError, match="holds an EAGLE-3 drafter; set eagle.version=3"):
@@ -243,10 +243,10 @@ def target8():
 def test_eagle3_fixture_gives_the_reference_features_and_logits(kernel):
     if kernel == "native" and extension.unavailable():
         pytest.skip(f"native kernels: {extension.unavailable()}")
-    assert published.detect(EAGLE3) == "eagle3"
+    assert formats.detect(EAGLE3) == "eagle3"
     target = tiny_llama(seed=0, layers=8, scale=4.0)
     backends.apply(target, kernel)
-    d = published.load_eagle3(EAGLE3, target, CPU, torch.float32)
+    d = formats.eagle3.load(EAGLE3, target, CPU, torch.float32)
     assert d.taps == (1, 3, 4)  # the outputs of layers 1, 3, 4: the inputs of layers 2, L//2, L-3
     state = torch.load(EAGLE3 / "pytorch_model.bin", weights_only=True)
     assert torch.equal(d.vocab_ids, state["t2d"].nonzero().flatten())  # draft id i -> target id i + d2t[i]
@@ -324,8 +324,8 @@ def test_speculators_eagle3_gives_the_reference_outputs_and_runs(target8):
     greedy identity through method=eagle eagle.version=3."""
     from methods.eagle import Eagle
 
-    assert published.detect(SPECULATORS3) == "speculators-eagle3"
-    d = published.load_eagle3(SPECULATORS3, target8, CPU, torch.float32)
+    assert formats.detect(SPECULATORS3) == "speculators-eagle3"
+    d = formats.eagle3.load(SPECULATORS3, target8, CPU, torch.float32)
     assert d.taps == (1, 3, 4)  # eagle_aux_hidden_state_layer_ids [2, 4, 5]: the inputs of those layers
     ref = torch.load(EAGLE3 / "reference.pt", weights_only=True)
     h = causal_step(d, ref)
@@ -372,10 +372,10 @@ def test_medusa2_heads_inside_their_model(target, tmp_path):
     is token-identical to AR; a target from elsewhere and a missing head key are refused in one line."""
     from transformers import LlamaForCausalLM
 
-    assert published.detect(MEDUSA2) == "medusa2"
+    assert formats.detect(MEDUSA2) == "medusa2"
     model = LlamaForCausalLM.from_pretrained(MEDUSA2).eval()  # its medusa_head.* keys are not the model's
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), target.state_dict().values()))
-    heads = published.load_medusa1(MEDUSA2, model, CPU, torch.float32)
+    heads = formats.medusa.load(MEDUSA2, model, CPU, torch.float32)
     ref = torch.load(MEDUSA1[0] / "reference.pt", weights_only=True)
     with torch.no_grad():
         assert torch.allclose(heads(ref["hidden"]), ref["logits"], rtol=1e-4, atol=1e-4)

@@ -30,7 +30,7 @@ def main() -> int:
 
         try:
             mcfg = model_cfg(str(cfg.target), "sdpa")
-            kinds = [*drafters.KINDS, "eagle3"]  # eagle3: written in its authors' layout (drafters.published)
+            kinds = [*drafters.KINDS, "eagle3"]  # eagle3: written in its authors' layout (drafters.formats.eagle3)
             if cfg.drafter.kind not in kinds:
                 raise ConfigError(f"unknown drafter kind '{cfg.drafter.kind}'; choices: {', '.join(kinds)}")
             device = resolve_device(cfg.device)

@@ -5,7 +5,7 @@ that read those layouts) can run them:
     python -m specbench.train.export --format eagle  <an EAGLE drafter trained with drafter.input_norm=false> OUT
     python -m specbench.train.export --format eagle3 <an EAGLE-3 drafter> OUT
 
-(``specbench.drafters.published`` holds the layouts.)
+(``specbench.drafters.formats`` holds the layouts.)
 
 ``medusa``: Medusa-1's ``config.json`` + ``medusa_lm_head.pt``. Our heads score a draft vocabulary
 through the target's output layer; Medusa-1 gives every head a full-vocabulary output layer of
@@ -36,7 +36,7 @@ KINDS = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3"}  # --format -
 
 def export_medusa(heads, target, out, base_model: str) -> None:
     """``heads``: our ``MedusaHeads`` on ``target``; writes Medusa-1's layout to ``out``."""
-    from specbench.drafters.published import save_medusa1
+    from specbench.drafters.formats.medusa import save as save_medusa1
 
     H = heads.n_heads
     w = target.get_output_embeddings().weight.detach().float()
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     from specbench.models import load_model, model_cfg
     from specbench.paths import resolve_path
 
-    from specbench.drafters import published
+    from specbench.drafters import formats
 
     folder = resolve_path(a.checkpoint)
     cpu = torch.device("cpu")
@@ -72,10 +72,10 @@ def main(argv=None) -> int:
             heads = drafters.load(folder, target, cpu, torch.float32, kind="medusa")
             export_medusa(heads, target, Path(a.out), str(mcfg.get("path") or meta["target"]))
         elif a.format == "eagle":
-            published.save_eagle1(Path(a.out), drafters.load(folder, target, cpu, torch.float32, kind="eagle"))
+            formats.eagle1.save(Path(a.out), drafters.load(folder, target, cpu, torch.float32, kind="eagle"))
         else:
-            published.save_eagle3(Path(a.out), published.load_eagle3(folder, target, cpu, torch.float32))
-    except (ConfigError, published.FormatError) as e:
+            formats.eagle3.save(Path(a.out), formats.eagle3.load(folder, target, cpu, torch.float32))
+    except (ConfigError, formats.FormatError) as e:
         print(f"specbench.train.export: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {a.out} ({a.format})")

@@ -224,7 +224,7 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
     if dr.kind == "medusa":
         meta["heads"] = int(dr.heads)
     if dr.kind == "eagle3":  # SafeAILab's layout (what eagle.version=3 and the authors' code read)
-        from specbench.drafters.published import save_eagle3
+        from specbench.drafters.formats.eagle3 import save as save_eagle3
 
         save_eagle3(out, model)  # card.write adds drafter.json and the card
     else:
