@@ -206,3 +206,20 @@ def load_cost_curves(path: str | Path) -> list[dict]:
         if "kernel" in c:
             c["kernel"] = R.current(c, "kernel")
     return out
+
+
+def method_rows(df):
+    """The method rows (not AR) with a ``series`` label: the method, and the dataset, temperature,
+    dtype and length where the rows differ in them (never one point of an fp32 and a bf16 job)."""
+    sd = df[df["method"] != "ar"].copy()
+    if sd.empty:
+        return sd
+    multi_ds = sd["dataset"].nunique() > 1
+    multi_t = sd["temperature"].nunique() > 1
+    multi_dt = sd["dtype"].nunique() > 1  # never average an fp32 and a bf16 job into one point
+    multi_n = sd["max_new_tokens"].nunique() > 1
+    sd["series"] = sd.apply(lambda r: r["label"] + (f", {r['dataset']}" if multi_ds else "")
+                            + (f", T={r['temperature']:g}" if multi_t else "")
+                            + (f", {r['dtype']}" if multi_dt else "")
+                            + (f", {int(r['max_new_tokens'])} tok" if multi_n else ""), axis=1)
+    return sd

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from analysis import compare, report, simulate, theory
+from analysis import bounds, compare, figures, report, simulate, tables, theory
 from analysis.load import load
 from specbench.costs import interp
 from specbench import records as R
@@ -69,20 +69,20 @@ def test_bound_reads_the_curve_of_the_jobs_host_state():
     quiet = {"time": "a", "target": {"1": {"1": 0.020, "8": 0.030}}}
     starved = {"time": "b", "target": {"1": {"1": 0.032, "8": 0.040}}}
     newest = {"time": "c", "target": {"1": {"1": 0.021, "8": 0.026}}}
-    assert report.nearest_state([quiet, starved], 1, {"t_verify": 2.9, "iterations": 100}) is starved
-    assert report.nearest_state([quiet, starved], 1, {"t_verify": 2.2, "iterations": 100}) is quiet
-    assert report.nearest_state([quiet, starved], 1, {"t_verify": 2.2, "iterations": 0}) is starved  # newest
-    assert report.nearest_state([quiet, newest], 1, {"t_verify": 2.06, "iterations": 100}) is newest
+    assert bounds.nearest_state([quiet, starved], 1, {"t_verify": 2.9, "iterations": 100}) is starved
+    assert bounds.nearest_state([quiet, starved], 1, {"t_verify": 2.2, "iterations": 100}) is quiet
+    assert bounds.nearest_state([quiet, starved], 1, {"t_verify": 2.2, "iterations": 0}) is starved  # newest
+    assert bounds.nearest_state([quiet, newest], 1, {"t_verify": 2.06, "iterations": 100}) is newest
     # through the report: the fixture's curves and a copy slowed 3x (its AR records' own steps
     # sit within 15% of the fixture's T(1)): the bound reads the fixture's, whatever the order
     df = load(FIX / "records.jsonl")
     curves = [json.loads(x) for x in (FIX / "cost_curves.jsonl").read_text().splitlines() if x.strip()]
     slow = [dict(c, target={b: {n: 3.0 * t for n, t in row.items()} for b, row in c["target"].items()})
             for c in curves]
-    one = report.batch_aware(df, curves)
+    one = bounds.batch_aware(df, curves)
     assert one.notna().sum() == 12
-    assert report.batch_aware(df, curves + slow).equals(one) and report.batch_aware(df, slow + curves).equals(one)
-    assert ((report.batch_aware(df, slow) - one).abs()[one.notna()] > 1e-2).all()  # the slow curve alone reads differently
+    assert bounds.batch_aware(df, curves + slow).equals(one) and bounds.batch_aware(df, slow + curves).equals(one)
+    assert ((bounds.batch_aware(df, slow) - one).abs()[one.notna()] > 1e-2).all()  # the slow curve alone reads differently
 
 
 def test_report_says_when_a_bound_reads_another_host_state(tmp_path, capsys):
@@ -91,11 +91,11 @@ def test_report_says_when_a_bound_reads_another_host_state(tmp_path, capsys):
     report says so, one line per job."""
     df = load(FIX / "records.jsonl")
     curves = [json.loads(x) for x in (FIX / "cost_curves.jsonl").read_text().splitlines() if x.strip()]
-    gap = report.curve_state_gap(df, curves)
-    assert gap.notna().sum() == 12 and gap.between(1 / report.STATE_GAP, report.STATE_GAP).sum() == 12
+    gap = bounds.curve_state_gap(df, curves)
+    assert gap.notna().sum() == 12 and gap.between(1 / bounds.STATE_GAP, bounds.STATE_GAP).sum() == 12
     slow = [dict(c, target={b: {n: 3.0 * t for n, t in row.items()} for b, row in c["target"].items()})
             for c in curves]
-    assert (report.curve_state_gap(df, slow) / gap).dropna().round(9).eq(3.0).all()
+    assert (bounds.curve_state_gap(df, slow) / gap).dropna().round(9).eq(3.0).all()
     (tmp_path / "recs").mkdir()
     (tmp_path / "recs" / "records.jsonl").write_text((FIX / "records.jsonl").read_text())
     (tmp_path / "recs" / "cost_curves.jsonl").write_text("".join(json.dumps(c) + "\n" for c in slow))
@@ -113,13 +113,13 @@ def test_a_compiled_job_reads_only_a_compiled_curve():
     ones: a job with no curve of its kind gets no bound."""
     df = load(FIX / "records.jsonl")
     curves = [json.loads(x) for x in (FIX / "cost_curves.jsonl").read_text().splitlines() if x.strip()]
-    n_bounds = report.curve_state_gap(df, curves).notna().sum()
+    n_bounds = bounds.curve_state_gap(df, curves).notna().sum()
     assert n_bounds == 12
     compiled = [dict(c, compile=True) for c in curves]
-    assert report.curve_state_gap(df, compiled).notna().sum() == 0  # eager jobs, compiled curves only
+    assert bounds.curve_state_gap(df, compiled).notna().sum() == 0  # eager jobs, compiled curves only
     df_c = df.assign(compile=True)
-    assert report.curve_state_gap(df_c, curves).notna().sum() == 0
-    assert report.curve_state_gap(df_c, compiled).notna().sum() == n_bounds
+    assert bounds.curve_state_gap(df_c, curves).notna().sum() == 0
+    assert bounds.curve_state_gap(df_c, compiled).notna().sum() == n_bounds
 
 
 def test_simulator_by_hand():
@@ -161,7 +161,7 @@ def test_report_tables_fit_a_page_and_the_csv_keeps_every_column(tmp_path):
     md = (tmp_path / "rep" / "sweep.md").read_text().splitlines()
     head = next(x for x in md if x.startswith("| method"))
     cols = [c.strip() for c in head.strip("|").split("|")]
-    assert len(cols) <= report.PAPER_COLUMNS and {"tau", "speedup (95% CI)"} <= set(cols)
+    assert len(cols) <= tables.PAPER_COLUMNS and {"tau", "speedup (95% CI)"} <= set(cols)
     assert "model=" in md[0] and "model" not in cols  # one model in the fixture: said once, above
     assert all(len(r.strip("|").split("|")) == len(cols) for r in md if r.startswith("| "))
     full = pd.read_csv(tmp_path / "rep" / "sweep.csv")
@@ -172,7 +172,7 @@ def test_report_tables_fit_a_page_and_the_csv_keeps_every_column(tmp_path):
                            "kernel": "native", "T": 0.0, "bs": 1, "K": [None, None, 4], "ctx": None,
                            "tau": [1.0, 1.0, 1.6], "speedup": [1.0, 1.0, 1.1], "95% CI": [None, None, "1.0-1.2"],
                            "match AR %": 100.0})
-    t, _ = report.paper_sweep(paired)  # a paired sweep's AR baselines read the same: shown once
+    t, _ = tables.paper_sweep(paired)  # a paired sweep's AR baselines read the same: shown once
     assert list(t["method"]) == ["ar", "pld"]
     cat = (tmp_path / "rep" / "per_category.md").read_text().splitlines()
     ccols = [c.strip() for c in next(x for x in cat if x.startswith("| method")).strip("|").split("|")]
@@ -193,7 +193,7 @@ def test_report_numbers_match_records():
     a = raw["metrics"]["accept_rate_per_pos"]
     assert lev["alpha"] == pytest.approx(sum(a) / (1 + sum(a[:-1])))
     assert lev["bound_leviathan"] == pytest.approx(theory.leviathan_speedup(lev["alpha"], 4, c))
-    cat = report.per_category(df)
+    cat = tables.per_category(df)
     overall = cat[("tau", "overall")].loc[("leviathan (self_layers:1)", 0.0, 4, 1)]
     assert overall == pytest.approx(raw["metrics"]["tau"])
 
@@ -366,7 +366,7 @@ def test_identity_table_reads_first_divergence_from_tokens(tmp_path):
     pld1["requests"][4]["prompt_sha"] = "another prompt"  # not compared
     for r in recs:
         R.append(tmp_path / "records.jsonl", r)
-    t = report.identity_table(load(tmp_path / "records.jsonl"))
+    t = tables.identity_table(load(tmp_path / "records.jsonl"))
     row = t[(t["method"] == "pld") & (t["bs"] == 1)].iloc[0]
     assert (row["compared"], row["diverged"], row["median first divergence"], row["earliest"]) == (11, 1, 5.0, 5)
     assert row["identical %"] == pytest.approx(100 * 10 / 11)
@@ -414,7 +414,7 @@ def test_per_category_keeps_each_data_set_apart():
 
     path = Path(__file__).resolve().parent.parent / "results/baselines/bench-training-free-cpu-2026-11-26.jsonl"
     df = load(path)
-    cat = report.per_category(df)
+    cat = tables.per_category(df)
     for ds in ("mt_bench", "humaneval", "gsm8k"):
         raw = df[(df["method"] == "pld") & (df["dataset"] == ds)].iloc[0]
         assert cat[("tau", "overall")].loc[(f"pld ({ds})", 0.0, 4, 1)] == pytest.approx(raw["tau"])
@@ -431,7 +431,7 @@ def test_an_interval_that_misses_its_point_still_plots(tmp_path):
     df.loc[sd, "speedup_lo"] = df.loc[sd, "speedup"] + 0.05
     df.loc[sd, "speedup_hi"] = df.loc[sd, "speedup"] + 0.10
     written = []
-    report.fig_speedup_vs(df, tmp_path, written, "bs", "batch size (log2)", "speedup_vs_batch", log2=True)
+    figures.fig_speedup_vs(df, tmp_path, written, "bs", "batch size (log2)", "speedup_vs_batch", log2=True)
     assert any(p.name == "speedup_vs_batch.png" for p in written)
 
 
@@ -473,7 +473,7 @@ def test_a_speedup_above_its_bound_is_flagged_in_words(tmp_path):
     for r in (ar, bad, fine):
         R.append(p, r)
     from analysis.load import load
-    from analysis.report import paper_sweep, sweep_table
+    from analysis.tables import paper_sweep, sweep_table
 
     df = load(p)
     assert df.set_index("method").loc["pld", "above_bound"].startswith("speedup 1.90x")
@@ -490,7 +490,7 @@ def test_identity_table_takes_its_reference_ar_from_the_same_engine_kernel_and_c
     p = tmp_path / "records.jsonl"
     for r in recs:
         R.append(p, r)
-    ours = report.identity_table(load(p))
+    ours = tables.identity_table(load(p))
     vllm = json.loads(json.dumps(next(r for r in recs if r["method"] == "ar")))
     vllm.update(job_id="vllm-ar", backend="vllm", backend_version="0.32.0", kernel=None)
     for rq in vllm["requests"]:
@@ -498,7 +498,7 @@ def test_identity_table_takes_its_reference_ar_from_the_same_engine_kernel_and_c
     p2 = tmp_path / "both.jsonl"
     for r in [vllm, *recs]:  # vLLM's AR first: the earliest AR at the smallest batch size
         R.append(p2, r)
-    both = report.identity_table(load(p2))
+    both = tables.identity_table(load(p2))
     assert both.equals(ours) and (ours["identical %"] == 100.0).all()
 
 
@@ -516,7 +516,7 @@ def test_a_report_of_twelve_methods_shows_all_twelve_in_every_per_method_figure(
     for i, name in enumerate(names):
         R.append(p, dict(json.loads(json.dumps(pld)), method=name, job_id=f"j{i}"))
     figs = {}
-    monkeypatch.setattr(report, "save", lambda fig, out, name, written: figs.setdefault(name, fig))
+    monkeypatch.setattr(figures, "save", lambda fig, out, name, written: figs.setdefault(name, fig))
     report.build(p, tmp_path / "rep")
     ticks = [t.get_text() for ax in figs["speedup_vs_bound"].axes for t in ax.get_xticklabels()]
     assert sorted(n for n in names if any(t.startswith(n) for t in ticks)) == names
@@ -557,6 +557,6 @@ def test_a_bound_reads_the_curve_profiled_in_the_shape_its_job_verifies():
     dense, shaped = {"name": "dense"}, {"name": "shaped", "ragged": True, "tree": True}
     chain1 = {"bs": 1, "K": 4, "forward_nodes": 4.0}
     tree4 = {"bs": 4, "K": 3, "forward_nodes": 7.0}
-    assert report.same_shape([dense, shaped], chain1) == [dense]
-    assert report.same_shape([dense, shaped], tree4) == [shaped]
-    assert report.same_shape([dense], tree4) == [dense]
+    assert bounds.same_shape([dense, shaped], chain1) == [dense]
+    assert bounds.same_shape([dense, shaped], tree4) == [shaped]
+    assert bounds.same_shape([dense], tree4) == [dense]

@@ -533,7 +533,7 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(tiny_dirs, tmp_path, mo
 def test_the_recorded_K_is_the_methods_own(tiny_dirs, tmp_path, monkeypatch):
     """A job records the speculation length its method runs, not a K the method ignores: EAGLE's
     tree depth, Lookahead's N - 1, none for REST and AR; the analysis tables keep jobs without one."""
-    from analysis import load, report
+    from analysis import load, report, tables
     from methods.ar import AR
     from methods.eagle import AUTO, Eagle
     from methods.lookahead import Lookahead
@@ -571,9 +571,9 @@ def test_the_recorded_K_is_the_methods_own(tiny_dirs, tmp_path, monkeypatch):
     assert (recs["ar"]["K"], recs["pld"]["K"], recs["unshaped"]["K"]) == (None, 3, None)
     assert len(recs["pld"]["metrics"]["accept_rate_per_pos"]) == 3  # positions up to K, as before
     df = load.load(tmp_path / "records.jsonl")
-    table = report.sweep_table(df).set_index("method")
+    table = tables.sweep_table(df).set_index("method")
     assert table.loc["pld", "K"] == 3 and table.loc["unshaped", "K"] is pd.NA
-    cats = report.per_category(df).reset_index()
+    cats = tables.per_category(df).reset_index()
     assert set(cats["method"]) == {"pld", "unshaped"}
     assert cats.loc[cats["method"] == "unshaped", "K"].isna().all()
 

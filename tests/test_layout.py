@@ -75,9 +75,9 @@ def test_a_circle_is_seen():
 
 
 # Modules still over the size a newcomer reads in one sitting; each is to be split (issue 45
-# item 5: the drafter formats into a registry, the report into figures, tables and the CLI).
+# item 5).
 # The list may only shrink.
-OVERSIZED = {"specbench/verify.py", "specbench/kv.py", "analysis/report.py"}
+OVERSIZED = {"specbench/verify.py", "specbench/kv.py"}
 MAX_LINES = 450
 
 

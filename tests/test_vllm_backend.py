@@ -205,13 +205,13 @@ def test_our_medusa_heads_export_in_vllms_layout_with_our_scores(tiny_dirs, tmp_
 
 
 def test_the_report_puts_the_two_engines_side_by_side(tiny_dirs, tmp_path, fake_vllm):
-    from analysis import report
+    from analysis import load, report, tables
 
     runner.job(vcfg(tiny_dirs, tmp_path, method=PLD, K=3, ar_baseline="paired"), sweep_id="v")
     runner.job(tiny_cfg(tiny_dirs, tmp_path, method=PLD, K=3, ar_baseline="paired"), sweep_id="o")
     written = report.build(tmp_path / "records.jsonl", tmp_path / "rep")
     assert tmp_path / "rep" / "engines.md" in written and tmp_path / "rep" / "engines.png" in written
-    t = report.engines_table(report.load(tmp_path / "records.jsonl"))
+    t = tables.engines_table(load.load(tmp_path / "records.jsonl"))
     row, = t.to_dict("records")
     assert row["method"] == "pld K=3" and row["specbench tau"] >= 1 and row["vllm tau"] >= 1
     assert row["vllm tau (drafted steps)"] >= row["vllm tau"] - 1e-9

@@ -1,0 +1,378 @@
+"""The report's figures (vector PDF + PNG): speedup against batch size, K, context length and
+concurrency; acceptance per position; time by phase; the measured speedup beside its bounds;
+acceptance-length histograms; serving latency; K=auto; the two engines; the simulator's policies.
+Every per-method figure shows every row (more panels when many) with distinct colour and marker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from analysis.load import k_label, method_rows, setting_of  # noqa: E402
+from analysis.tables import engines_table  # noqa: E402
+
+
+PHASES = ["prefill", "draft", "verify", "accept", "other"]
+
+
+PHASES = ["prefill", "draft", "verify", "accept", "other"]
+PHASE_COLORS = {"prefill": "#9e9e9e", "draft": "#4c72b0", "verify": "#dd8452", "accept": "#55a868", "other": "#c4c4c4"}
+
+
+PHASE_COLORS = {"prefill": "#9e9e9e", "draft": "#4c72b0", "verify": "#dd8452", "accept": "#55a868", "other": "#c4c4c4"}
+PALETTE = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c", "#ccb974"]
+
+
+MARKERS = ["o", "s", "^", "D", "v", "P"]
+
+
+MARKERS = ["o", "s", "^", "D", "v", "P"]
+HATCHES = ["", "////", "....", "xxxx", "\\\\", "++"]
+
+
+def colors(labels) -> dict:
+    return {lab: PALETTE[i % len(PALETTE)] for i, lab in enumerate(sorted(set(labels)))}
+
+
+def markers(labels) -> dict:
+    """Each label's marker: the palette's colours repeat past its length, the marker (and, for
+    bars, the hatch: ``hatches``) changes with each round, so no two series look alike."""
+    return {lab: MARKERS[(i // len(PALETTE)) % len(MARKERS)] for i, lab in enumerate(sorted(set(labels)))}
+
+
+def hatches(labels) -> dict:
+    return {lab: HATCHES[(i // len(PALETTE)) % len(HATCHES)] for i, lab in enumerate(sorted(set(labels)))}
+
+
+def subtitle(df: pd.DataFrame) -> str:
+    parts = []
+    for col in ("model", "dataset", "device", "dtype"):
+        vals = sorted({str(v).split("/")[-1] for v in df[col].dropna()})
+        if vals:
+            parts.append(", ".join(vals))
+    temps = sorted(set(df["temperature"]))
+    parts.append("greedy" if temps == [0.0] else "T=" + ",".join(f"{t:g}" for t in temps))
+    return " · ".join(parts)
+
+
+def save(fig, out: Path, name: str, written: list) -> None:
+    for ext in ("pdf", "png"):
+        p = out / f"{name}.{ext}"
+        fig.savefig(p)
+        written.append(p)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- figures
+def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
+    sd = method_rows(df).dropna(subset=["speedup"])
+    sd = sd[sd[xcol].notna()]
+    sd = sd[sd.groupby("series")[xcol].transform("nunique") >= 2]  # a series with one point is no curve
+    if sd.empty:
+        return
+    cmap, mk = colors(sd["series"]), markers(sd["series"])
+    fig, ax = plt.subplots(figsize=(4.6, 3.2))
+    for lab, g in sd.groupby("series"):
+        g = g.groupby(xcol, as_index=False)[["speedup", "speedup_lo", "speedup_hi"]].mean().sort_values(xcol)
+        ax.plot(g[xcol], g["speedup"], marker=mk[lab], ms=4, lw=1.5, color=cmap[lab], label=lab)
+        ci = g.dropna(subset=["speedup_lo", "speedup_hi"])
+        if not ci.empty:  # 95% bootstrap interval over batches
+            # a percentile interval of a ratio of ratios can miss its own point estimate (two batches
+            # resampled): the bar then starts at the point
+            ax.errorbar(ci[xcol], ci["speedup"], yerr=[(ci["speedup"] - ci["speedup_lo"]).clip(lower=0),
+                                                       (ci["speedup_hi"] - ci["speedup"]).clip(lower=0)],
+                        fmt="none", ecolor=cmap[lab], elinewidth=0.9, capsize=2.5)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--", label="AR (1.0x)")
+    if log2:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(sd[xcol].unique()))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("speedup over AR (tokens/s ratio)")
+    ax.set_title(f"Speedup vs {xlabel.split(' (')[0]} (bars: 95% bootstrap CI)\n{subtitle(df)}")
+    if sd["series"].nunique() > 5:
+        ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    else:
+        ax.legend(frameon=False, fontsize=7, loc="best")
+    save(fig, out, name, written)
+
+
+def fig_quality(df, out, written):
+    """Speedup against task score lost (method's score - AR's on the same prompts), one
+    panel per scored data set: where a lossy rule buys its speed."""
+    sd = method_rows(df).dropna(subset=["speedup", "quality", "quality_ar"])
+    if sd.empty:
+        return
+    sets = sorted(sd["dataset"].unique())
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.8 * len(sets), 3.6), squeeze=False)
+    fig.subplots_adjust(wspace=0.35)
+    cmap = colors(sd["label"])
+    for ax, ds in zip(axes[0], sets):
+        g = sd[sd["dataset"] == ds]
+        for lab, h in g.groupby("label"):
+            lossy = not bool(h["lossless"].iloc[0])
+            ax.scatter(h["speedup"], 100 * (h["quality"] - h["quality_ar"]), color=cmap[lab], label=lab,
+                       marker="x" if lossy else "o", s=28)
+        ax.axhline(0.0, color="k", lw=0.8, ls="--")
+        ax.axvline(1.0, color="k", lw=0.8, ls=":")
+        ax.set_xlabel("speedup over AR")
+        ax.set_ylabel(f"{g['quality_metric'].iloc[0]} - AR's (points)")
+        ax.set_title(f"{ds}: speed vs quality (x = lossy rule)")
+        ax.legend(frameon=False, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
+    save(fig, out, "speedup_vs_quality", written)
+
+
+def fig_acceptance(df, out, written):
+    sd = method_rows(df)
+    sd = sd[sd["alphas"].map(len) > 0]
+    if sd.empty:
+        return
+    # one line per (label, K): the largest batch size only would hide nothing for greedy
+    # the largest K of each series shows every position; smaller K repeat its prefix
+    cmap, mk = colors(sd["series"]), markers(sd["series"])
+    fig, ax = plt.subplots(figsize=(4.6, 3.2))
+    seen = set()
+    for lab, g in sd.groupby("series"):
+        r = g.sort_values("K").iloc[-1]
+        a = r["alphas"]
+        ax.plot(range(1, len(a) + 1), a, marker=mk[lab], ms=3.5, lw=1.3, color=cmap[lab], label=f"{lab}{k_label(r, ', ')}")
+        seen.add(lab)
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel(r"acceptance rate $\alpha_i$ (share of steps)")
+    ax.set_ylim(0, 1.02)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_title(f"Acceptance per position\n{subtitle(df)}")
+    ax.legend(frameon=False, fontsize=7, ncol=1 if len(seen) < 5 else 2)
+    save(fig, out, "acceptance_per_position", written)
+
+
+def fig_time_split(df, out, written):
+    rows = df.dropna(subset=["wall_s"]).copy()
+    if rows.empty:
+        return
+    rows["name"] = rows.apply(lambda r: r["label"] + k_label(r)
+                              + f" bs={int(r['bs'])}", axis=1)
+    rows = rows.drop_duplicates("name", keep="last").sort_values(["bs", "method", "K"], na_position="first")
+    if len(rows) > 14:
+        rows = rows[rows["bs"] == rows["bs"].min()]
+    fig, ax = plt.subplots(figsize=(5.2, 0.42 * len(rows) + 1.2))
+    y = np.arange(len(rows))
+    left = np.zeros(len(rows))
+    for ph in PHASES:
+        share = (rows[f"t_{ph}"].fillna(0) / rows["wall_s"]).to_numpy()
+        ax.barh(y, share, left=left, color=PHASE_COLORS[ph], label=ph, height=0.65)
+        left += share
+    for i, (_, r) in enumerate(rows.iterrows()):
+        ax.text(1.01, i, f"verify {r['verify_share']:.0%}", va="center", fontsize=7.5)
+    ax.set_yticks(y, rows["name"])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.0)
+    ax.set_xlabel("share of generation time")
+    ax.grid(axis="y", visible=False)
+    ax.set_title(f"Where the time goes\n{subtitle(df)}")
+    ax.legend(frameon=False, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / len(rows)))
+    save(fig, out, "time_split", written)
+
+
+def fig_serving(df, out, written):
+    """The serving plot: output tokens/s against median TPOT, one line per method (and batching
+    mode), points at each concurrency (labelled); up and left is better."""
+    d = df.dropna(subset=["tpot_p50", "tokens_per_s"])
+    d = d[d.groupby("label")["bs"].transform("nunique") >= 2]
+    if d.empty:
+        return
+    cmap, mk = colors(d["label"]), markers(d["label"])
+    fig, ax = plt.subplots(figsize=(4.8, 3.4))
+    for lab, g in d.groupby("label"):
+        g = g.groupby("bs", as_index=False)[["tpot_p50", "tokens_per_s"]].mean().sort_values("bs")
+        ls = "--" if "[continuous" in lab else "-"
+        ax.plot(g["tpot_p50"] * 1e3, g["tokens_per_s"], marker=mk[lab], ms=4, lw=1.4, ls=ls, color=cmap[lab], label=lab)
+        for _, p in g.iterrows():
+            ax.annotate(f"{int(p['bs'])}", (p["tpot_p50"] * 1e3, p["tokens_per_s"]), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("TPOT p50 (ms per output token)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"Throughput against latency (points: concurrency; dashed: continuous)\n{subtitle(df)}")
+    ax.legend(frameon=False, fontsize=6.5, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    save(fig, out, "throughput_vs_tpot", written)
+
+
+def fig_speedup_vs_concurrency(df, out, written):
+    """Speedup of each serving job against its concurrency, with the batch-aware bound read at the
+    batch its steps really ran at (the measured rows in flight)."""
+    d = method_rows(df[df["batching"] == "continuous"]).dropna(subset=["speedup"]) if "batching" in df else pd.DataFrame()
+    d = d[d.groupby("series")["bs"].transform("nunique") >= 2] if not d.empty else d
+    if d.empty:
+        return
+    cmap, mk = colors(d["series"]), markers(d["series"])
+    fig, ax = plt.subplots(figsize=(4.6, 3.2))
+    for lab, g in d.groupby("series"):
+        g = g.groupby("bs", as_index=False)[["speedup", "bound_batch"]].mean().sort_values("bs")
+        ax.plot(g["bs"], g["speedup"], marker=mk[lab], ms=4, lw=1.5, color=cmap[lab], label=lab)
+        if g["bound_batch"].notna().any():
+            ax.plot(g["bs"], g["bound_batch"], ls=":", lw=1.2, color=cmap[lab])
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(d["bs"].unique()))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("concurrency (requests in flight, log2)")
+    ax.set_ylabel("speedup over AR at the same load")
+    ax.set_title(f"Serving speedup (dotted: batch-aware bound at the measured rows in flight)\n{subtitle(df)}")
+    ax.legend(frameon=False, fontsize=7, loc="best")
+    save(fig, out, "speedup_vs_concurrency", written)
+
+
+def fig_tuned(df, out, written):
+    """K=auto against fixed settings: per tuned method, speedup against batch size for every fixed
+    setting measured (thin) and for K=auto (bold, its choice written at each point)."""
+    sd = method_rows(df).dropna(subset=["speedup"])
+    if sd.empty or not sd["K_auto"].any():
+        return
+    tuned = sorted(sd[sd["K_auto"]]["series"].unique())
+    fig, axes = plt.subplots(1, len(tuned), figsize=(4.4 * len(tuned), 3.3), squeeze=False)
+    for ax, series in zip(axes[0], tuned):
+        a = sd[sd["series"] == series]
+        keys = list(a.iloc[-1]["tuned_chosen"] or {})
+        fixed = sd[(~sd["K_auto"]) & (sd["series"] == series.replace(" (K=auto)", "", 1))].copy()
+        fixed["setting"] = fixed.apply(lambda r: setting_of(r, keys), axis=1)
+        shades = plt.cm.viridis(np.linspace(0.1, 0.85, max(1, fixed["setting"].nunique())))
+        for shade, (st, g) in zip(shades, fixed.groupby("setting")):
+            g = g.groupby("bs", as_index=False)["speedup"].mean().sort_values("bs")
+            ax.plot(g["bs"], g["speedup"], marker=".", lw=1.0, color=shade, label=st)
+        g = a.groupby("bs", as_index=False).agg(speedup=("speedup", "mean")).sort_values("bs")
+        ax.plot(g["bs"], g["speedup"], marker="o", ms=5, lw=2.2, color="#222222", label="K=auto")
+        for _, r in a.drop_duplicates("bs", keep="last").iterrows():
+            ax.annotate(setting_of(r, keys), (r["bs"], r["speedup"]), fontsize=6, xytext=(3, 4),
+                        textcoords="offset points")
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        if sd["bs"].nunique() > 1:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted(a["bs"].unique()))
+            ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("batch size / concurrency (log2)")
+        ax.set_ylabel("speedup over AR")
+        ax.set_title(series.replace(" (K=auto)", ""), fontsize=9)
+        ax.legend(frameon=False, fontsize=6, loc="best")
+    fig.suptitle(f"K=auto (bold) against each fixed setting\n{subtitle(df)}", fontsize=9)
+    save(fig, out, "tuned_vs_fixed", written)
+
+
+def fig_engines(df, out, written):
+    """Speedup over each engine's own AR, our engine beside vLLM, per method and batch size."""
+    t = engines_table(df)
+    if t.empty:
+        return
+    other = [c[:-len(" speedup")] for c in t.columns if c.endswith(" speedup") and not c.startswith("specbench")][0]
+    t = t.assign(name=t["method"] + ", bs=" + t["bs"].astype(str) + ", " + t["dataset"])
+    fig, axes = plt.subplots(1, 2, figsize=(max(5.5, 1.1 * len(t) + 2.5), 3.3))
+    x = np.arange(len(t))
+    for ax, col, ylab in ((axes[0], "speedup", "speedup over its own AR"), (axes[1], "tau", "tau (every step)")):
+        ax.bar(x - 0.2, t[f"specbench {col}"], 0.4, label="specbench", color="#4477aa")
+        ax.bar(x + 0.2, t[f"{other} {col}"], 0.4, label=other, color="#ee6677")
+        ax.set_xticks(x)
+        ax.set_xticklabels(t["name"], rotation=30, ha="right", fontsize=6)
+        ax.set_ylabel(ylab)
+        if col == "speedup":
+            ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.legend(frameon=False, fontsize=7)
+    fig.suptitle(f"The same jobs on two engines\n{subtitle(df)}", fontsize=9)
+    save(fig, out, "engines", written)
+
+
+BARS_PER_PANEL = 10  # a bound figure holds every job: past this many bars, one more panel below
+
+
+def fig_bounds(df, out, written):
+    sd = method_rows(df).dropna(subset=["speedup"]).copy()
+    if sd.empty:
+        return
+    one = sd["label"].nunique() == 1  # a single method: name it once, in the title
+
+    def short(r):
+        lab = r["series"][len(r["label"]):].lstrip(", ") if one else r["series"]
+        lab = lab.replace(" (", "\n(").replace(", ", "\n")
+        return (lab + "\n" if lab else "") + f"{k_label(r, '')} bs={int(r['bs'])}".lstrip()
+
+    sd["name"] = sd.apply(short, axis=1)
+    sd = sd.drop_duplicates("name", keep="last")
+    series = [("measured", "speedup", "#222222"), ("Leviathan closed form", "bound_leviathan", "#4c72b0"),
+              ("per-position form", "bound_per_position", "#55a868"), ("batch-aware (cost curve)", "bound_batch", "#dd8452")]
+    series = [s for s in series if sd[s[1]].notna().any()]
+    panels = [sd.iloc[i:i + BARS_PER_PANEL] for i in range(0, len(sd), BARS_PER_PANEL)]
+    width = min(len(sd), BARS_PER_PANEL)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(4.6, 1.35 * width + 1.5), 3.4 * len(panels)), squeeze=False)
+    ymax = np.nanmax(sd[[s[1] for s in series]].to_numpy(dtype=float))
+    for ax, part in zip(axes[:, 0], panels):
+        x = np.arange(len(part))
+        w = 0.8 / len(series)
+        for i, (lab, col, colr) in enumerate(series):
+            ax.bar(x + (i - (len(series) - 1) / 2) * w, part[col].fillna(0), width=w, color=colr, label=lab,
+                   edgecolor="white", lw=0.5)
+        for j, (_, r) in enumerate(part.iterrows()):
+            if isinstance(r.get("above_bound"), str):  # not a result: its AR baseline ran slow
+                ax.text(x[j], r["speedup"] * 1.02, "above tau:\nAR slowed?", ha="center", va="bottom", fontsize=6.5,
+                        color="#c44e52", fontweight="bold")
+                continue
+            # the gap: measured as a share of the Leviathan closed form
+            b = r.get("bound_leviathan")
+            if b is not None and np.isfinite(b) and b > 0:
+                top = np.nanmax([r["speedup"], b, r.get("bound_per_position", np.nan), r.get("bound_batch", np.nan)])
+                ax.text(x[j], top + 0.03 * max(1.0, top), f"{r['speedup'] / b:.0%}", ha="center", fontsize=7)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks(x, part["name"], fontsize=7)
+        ax.set_ylabel("speedup over AR")
+        ax.grid(axis="x", visible=False)
+        ax.set_ylim(0, max(1.3, ymax * 1.25))
+    what = f"{sd['label'].iloc[0]}: measured" if one else "Measured"
+    axes[0, 0].set_title(f"{what} speedup against the theoretical bounds (% = measured / closed form)\n{subtitle(df)}")
+    axes[0, 0].legend(frameon=False, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    save(fig, out, "speedup_vs_bound", written)
+
+
+def fig_hist(df, out, written):
+    sd = method_rows(df)
+    sd = sd[sd["hist"].map(lambda h: sum(h) > 0)]
+    if sd.empty:
+        return
+    sd = sd.sort_values("K").drop_duplicates("series", keep="last")
+    fig, ax = plt.subplots(figsize=(4.6, 3.2))
+    cmap, hat = colors(sd["series"]), hatches(sd["series"])
+    n = len(sd)
+    w = 0.8 / n
+    for i, (_, r) in enumerate(sd.iterrows()):
+        h = np.array(r["hist"], dtype=float)
+        h = h / h.sum()
+        xs = np.arange(len(h)) + 1 + (i - (n - 1) / 2) * w
+        ax.bar(xs, h, width=w, color=cmap[r["series"]], hatch=hat[r["series"]], edgecolor="white", lw=0.3, label=f"{r['series']}{k_label(r, ', ')} (tau {r['tau']:.2f})")
+    ax.set_xlabel("tokens emitted per step (accepted drafts + 1)")
+    ax.set_ylabel("share of steps")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_title(f"Acceptance-length histogram\n{subtitle(df)}")
+    ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    save(fig, out, "accept_length_hist", written)
+
+
+def fig_simulator(sim: pd.DataFrame, df, out, written):
+    if sim.empty:
+        return
+    sim = sim[(sim["bs"] == sim["bs"].min()) & (sim["dataset"] == sim["dataset"].iloc[0])].drop_duplicates("name",
+                                                                                                          keep="last")
+    fig, ax = plt.subplots(figsize=(max(4.2, 0.9 * len(sim) + 1.5), 3.0))
+    x = np.arange(len(sim))
+    w = 0.27
+    ax.bar(x - w, sim["measured"].fillna(0), w, color="#222222", label="measured")
+    ax.bar(x, sim["fixed_k"].fillna(0), w, color="#4c72b0", label="simulated fixed K")
+    ax.bar(x + w, sim["oracle_k"].fillna(0), w, color="#dd8452", label="oracle K (upper bound)")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(x, sim["name"], rotation=15, ha="right")
+    ax.set_ylabel("speedup over AR")
+    ax.grid(axis="x", visible=False)
+    ax.set_title(f"Trace-driven simulation, bs={int(sim['bs'].iloc[0])}, {sim['dataset'].iloc[0]}\n{subtitle(df)}")
+    ax.legend(frameon=False, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    save(fig, out, "simulator", written)
