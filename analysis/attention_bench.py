@@ -39,10 +39,10 @@ def _enable_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, sca
 
 def main(argv=None) -> int:
     from specbench import backends
-    from specbench.draft import tree_geometry
-    from specbench.kv import RaggedCache
+    from specbench.decode.draft import tree_geometry
+    from specbench.decode.kv import RaggedCache
     from specbench.models import cached_model, model_cfg, resolve_device, resolve_dtype
-    from specbench.timing import sync
+    from specbench.decode.timing import sync
 
     ap = argparse.ArgumentParser(prog="python -m analysis.attention_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")

@@ -19,7 +19,7 @@ import math
 import sys
 from pathlib import Path
 
-from specbench import records as R
+from specbench.run import records as R
 
 IDENTITY = ("method", "model", "draft", "K", "bs", "ctx", "dataset", "limit", "temperature", "top_k", "top_p",
             "max_new_tokens", "dtype", "device", "seed")

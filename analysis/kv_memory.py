@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
-from specbench.monitor import PeakMemory
+from specbench.run.monitor import PeakMemory
 
 # (label, verify nodes a step incl. the root, most drafts a step keeps): AR, PLD K=4, EAGLE's
 # CPU tree (6 nodes) and its GPU tree (60)
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--kv-module", help="a kv.py to load RaggedCache from (default: specbench.kv)")
+    ap.add_argument("--kv-module", help="a kv.py to load RaggedCache from (default: specbench.decode.kv)")
     ap.add_argument("--label", default=None)
     a = ap.parse_args(argv)
     if a.kv_module:
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         kv = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(kv)
     else:
-        from specbench import kv
+        from specbench.decode import kv
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     rows = []
     for m in a.methods.split(","):
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         for bs in [int(x) for x in a.bs.split(",")]:
             r = {"method": m, **run(kv, bs, a.ctx, a.new, nodes, keep, (a.layers, a.kv_heads, a.head_dim), dtype)}
             rows.append(r)
-            print(f"{a.label or a.kv_module or 'specbench.kv'}: {m:<9} bs={bs:<4} ctx={a.ctx} peak "
+            print(f"{a.label or a.kv_module or 'specbench.decode.kv'}: {m:<9} bs={bs:<4} ctx={a.ctx} peak "
                   f"{r['peak_bytes'] / 2**30:6.2f} GiB, KV {r['kv_bytes'] / 2**30:6.2f} GiB: "
                   f"{r['peak_over_kv']:.2f}x ({r['seconds']} s)", flush=True)
     print(json.dumps({"bench": "kv_memory", "label": a.label, "dtype": a.dtype, "rows": rows}))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import theory
-from specbench import records as R
+from specbench.run import records as R
 
 KEY = list(R.BASELINE_KEYS)
 

@@ -25,12 +25,12 @@ import torch
 from omegaconf import OmegaConf
 
 from specbench import backends
-from specbench import records as R
+from specbench.run import records as R
 from specbench.costs import forward_time, forward_times
 from specbench.errors import ConfigError
 from specbench.models import (check_compile, compile_forward, load_model, resolve_device, resolve_dtype, self_layers_draft)
 from specbench.paths import CONF_DIR
-from specbench.timing import sync
+from specbench.decode.timing import sync
 
 
 def _median_seconds(f, device, reps: int) -> float:

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.load import _label, ar_baselines, method_rows, setting_of, spec_len
-from specbench import records as R
+from specbench.run import records as R
 
 
 def tuned_table(df) -> pd.DataFrame:

@@ -15,12 +15,12 @@ import time
 
 import torch
 
-from specbench.monitor import PeakMemory
+from specbench.run.monitor import PeakMemory
 
 
 def main(argv=None) -> int:
-    from specbench import verify
-    from specbench.verify import Sampling, warp
+    from specbench.decode import verify
+    from specbench.decode.verify import Sampling, warp
 
     ap = argparse.ArgumentParser(prog="python -m analysis.warp_memory", description=__doc__.splitlines()[0])
     ap.add_argument("--bs", type=int, default=32)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbench.draft import Draft
-from specbench.verify import Sampling
+from specbench.decode.draft import Draft
+from specbench.decode.verify import Sampling
 
 
 @dataclass
@@ -47,7 +47,7 @@ class MethodSpec:
     config_file: str | None = None
     lossless = True  # False for relaxed acceptance rules; recorded with every job
     # target hidden states the method drafts from ("final" = after the final norm, or a
-    # decoder layer index); the engine hands them to start() and update() (specbench.hidden)
+    # decoder layer index); the engine hands them to start() and update() (specbench.decode.hidden)
     hidden_layers: tuple = ()
 
     @classmethod
@@ -64,7 +64,7 @@ class MethodSpec:
 
     @classmethod
     def tune_space(cls, cfg, device: torch.device) -> list[dict]:
-        """The settings ``K=auto`` chooses among (``specbench.tune``), narrowest first, each a dict
+        """The settings ``K=auto`` chooses among (``specbench.run.tune``), narrowest first, each a dict
         of config overrides: ``{"K": 3}``, or a tree method's own keys (``{"method.depth": 2}``).
         By default the lengths in ``tune.K`` for a method whose drafts are ``cfg.K`` long (one
         that keeps the default ``spec_len``); [] for one with nothing to size."""
@@ -96,7 +96,7 @@ class MethodSpec:
     def vllm_config(cls, cfg) -> dict | None:
         """``backend=vllm``: the ``speculative_config`` vLLM runs this method with for ``cfg``
         (None: plain decoding). A method vLLM has no counterpart of leaves this as it is, and
-        ``backend=vllm`` refuses it, naming those that have one (``specbench.vllm_engine``)."""
+        ``backend=vllm`` refuses it, naming those that have one (``specbench.engines.vllm.engine``)."""
         raise NotImplementedError
 
     @classmethod
@@ -151,7 +151,7 @@ class Proposer(MethodSpec):
 
     def start(self, state: BatchState, hidden=None) -> None:
         """A new batch was prefilled; ``state.seqs`` hold prompt + first token. ``hidden``
-        (a ``specbench.hidden.Hidden``): the prompt tokens' states when asked for. By default the
+        (a ``specbench.decode.hidden.Hidden``): the prompt tokens' states when asked for. By default the
         ``per_row`` attributes are made anew (``new_rows``) and the wrapped proposers started."""
         if self.per_row:
             for k, v in self.new_rows(state, hidden).items():

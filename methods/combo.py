@@ -27,7 +27,7 @@ import methods
 from specbench import backends
 from methods.base import BatchState, Proposer
 from methods import member_cfg
-from specbench.draft import Draft
+from specbench.decode.draft import Draft
 from specbench.errors import ConfigError
 
 

@@ -16,13 +16,13 @@ from omegaconf import OmegaConf, open_dict
 from methods.base import BatchState, Proposer
 from specbench import backends, drafters
 from specbench.devices import to_device
-from specbench.draft import Draft, pad_rows
-from specbench.kv import RaggedCache
+from specbench.decode.draft import Draft, pad_rows
+from specbench.decode.kv import RaggedCache
 from specbench.errors import ConfigError
 from specbench.hf import max_positions, text_config
 from specbench.models import cached_model, load_config, load_tokenizer, model_cfg, self_layers_draft
 from specbench.paths import CONF_DIR, resolve_path
-from specbench.verify import greedy_pick, sample, warp
+from specbench.decode.verify import greedy_pick, sample, warp
 
 
 # The drafts shipped for packaged targets (conf/draft/<name>.yaml), which draft=auto chooses.

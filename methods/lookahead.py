@@ -28,9 +28,9 @@ from collections import OrderedDict
 
 
 from methods.base import BatchState, Proposer
-from specbench.draft import Draft, prefix_tree
+from specbench.decode.draft import Draft, prefix_tree
 from specbench.errors import ConfigError
-from specbench.verify import greedy_pick
+from specbench.decode.verify import greedy_pick
 
 
 # W, N and G by device (`auto`). On a GPU a verify of W*(N-1) + G*(N-1) = 42 nodes costs about

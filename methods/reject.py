@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from methods.base import BatchState, Proposer
-from specbench.draft import Draft
+from specbench.decode.draft import Draft
 from specbench.errors import ConfigError
 
 

@@ -30,7 +30,7 @@ import torch
 
 from methods.base import BatchState, Proposer
 from specbench import suffix_index
-from specbench.draft import Draft
+from specbench.decode.draft import Draft
 from specbench.errors import ConfigError
 from specbench.hf import text_config
 from specbench.paths import cache_dir, file_lock, resolve_path
@@ -58,7 +58,7 @@ def python_sources() -> list[Path]:
 def corpus(spec: str):
     """Yields the texts of a datastore (one entry each)."""
     if spec == "sharegpt":
-        from specbench import data as D
+        from specbench.run import data as D
 
         for conv in D.sharegpt_training():
             for role, text in conv["turns"]:

@@ -27,7 +27,7 @@ import sys
 import methods
 from methods import member_cfg
 from methods.base import BatchState, Proposer
-from specbench.draft import Draft
+from specbench.decode.draft import Draft
 from specbench.errors import ConfigError
 
 SEP = -1  # between corpus entries: no query holds it, so no match runs across two entries

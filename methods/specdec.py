@@ -15,11 +15,11 @@ import torch
 
 from methods.base import BatchState, Proposer
 from specbench import drafters
-from specbench.draft import Draft, pad_rows
-from specbench.kv import RaggedCache
+from specbench.decode.draft import Draft, pad_rows
+from specbench.decode.kv import RaggedCache
 from specbench.errors import ConfigError
 from specbench.paths import resolve_path
-from specbench.verify import greedy_pick, sample, warp
+from specbench.decode.verify import greedy_pick, sample, warp
 
 
 class SpecDec(Proposer):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 
 from methods.base import BatchState, Proposer
-from specbench.draft import Draft
+from specbench.decode.draft import Draft
 from specbench.errors import ConfigError
 
 

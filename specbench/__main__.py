@@ -84,7 +84,7 @@ def main() -> int:
         return 2
     import hydra
 
-    from specbench import runner
+    from specbench.run import runner
 
     @hydra.main(config_path="conf", config_name="config", version_base="1.3")
     def _app(cfg):

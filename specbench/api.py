@@ -10,8 +10,8 @@ engine shows a method each step, ``Draft`` what a method proposes (``Draft.chain
 """
 
 from methods.base import BatchState, MethodSpec, Proposer
-from specbench.draft import Draft, prefix_tree
+from specbench.decode.draft import Draft, prefix_tree
 from specbench.errors import ConfigError
-from specbench.verify import Sampling
+from specbench.decode.verify import Sampling
 
 __all__ = ["BatchState", "ConfigError", "Draft", "MethodSpec", "Proposer", "Sampling", "prefix_tree"]

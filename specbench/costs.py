@@ -1,6 +1,6 @@
 """The target's step cost: one forward's time over (batch size, tokens per row) through the
 engine's own cache (``forward_time``), and a profiled curve read between its points
-(``interp``). ``analysis.profile`` measures whole curves with them; ``K=auto`` (``specbench.tune``)
+(``interp``). ``analysis.profile`` measures whole curves with them; ``K=auto`` (``specbench.run.tune``)
 the few points it prices its candidates at."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from specbench.kv import RaggedCache
-from specbench.timing import sync
+from specbench.decode.kv import RaggedCache
+from specbench.decode.timing import sync
 
 
 def forward_time(model, bs: int, n: int, ctx: int, device, dtype, reps: int, vocab: int, ragged: bool = False,
@@ -42,7 +42,7 @@ def forward_times(model, bs: int, ns, ctx: int, device, dtype, reps: int, vocab:
         depth = torch.arange(n, device=device)[None].expand(bs, n)
         anc = None
         if tree and n > 2:  # node j's parent is (j - 1) // 2: two children a node
-            from specbench.draft import tree_geometry
+            from specbench.decode.draft import tree_geometry
 
             parents = torch.tensor([(j - 1) // 2 for j in range(1, n)], device=device)[None].expand(bs, n - 1)
             depth, anc = tree_geometry(parents)

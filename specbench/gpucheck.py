@@ -71,7 +71,7 @@ SIZES = {  # batch sizes, new tokens, profile points, suite selection, each step
 # ---------------------------------------------------------------------------- the kit (here)
 def build_kit(kit: Path = KIT) -> dict:
     """Write the kit into ``kit``; returns what it holds. Needs this machine's package registry."""
-    from specbench import data as D
+    from specbench.run import data as D
     from specbench.models import load_tokenizer, model_cfg
 
     if kit.exists():
@@ -281,10 +281,10 @@ def _collect(work: Path, out: Path, status: dict, a, kit: Path) -> None:
             text = (runs / name).read_text().replace(str(work), "$GPUCHECK").replace(str(kit), "$KIT") \
                 .replace(str(REPO) + "/", "")
             (out / name).write_text(text)
-    from specbench import records as R
+    from specbench.run import records as R
 
     if (out / "records.jsonl").exists():
-        from specbench.summary import summary_table
+        from specbench.run.summary import summary_table
 
         (out / "summary.txt").write_text(summary_table(R.read(out / "records.jsonl")) + "\n")
     if (work / "report").exists():

@@ -26,15 +26,15 @@ from omegaconf import OmegaConf
 from methods.ar import AR
 from methods.leviathan import Leviathan
 from methods.pld import PromptLookup
-from specbench import data as D
+from specbench.run import data as D
 from specbench import backends
-from specbench.engine import Engine
+from specbench.decode.engine import Engine
 from specbench.errors import ConfigError
 from specbench.hf import eos_ids
 from specbench.models import load_model, load_tokenizer, resolve_device, resolve_dtype, self_layers_draft
 from specbench.paths import CONF_DIR
-from specbench.timing import PhaseTimer, sync
-from specbench.verify import Sampling
+from specbench.decode.timing import PhaseTimer, sync
+from specbench.decode.verify import Sampling
 
 
 class ForwardCounter:

@@ -9,9 +9,9 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from methods.base import Proposer
-from specbench.engine import Engine
-from specbench.timing import PhaseTimer
-from specbench.verify import Sampling
+from specbench.decode.engine import Engine
+from specbench.decode.timing import PhaseTimer
+from specbench.decode.verify import Sampling
 
 CPU = torch.device("cpu")
 # The device the decode tests run on (``device`` fixture): ``SPECBENCH_TEST_DEVICE=cuda pytest -m "not slow"``
@@ -60,7 +60,7 @@ def serve_engine(model, proposer: Proposer | None, prompts, n, concurrency, arri
                  gen=None, prefill_chunk=None):
     """``batching=continuous``: the prompts as requests (arriving at ``arrivals`` seconds, else at
     once), at most ``concurrency`` in flight. Results in the prompts' order."""
-    from specbench.engine import Request, Requests
+    from specbench.decode.engine import Request, Requests
 
     proposer = proposer or Proposer(cfg_for(), model, None, DEVICE, torch.float32)
     eng = Engine(model, proposer, sampling or Sampling(), DEVICE, torch.float32, set(eos), PhaseTimer(DEVICE),

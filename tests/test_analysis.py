@@ -12,7 +12,7 @@ import torch
 from analysis import bounds, compare, figures, report, simulate, tables, theory
 from analysis.load import load
 from specbench.costs import interp
-from specbench import records as R
+from specbench.run import records as R
 
 FIX = Path(__file__).parent / "fixtures"
 
@@ -261,7 +261,7 @@ def test_nvml_monitor_with_a_fake_driver(monkeypatch):
     counter = iter([1_000_000, 1_250_000, 2_000_000, 2_100_000])
     fake.nvmlDeviceGetTotalEnergyConsumption = lambda h: next(counter)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    from specbench.monitor import NvmlMonitor
+    from specbench.run.monitor import NvmlMonitor
     import time
 
     mon = NvmlMonitor(index=0, interval_s=0.01)
@@ -279,7 +279,7 @@ def test_nvml_monitor_with_a_fake_driver(monkeypatch):
 def test_nvml_monitor_without_gpu_is_silent():
     import torch
 
-    from specbench.monitor import NvmlMonitor
+    from specbench.run.monitor import NvmlMonitor
 
     with NvmlMonitor(torch.device("cpu")) as mon:
         pass
@@ -317,7 +317,7 @@ def test_nvml_handle_follows_the_torch_device_by_uuid(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: types.SimpleNamespace(uuid="aaaa" if torch.device(d).index == 1 else "bbbb"))
-    from specbench.monitor import NvmlMonitor
+    from specbench.run.monitor import NvmlMonitor
 
     assert NvmlMonitor(torch.device("cuda:1")).h == "gpu3"
     assert NvmlMonitor(torch.device("cuda:0")).h is None  # unknown UUID: no reading rather than a wrong one
@@ -456,8 +456,8 @@ def test_bootstrap_interval_does_not_narrow_with_repeats_of_the_same_prompts():
 def test_a_speedup_above_its_bound_is_flagged_in_words(tmp_path):
     """Speedup 1.9 with tau 1.4: not a result (each step emits tau tokens and costs at least a
     forward), flagged in the sweep's summary and in the report's table."""
-    from specbench import records as R
-    from specbench.summary import summary_table
+    from specbench.run import records as R
+    from specbench.run.summary import summary_table
 
     base = {"status": "ok", "model": "m", "dataset": "mt_bench", "bs": 1, "K": 4, "temperature": 0.0,
             "sweep_id": "s", "requests": []}

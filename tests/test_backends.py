@@ -243,7 +243,7 @@ def test_argmax_rows_is_numpys_argmax_and_greedy_pick_takes_it(monkeypatch):
     through numpy otherwise) with the same answers on 1-3 dimensional logits."""
     import numpy as np
 
-    from specbench import verify
+    from specbench.decode import verify
 
     ext = extension.load()
     g = torch.Generator().manual_seed(0)
@@ -309,8 +309,8 @@ def test_gqa_attention_folds_queries_without_changing_the_forward(kernel, monkey
     pay no attention cost plain AR does not; logits as Hugging Face's."""
     import transformers.integrations.sdpa_attention as hf_sdpa
 
-    from specbench.draft import tree_geometry
-    from specbench.kv import RaggedCache
+    from specbench.decode.draft import tree_geometry
+    from specbench.decode.kv import RaggedCache
 
     repeats = []
     real_repeat = hf_sdpa.repeat_kv
@@ -367,8 +367,8 @@ def test_llama_layers_take_the_fused_forward_and_keep_the_layer_semantics():
     a layer under autograd keeps Hugging Face's forward."""
     import copy
 
-    from specbench.draft import tree_geometry
-    from specbench.kv import RaggedCache
+    from specbench.decode.draft import tree_geometry
+    from specbench.decode.kv import RaggedCache
 
     m, ref = tiny_llama(seed=2), tiny_llama(seed=2)
     backends.apply(m, "native")
@@ -404,9 +404,9 @@ def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
     Hugging Face's loop (taken when the cache's layer gives no room), and as the blocks under
     Hugging Face's loop (taken when a layer has a hook: a tap on its output), on a ragged batch,
     through tree and chain forwards, rejected nodes and buffer growth past its first 64 slots."""
-    from specbench.draft import tree_geometry
-    from specbench.hidden import Tap
-    from specbench.kv import RaggedCache, SlabLayer
+    from specbench.decode.draft import tree_geometry
+    from specbench.decode.hidden import Tap
+    from specbench.decode.kv import RaggedCache, SlabLayer
 
     m = tiny_llama(seed=4)
     backends.apply(m, "native")
@@ -478,7 +478,7 @@ def test_drafts_of_an_avx2_target_run_their_own_loop_over_the_fused_layers(monke
     is its own (SpecDec's queries) keeps Hugging Face's loop."""
     from specbench.drafters.draft_lm import DraftLM
     from specbench.drafters.specdec import SpecDrafter
-    from specbench.kv import RaggedCache
+    from specbench.decode.kv import RaggedCache
     from specbench.models import self_layers_draft
 
     m = tiny_llama(seed=5, layers=3)
@@ -525,7 +525,7 @@ def test_fused_stack_follows_every_change_to_the_layers():
     submodule or a layer replaced gives a rebuilt stack whose logits follow the change (those of
     Hugging Face's loop on an unpacked twin with the same change); a hook on a layer gives
     Hugging Face's loop until it is removed."""
-    from specbench.kv import RaggedCache
+    from specbench.decode.kv import RaggedCache
 
     m, ref = tiny_llama(seed=3), tiny_llama(seed=3)
     backends.apply(m, "native")

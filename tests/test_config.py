@@ -14,8 +14,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 import methods
-from specbench import records as R
-from specbench import hf, models, paths, runner
+from specbench.run import records as R
+from specbench import hf, models, paths
+from specbench.run import runner
 from specbench.__main__ import preprocess
 from specbench.errors import ConfigError
 
@@ -476,7 +477,7 @@ def test_a_device_side_error_stops_the_sweep_after_recording(tiny_dirs, tmp_path
 
 def test_forward_time_counted_once_and_hooks_removed_on_error(tiny_dirs, tmp_path, monkeypatch):
     from helpers import tiny_llama
-    from specbench.timing import PhaseTimer
+    from specbench.decode.timing import PhaseTimer
 
     model = tiny_llama(seed=0)
     timer = PhaseTimer(torch.device("cpu"))
@@ -579,7 +580,7 @@ def test_the_recorded_K_is_the_methods_own(tiny_dirs, tmp_path, monkeypatch):
 
 
 def test_ctx_prompts_have_exact_length(tiny_dirs, tmp_path, monkeypatch):
-    from specbench import data as D
+    from specbench.run import data as D
 
     monkeypatch.setattr(D, "long_texts", lambda: [" ".join(f"w{i % 90}" for i in range(400))])
     cfg = tiny_cfg(tiny_dirs, tmp_path, ctx=64)
@@ -813,7 +814,7 @@ def test_code_state_tells_uncommitted_states_apart(tmp_path):
 def test_bad_jsonl_lines_fail_in_one_line_with_a_record(tiny_dirs, tmp_path, lines, msg):
     path = tmp_path / "q.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    from specbench import data as D
+    from specbench.run import data as D
 
     with pytest.raises(ConfigError, match=msg.replace("[", r"\[")):
         D.read_jsonl_questions(path)
@@ -826,7 +827,7 @@ def test_bad_jsonl_lines_fail_in_one_line_with_a_record(tiny_dirs, tmp_path, lin
 def test_mt_bench_default_order_covers_every_category_first():
     """`dataset.order=categories` (MT-Bench's default) takes questions round-robin over the
     categories, so the default limit=8 asks one of each (the file's first ten are all writing)."""
-    from specbench import data as D
+    from specbench.run import data as D
 
     cfg = composed([])
     assert cfg.dataset.order == "categories" and cfg.limit == 8
@@ -907,7 +908,7 @@ def test_chunked_prefill_is_recorded_pairs_its_own_ar_and_keeps_the_tokens(tiny_
     assert {"pld K=4 [prefill 3]", "pld K=4 [continuous, prefill 3]"} <= labels or \
         {"pld [prefill 3]", "pld [continuous, prefill 3]"} <= labels, labels
     vllm = tiny_cfg(tiny_dirs, tmp_path, backend="vllm", prefill_chunk=3, method={"name": "ar"})
-    from specbench import vllm_engine
+    from specbench.engines.vllm import engine as vllm_engine
 
     from specbench.errors import ConfigError
 

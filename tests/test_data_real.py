@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from specbench import data as D
-from specbench import records as R
+from specbench.run import data as D
+from specbench.run import records as R
 
 from conftest import REPO
 

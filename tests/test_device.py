@@ -63,7 +63,7 @@ class Reads(torch.overrides.TorchFunctionMode):
 def reads_per_step(model, prop, prompts, n_new):
     """Host reads per decoding step of a static batch (prefill and the first pick excluded)."""
     from helpers import run_engine
-    from specbench.engine import Engine
+    from specbench.decode.engine import Engine
 
     steps = {}
     orig = Engine._step

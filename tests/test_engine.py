@@ -8,7 +8,7 @@ from methods.base import Proposer
 from methods.leviathan import Leviathan
 from methods.pld import NgramIndex, PromptLookup, lookup
 from methods.reject import Reject
-from specbench.draft import Draft
+from specbench.decode.draft import Draft
 from specbench.models import self_layers_draft
 
 N_NEW = 24
@@ -177,7 +177,7 @@ def test_slab_layer_keeps_what_a_concatenating_cache_keeps():
     """The engine's cache layer appends in place; under the RaggedCache's own edits (crop to a
     slice, drop left padding, select rows, move slots in place) it must hold exactly what
     torch.cat would."""
-    from specbench.kv import SlabLayer, _narrow
+    from specbench.decode.kv import SlabLayer, _narrow
 
     g = torch.Generator().manual_seed(0)
     layer, keys, vals = SlabLayer(), None, None
@@ -224,7 +224,7 @@ def test_commit_all_keeps_what_commit_keeps(model, aligned):
     """``commit_all`` (a draft model's own step: every row keeps all its new slots) leaves the
     cache as ``commit`` with every node kept does: rows ending at the cache's end (no copy) and
     ragged rows (slots moved behind each prefix)."""
-    from specbench.kv import RaggedCache
+    from specbench.decode.kv import RaggedCache
 
     caches = [RaggedCache(model, DEVICE, torch.float32) for _ in range(2)]
     with torch.inference_mode():
@@ -258,7 +258,7 @@ def test_cache_is_sized_once_per_batch_and_rows_leave_in_place(model):
     """With the batch's room given at prefill, no layer's buffer is ever replaced mid-batch
     (no doubling, no copy while the old one lives) and rows that leave are compacted inside the
     same storage; the rows that stay decode exactly as in a cache that never held the others."""
-    from specbench.kv import RaggedCache
+    from specbench.decode.kv import RaggedCache
 
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [17, 18]]
     with torch.inference_mode():

@@ -11,11 +11,11 @@ from methods.eagle import Eagle
 from methods.medusa import Medusa
 from specbench import backends
 from specbench.backends import extension, packing
-from specbench.draft import Draft
+from specbench.decode.draft import Draft
 from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.medusa import MedusaHeads, sparse_tree
-from specbench.hidden import Tap
-from specbench.verify import Sampling, verify
+from specbench.decode.hidden import Tap
+from specbench.decode.verify import Sampling, verify
 
 N_NEW = 20
 
@@ -184,7 +184,7 @@ def test_eagle_tree_expansion_matches_training_unroll(model):
     assert res[0].tokens[0] == seq[-1]
     # the drafter's chain from this prefix, step by step through train_forward
     from methods.base import BatchState
-    from specbench.hidden import Hidden
+    from specbench.decode.hidden import Hidden
 
     st = BatchState(seqs=[list(seq)], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=DEVICE)
     prop.start(st, Hidden({"final": f}, torch.tensor([f.shape[1]])))
@@ -198,7 +198,7 @@ def test_eagle1_static_tree_nodes_are_the_ranked_unroll(model):
     the static tree stays token-identical to AR."""
     from methods.base import BatchState
     from specbench.drafters import formats
-    from specbench.hidden import Hidden
+    from specbench.decode.hidden import Hidden
 
     paths = sorted(map(tuple, formats.named_trees("eagle")["mc_sim_7b_63"]), key=lambda p: (len(p), p))
     assert len(paths) == 25 and max(map(len, paths)) == 5
@@ -474,7 +474,7 @@ def test_eagle3_tree_expansion_matches_training_unroll():
     unrolling predicts from the same real prefix (inference and training agree)."""
     from methods.base import BatchState
     from specbench.drafters.eagle3 import Eagle3Drafter, layer_config
-    from specbench.hidden import Hidden
+    from specbench.decode.hidden import Hidden
 
     target = tiny_llama(seed=0, layers=8, scale=4.0)
     torch.manual_seed(3)

@@ -5,7 +5,7 @@ inside the timing after the compile warm-up, and peak memory from the CUDA alloc
 import pytest
 import torch
 
-from specbench import runner
+from specbench.run import runner
 from test_config import tiny_cfg
 
 pytestmark = pytest.mark.gpu

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 import methods
 from conftest import REPO
 from helpers import CPU, greedy_cases, run_engine, tiny_llama
-from specbench import records as R
+from specbench.run import records as R
 from specbench.errors import ConfigError
 
 PLUGIN = REPO / "examples" / "plugin"

@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 import methods
 from conftest import REPO
-from specbench import bench, schema
+from specbench import bench
+from specbench.run import schema
 from specbench.paths import CONF_DIR
 
 

@@ -302,7 +302,7 @@ def test_sampling_with_a_published_eagle3_follows_the_target(target8):
     its draft vocabulary, verified by the lossless rule) follow the target's exact marginals."""
     from helpers import chi2_pvalue
     from methods.eagle import Eagle
-    from specbench.verify import Sampling
+    from specbench.decode.verify import Sampling
     from test_verify import exact_marginals
 
     prop = Eagle(eagle_cfg(EAGLE3, version=3, top_k=3, depth=2, total_tokens=6), target8, None, CPU, torch.float32)

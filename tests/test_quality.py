@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from specbench import quality as Q
-from specbench.data import Question, gsm8k
+from specbench.run import quality as Q
+from specbench.run.data import Question, gsm8k
 
 
 @pytest.mark.parametrize("text,want", [

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from analysis import load as L
-from specbench import records as R
+from specbench.run import records as R
 
 from conftest import REPO
 

@@ -24,9 +24,9 @@ from methods import rest as R
 from methods.lookahead import Lookahead, Pool
 from methods.rest import Rest, build_datastore
 from methods.specdec import SpecDec
-from specbench.draft import Draft, prefix_tree, tree_geometry
+from specbench.decode.draft import Draft, prefix_tree, tree_geometry
 from specbench.drafters.specdec import SpecDrafter
-from specbench.verify import Sampling, verify
+from specbench.decode.verify import Sampling, verify
 
 N_NEW = 24
 V = 12  # vocabulary of the sampling tests

@@ -82,9 +82,9 @@ def test_greedy_identity_with_rows_joining(model, refs, datastore, name, early_e
 def test_arrivals_wait_and_follow_ups_join(model):
     """Requests arriving later are not started before they arrive; a request added by
     ``on_done`` (a follow-up turn) joins too; an idle engine waits for the next arrival."""
-    from specbench.engine import Engine, Request, Requests
-    from specbench.timing import PhaseTimer
-    from specbench.verify import Sampling
+    from specbench.decode.engine import Engine, Request, Requests
+    from specbench.decode.timing import PhaseTimer
+    from specbench.decode.verify import Sampling
 
     prompts = prompts_of([6, 4, 9], seed=3)
     arrivals = [0.0, 0.0, 0.3]  # the third arrives after the first two are done
@@ -168,9 +168,9 @@ def test_chunked_prefill_keeps_rows_decoding_between_pieces(model):
     whole, eng2 = serve_engine(model, None, [short, long_], N_NEW, concurrency=2)
     assert sum(t < whole[1].t_first for t in whole[0].chunks) == 0  # together, in one padded forward
 
-    from specbench.engine import Engine
-    from specbench.timing import PhaseTimer
-    from specbench.verify import Sampling
+    from specbench.decode.engine import Engine
+    from specbench.decode.timing import PhaseTimer
+    from specbench.decode.verify import Sampling
 
     eng = Engine(model, Proposer(test_engine.cfg_for(), model, None, DEVICE, torch.float32), Sampling(), DEVICE,
                  torch.float32, set(), PhaseTimer(DEVICE), prefill_chunk=8)
@@ -183,7 +183,7 @@ def test_chunked_prefill_keeps_rows_decoding_between_pieces(model):
 
 def _prefilled(model, prompts):
     """A ``RaggedCache`` of ``prompts`` prefilled together."""
-    from specbench.kv import RaggedCache
+    from specbench.decode.kv import RaggedCache
 
     c = RaggedCache(model, DEVICE, torch.float32)
     c.prefill(prompts)
@@ -288,9 +288,9 @@ def test_a_wider_row_joins_in_place_into_the_slack_left_of_the_batch(model):
 def test_a_follow_up_due_before_a_later_first_turn_is_admitted_first(model):
     """``Requests`` keeps arrival order when a follow-up is added: a turn-2 request ready now, with
     rows free, is not held behind a first turn that arrives seconds later."""
-    from specbench.engine import Engine, Request, Requests
-    from specbench.timing import PhaseTimer
-    from specbench.verify import Sampling
+    from specbench.decode.engine import Engine, Request, Requests
+    from specbench.decode.timing import PhaseTimer
+    from specbench.decode.verify import Sampling
 
     q = Requests([Request("a", [5, 6], 0.0), Request("late", [7, 8], 6.5)])
     assert [r.key for r in q.take(1, 0.0)] == ["a"]
@@ -314,7 +314,7 @@ def test_the_harness_work_between_turns_is_not_timed_as_the_engines(tiny_dirs, t
     the harness's work; a tokenizer whose decode sleeps 50 ms moves neither the wall nor accept."""
     import time as _time
 
-    from specbench import runner
+    from specbench.run import runner
     from specbench.models import load_tokenizer
     from test_config import tiny_cfg
 

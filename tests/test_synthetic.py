@@ -10,8 +10,8 @@ import torch
 
 import test_serving
 from helpers import serve_engine
-from specbench.draft import Draft
-from specbench.verify import Sampling, Synthetic, verify
+from specbench.decode.draft import Draft
+from specbench.decode.verify import Sampling, Synthetic, verify
 from test_config import tiny_cfg
 
 datastore = test_serving.datastore
@@ -117,7 +117,7 @@ def test_every_method_runs_under_synthetic_acceptance_with_rows_joining(model, r
 
 
 def test_a_synthetic_job_is_recorded_lossy_and_pairs_with_plain_ar(tiny_dirs, tmp_path):
-    from specbench import runner
+    from specbench.run import runner
 
     cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1},
                                          "accept": {"name": "synthetic", "rates": [0.9, 0.5]},
@@ -132,7 +132,7 @@ def test_a_synthetic_job_is_recorded_lossy_and_pairs_with_plain_ar(tiny_dirs, tm
     assert all(c == pytest.approx(x / p) for c, x, p in zip(m["accept_rate_per_pos_cond"][1:], a[1:], a) if p)
     per = [1 + rq["accepted"] / rq["steps"] for rq in rec["requests"] if rq["steps"]]
     assert m["tau_per_request"] == pytest.approx(sum(per) / len(per))
-    from specbench import records as R
+    from specbench.run import records as R
 
     assert R.baseline_key(rec) == R.baseline_key(ar)  # AR decodes the same under it: it pairs
     plain = dict(rec)
@@ -150,7 +150,7 @@ def test_a_synthetic_job_is_recorded_lossy_and_pairs_with_plain_ar(tiny_dirs, tm
 ])
 def test_bad_synthetic_settings_are_refused_in_one_line(tiny_dirs, tmp_path, over, msg):
     from specbench.errors import ConfigError
-    from specbench.validation import validate
+    from specbench.run.validation import validate
 
     with pytest.raises(ConfigError, match=msg):
         validate(tiny_cfg(tiny_dirs, tmp_path, **over))

@@ -15,7 +15,7 @@ from methods import combo as C
 from methods import recycle as TR
 from methods import sam as S
 from methods import suffix as SX
-from specbench.verify import Sampling
+from specbench.decode.verify import Sampling
 
 N_NEW = test_search_methods.N_NEW
 V = 12
@@ -326,7 +326,7 @@ def test_the_cursors_deepest_continuing_node_is_the_longest_match():
 def test_methods_that_learn_across_requests_are_not_timed_on_answers_they_memorised(tiny_dirs, tmp_path, method):
     """The warm-up (the job's first batch) and earlier repeats must not teach a method the answers
     it is then timed on: every repeat reads the acceptance of a fresh proposer without warm-up."""
-    from specbench import runner
+    from specbench.run import runner
     from test_config import composed, tiny_cfg
 
     own = {k: v for k, v in composed([f"method={method['name']}"]).method.items()}

@@ -1,9 +1,10 @@
-"""K=auto (specbench.tune): each setting a method lists is piloted on held-out prompts at the
+"""K=auto (specbench.run.tune): each setting a method lists is piloted on held-out prompts at the
 job's batch size and priced with the batch-aware bound; the job runs the best and records why."""
 
 import pytest
 
-from specbench import runner, tune
+from specbench.run import runner
+from specbench.run import tune
 from specbench.errors import ConfigError
 from test_config import tiny_cfg
 
@@ -25,7 +26,7 @@ def test_auto_pilots_held_out_prompts_and_records_the_choice(tiny_dirs, tmp_path
         assert len(c["accept_rate_per_pos"]) >= c["setting"]["K"]
     assert rec["metrics"]["match_ar"] == 1.0 and t["bs"] == 2
     # a fixed-K job with the chosen K is another job (resume does not take one for the other)
-    from specbench import records as R
+    from specbench.run import records as R
     fixed = dict(rec, K_auto=None)
     fixed.pop("K_auto")
     assert R.job_key(fixed) != R.job_key(rec)
@@ -33,7 +34,7 @@ def test_auto_pilots_held_out_prompts_and_records_the_choice(tiny_dirs, tmp_path
     for k in (1, 4):
         runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, K=k, **PLD), sweep_id="s")
     from analysis import report
-    from specbench.summary import summary_table
+    from specbench.run.summary import summary_table
 
     written = {p.name for p in report.build(tmp_path / "records.jsonl", tmp_path / "report")}
     assert {"tuned_vs_fixed.png", "tuned.md"} <= written
@@ -109,7 +110,7 @@ def test_the_cost_of_a_verify_is_timed_in_the_shape_the_job_runs(monkeypatch):
 
     from helpers import CPU, tiny_llama
     from specbench import costs
-    from specbench.kv import RaggedCache
+    from specbench.decode.kv import RaggedCache
 
     seen = []
     plain = RaggedCache.forward

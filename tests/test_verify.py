@@ -8,10 +8,10 @@ import torch
 
 from helpers import DEVICE, cfg_for, chi2_pvalue, run_engine, tiny_llama
 from methods.leviathan import Leviathan
-from specbench.draft import Draft, tree_geometry
-from specbench.kv import RaggedCache
+from specbench.decode.draft import Draft, tree_geometry
+from specbench.decode.kv import RaggedCache
 from specbench.models import self_layers_draft
-from specbench.verify import Sampling, verify, warp
+from specbench.decode.verify import Sampling, verify, warp
 
 V = 12
 
@@ -75,7 +75,7 @@ def test_greedy_tree_list_walk_gives_the_tensor_walks_verdict(monkeypatch):
     """Small trees on the DEVICE are walked on lists; the vectorised walk (taken beyond
     ``_LIST_WALK`` nodes) must give the same greedy verdict: random trees, rows and invalid nodes,
     a small vocabulary so that many nodes match and ties in depth occur."""
-    import specbench.verify as V
+    import specbench.decode.verify as V
 
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 6, 15, 40):
@@ -112,7 +112,7 @@ def test_greedy_invalid_nodes_never_accepted():
 def test_tree_commit_matches_recompute(mover, monkeypatch):
     """After committing a tree path, the cache continues exactly as a fresh forward; the slots
     moved by torch's indexing per layer or by the extension's ``move_slots`` for all layers."""
-    from specbench import kv
+    from specbench.decode import kv
     from specbench.backends import extension
 
     if mover == "torch":
@@ -251,12 +251,12 @@ def test_two_level_tree_of_candidates_is_lossless_with_one_host_sync(pq, monkeyp
     logits = torch.stack([p_logits, pa_logits, p_logits, p_logits, p_logits, p_logits, p_logits])
     logits = logits[None].expand(n, 7, V).clone()
     g = torch.Generator().manual_seed(2)
-    p_all = __import__("specbench.verify", fromlist=["warp"]).warp(logits, S)
+    p_all = __import__("specbench.decode.verify", fromlist=["warp"]).warp(logits, S)
     syncs = []
     for name in ("tolist", "item", "__float__", "__int__", "__bool__"):
         real = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *x, _r=real, _n=name: syncs.append(_n) or _r(self, *x))
-    from specbench.verify import _sampled_tree
+    from specbench.decode.verify import _sampled_tree
 
     v = _sampled_tree(p_all, d, g)
     assert syncs == ["tolist"]
@@ -296,7 +296,7 @@ def test_tree_sampled_siblings_without_replacement_lossless(pq):
 def test_warp_chunks_top_p_rows_and_gives_the_same_probabilities(monkeypatch):
     """top-p over many rows goes through in chunks (bounded temporaries), with the result of
     one pass over all rows."""
-    import specbench.verify as V
+    import specbench.decode.verify as V
 
     logits = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(0)) * 3
     s = Sampling(0.8, top_k=0, top_p=0.6)
@@ -392,7 +392,7 @@ def test_sliding_window_read_from_a_multimodal_text_config():
 def test_greedy_pick_is_torch_argmax():
     """The numpy path picks what torch.argmax picks: the first index on ties, any leading shape,
     strided views; other dtypes, devices and autograd keep torch's own argmax."""
-    from specbench.verify import greedy_pick
+    from specbench.decode.verify import greedy_pick
 
     g = torch.Generator().manual_seed(0)
     for shape in ((7,), (3, 50), (2, 5, 49152), (4, 9, 33)):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specbench import records as R
-from specbench import runner
+from specbench.run import records as R
+from specbench.run import runner
 from specbench.errors import ConfigError
 from test_config import tiny_cfg
 
@@ -26,7 +26,7 @@ PLD = {"name": "pld", "max_ngram": 3, "min_ngram": 1}
 @pytest.fixture
 def fake_vllm(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(FAKE))
-    from specbench import vllm_engine
+    from specbench.engines.vllm import engine as vllm_engine
 
     vllm_engine.version.cache_clear()
     yield

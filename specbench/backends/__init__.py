@@ -19,7 +19,7 @@ summation order inside a dot product changes. The loader calls ``resolve`` and `
 drafters call the ``*_like`` and ``fused_*`` helpers, which take the path of the layer they are
 given. ``analysis.profile --kernel torch,onednn,native`` measures the cost curves in one run.
 
-Imports form a tree: ``specbench.kv`` (the cache) <- the backends <- ``specbench.models`` (the
+Imports form a tree: ``specbench.decode.kv`` (the cache) <- the backends <- ``specbench.models`` (the
 loader) <- the engine. The cache and the verifier reach the extension's host operations only
 through ``specbench.accel``.
 """

@@ -143,7 +143,7 @@ class EagleDrafter(Drafter):
     taps = ("final",)  # the target state it drafts from: after the final norm
 
     def features(self, hidden) -> torch.Tensor:
-        """The target features of the newly committed tokens [B, m, d] (``specbench.hidden``)."""
+        """The target features of the newly committed tokens [B, m, d] (``specbench.decode.hidden``)."""
         return hidden.layers["final"]
 
     # ---------------------------------------------------------------- pieces

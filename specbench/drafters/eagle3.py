@@ -26,7 +26,7 @@ from specbench.hf import text_config
 
 
 def tap_layers(num_layers: int, layers=None) -> tuple[int, ...]:
-    """The decoder-layer OUTPUTS (``specbench.hidden`` tap indices) that are the inputs of
+    """The decoder-layer OUTPUTS (``specbench.decode.hidden`` tap indices) that are the inputs of
     ``layers`` (default: EAGLE-3's 2, L//2 and L-3): layer i's input is layer i-1's output."""
     if layers is None:
         layers = (2, num_layers // 2, num_layers - 3)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specbench import data as D
+from specbench.run import data as D
 from specbench.paths import cache_dir
 
 
@@ -103,10 +103,10 @@ def build(target, tokenizer, target_name: str, dcfg, device, dtype, chat: bool =
     from tqdm.auto import tqdm
 
     from methods.ar import AR
-    from specbench.engine import Engine
+    from specbench.decode.engine import Engine
     from specbench.hf import eos_ids
-    from specbench.timing import PhaseTimer
-    from specbench.verify import Sampling
+    from specbench.decode.timing import PhaseTimer
+    from specbench.decode.verify import Sampling
 
     key = data_key(target_name, dcfg)
     root = Path(dcfg.get("dir") or cache_dir() / "distill") / f"{target_name.replace('/', '_')}-{key}"

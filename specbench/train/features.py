@@ -5,7 +5,7 @@ the chat template, as EAGLE-1 trains), plus first turns answered by the target i
 (greedy, as Medusa-2 / EAGLE-3 self-distil). Any conversation whose text overlaps an
 evaluation prompt (MT-Bench, HumanEval, GSM-Symbolic, the `sharegpt` set) is dropped; the
 `sharegpt` set and the `ctx` filler come from another slice of the file altogether
-(``specbench.data.SHAREGPT_EVAL``).
+(``specbench.run.data.SHAREGPT_EVAL``).
 
 One teacher forward per sequence stores, per position, the target's hidden states at the
 layers asked for (``final`` = after the final norm; EAGLE-3's low/mid/high layers by
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from specbench import data as D
-from specbench.hidden import Tap
+from specbench.run import data as D
+from specbench.decode.hidden import Tap
 from specbench.paths import cache_dir
 from specbench.train.distill import _norm, benchmark_texts, drop_overlap, load  # noqa: F401 - load: the shards
 
@@ -111,10 +111,10 @@ def build(target, tokenizer, target_name: str, fcfg, device, dtype, chat: bool =
     from tqdm.auto import tqdm
 
     from methods.ar import AR
-    from specbench.engine import Engine
+    from specbench.decode.engine import Engine
     from specbench.hf import eos_ids
-    from specbench.timing import PhaseTimer
-    from specbench.verify import Sampling
+    from specbench.decode.timing import PhaseTimer
+    from specbench.decode.verify import Sampling
 
     key = settings_key(target_name, fcfg)
     root = Path(fcfg.get("dir") or cache_dir() / "features") / f"{target_name.replace('/', '_')}-{key}"

@@ -22,11 +22,11 @@ import torch
 
 from methods.base import BatchState, Proposer
 from specbench.devices import to_device
-from specbench.draft import Draft
-from specbench.hidden import Hidden, Tap
-from specbench.kv import RaggedCache
-from specbench.timing import PhaseTimer, sync
-from specbench.verify import Sampling, greedy_pick, sample, verify, warp
+from specbench.decode.draft import Draft
+from specbench.decode.hidden import Hidden, Tap
+from specbench.decode.kv import RaggedCache
+from specbench.decode.timing import PhaseTimer, sync
+from specbench.decode.verify import Sampling, greedy_pick, sample, verify, warp
 
 
 @dataclass

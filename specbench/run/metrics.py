@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from specbench.timing import PHASES
+from specbench.decode.timing import PHASES
 
 
 def acceptance(lens: list[int], K: int, requests: list[dict], draft_nodes: int = 0, forward_nodes: int = 0) -> dict:

@@ -73,7 +73,7 @@ def check(cfg: DictConfig, target_config, device) -> list[tuple[dict, DictConfig
 def held_out(cfg: DictConfig, tokenizer) -> list:
     """The pilot's prompts: first turns of the ``tune.prompts`` questions after the measured
     ``limit`` ones (the pilot never sees a measured prompt)."""
-    from specbench.measure import build_requests
+    from specbench.run.measure import build_requests
 
     if cfg.limit is None:
         raise ConfigError("K=auto pilots on questions held out from the measured ones, and limit=null measures "
@@ -91,7 +91,7 @@ def held_out(cfg: DictConfig, tokenizer) -> list:
 def _pilot(cfg, name, model, tokenizer, device, dtype, questions) -> dict:
     """One candidate decoded over the held-out prompts at the job's batch size, every prompt at
     least once (cycled to fill the last batch; untimed)."""
-    from specbench.measure import MethodRun
+    from specbench.run.measure import MethodRun
 
     bs = int(cfg.bs)
     n = -(-max(len(questions), bs) // bs) * bs  # every held-out prompt, in full batches of bs rows
@@ -139,7 +139,7 @@ def choose(cfg: DictConfig, model, tokenizer, device, dtype) -> tuple[DictConfig
               file=sys.stderr, flush=True)
         rows.append({"setting": s, **_pilot(c, name, model, tokenizer, device, dtype, qs)})
     # the target's step cost, now, at the widths the candidates verify (and 1: AR's step)
-    from specbench.data import render
+    from specbench.run.data import render
 
     chat = bool(cfg.model.get("chat", True))
     ctx = cfg.ctx or round(sum(len(render(tokenizer, [], q.turns[0], chat)) for q in qs) / len(qs))

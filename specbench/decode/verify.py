@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from specbench import accel
-from specbench.draft import Draft
+from specbench.decode.draft import Draft
 
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from specbench import records as R
+from specbench.run import records as R
 
 
 def summary_table(recs: list[dict]) -> str:
@@ -68,7 +68,7 @@ class SummaryCallback(Callback):
         print(f"\nspecbench sweep {sid}: {len(recs)} records in {records}\n")
         print(summary_table(recs), flush=True)
         # jobs that ran in other processes (a parallel launcher's workers) set the exit code too
-        from specbench.runner import FAILED
+        from specbench.run.runner import FAILED
 
         FAILED.extend(r.get("error") or r.get("status") for r in recs
                       if r.get("status") != "ok" and (r.get("error") or r.get("status")) not in FAILED)

@@ -12,6 +12,8 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+from specbench.paths import REPO
+
 SCHEMA = 1
 
 # Fields an AR job must share with a method's job to be its speedup baseline: everything
@@ -331,7 +333,7 @@ SOURCE_SUFFIXES = (".py", ".yaml", ".yml", ".cpp", ".h", ".toml", ".cfg", ".json
 @lru_cache(maxsize=1)
 def git_sha() -> str | None:
     """The code of this checkout (``code_state`` of the repository), once per process."""
-    return code_state(Path(__file__).resolve().parent.parent)
+    return code_state(REPO)
 
 
 def code_state(root: Path) -> str | None:

@@ -1,6 +1,6 @@
 """Measuring one method over a prompt set: the engine run batch by batch (``MethodRun``, which
 two runs can take in turns), its timers, memory and energy, and the compile warm-up. The metric
-maths is ``specbench.metrics``."""
+maths is ``specbench.run.metrics``."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import methods
-from specbench import data as D
-from specbench import metrics as M
+from specbench.run import data as D
+from specbench.run import metrics as M
 from specbench.errors import ConfigError
 from specbench.hf import eos_ids
 from specbench.models import compiled_graphs, is_compiled
 from specbench.paths import CONF_DIR
-from specbench.monitor import NvmlMonitor, PeakMemory, weight_bytes
-from specbench.timing import PhaseTimer, sync
-from specbench.verify import Sampling, Synthetic
+from specbench.run.monitor import NvmlMonitor, PeakMemory, weight_bytes
+from specbench.decode.timing import PhaseTimer, sync
+from specbench.decode.verify import Sampling, Synthetic
 
 
 def build_requests(cfg, tokenizer):
@@ -153,7 +153,7 @@ class MethodRun:
     its tokens and measurements do not depend on what ran in between."""
 
     def __init__(self, cfg: DictConfig, method_name: str, model, tokenizer, device, dtype, questions):
-        from specbench.engine import Engine
+        from specbench.decode.engine import Engine
 
         self.cfg, self.name, self.model, self.tokenizer, self.device = cfg, method_name, model, tokenizer, device
         self.questions = questions
@@ -221,7 +221,7 @@ class MethodRun:
         (Poisson, seeded; inf: all at once), at most ``bs`` in flight; a later turn is a new request
         that arrives when the turn before it is answered (it holds that answer)."""
         cfg, tokenizer = self.cfg, self.tokenizer
-        from specbench.engine import Request, Requests
+        from specbench.decode.engine import Request, Requests
 
         rng = random.Random(int(cfg.seed))
         history = [[] for _ in self.questions]
@@ -341,8 +341,8 @@ def warm_compiled(model, bs: int, device, dtype, taps=()) -> None:
     prefill and decode forwards at the job's batch size and at one row (rows leave the batch as
     they finish), dense and ragged (padding masks), one new token and several, chain and tree
     (a tree always takes a mask), with the method's hidden-state taps (``taps``) hooked."""
-    from specbench.hidden import Tap
-    from specbench.kv import RaggedCache
+    from specbench.decode.hidden import Tap
+    from specbench.decode.kv import RaggedCache
 
     def steps(cache):
         B = cache.batch_size

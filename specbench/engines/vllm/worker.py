@@ -1,8 +1,8 @@
 """The vLLM side of ``backend=vllm``: one vLLM engine in vLLM's own environment (``make setup-vllm``),
-driven by ``specbench.vllm_engine`` over JSON lines. It imports only the standard library and vLLM,
+driven by ``specbench.engines.vllm.engine`` over JSON lines. It imports only the standard library and vLLM,
 so it runs under that environment's Python without specbench installed:
 
-    .venv-vllm/bin/python specbench/vllm_worker.py
+    .venv-vllm/bin/python specbench/engines/vllm/worker.py
 
 Messages in (one JSON object a line on stdin):
     {"op": "start", "engine": {LLM keyword arguments}}                  -> {"ok": true, "version", "load_s", "resolved"}

@@ -2,7 +2,7 @@
 
 vLLM lives in an environment of its own (``make setup-vllm`` -> ``.venv-vllm``: its pins are not
 ours), so each run (AR, and the method) drives one vLLM engine through a worker process
-(``specbench/vllm_worker.py``) over JSON lines. The prompts are rendered and tokenized here, with
+(``specbench/engines/vllm/worker.py``) over JSON lines. The prompts are rendered and tokenized here, with
 the job's chat template, and handed over as token ids; the answers come back as token ids. So the
 two backends see the same token ids, the same ``max_new_tokens``, the same stop tokens and the same
 sampling settings, and ``VllmRun`` takes ``MethodRun``'s place unit by unit, so that
@@ -27,14 +27,14 @@ from pathlib import Path
 
 import methods
 from methods.base import Proposer
-from specbench import data as D
-from specbench.engine import RowResult
+from specbench.run import data as D
+from specbench.decode.engine import RowResult
 from specbench.errors import ConfigError
-from specbench.measure import Tally, rate_of
+from specbench.run.measure import Tally, rate_of
 from specbench.models import load_config, model_dir
 from specbench.paths import REPO, resolve_path
 
-WORKER = Path(__file__).with_name("vllm_worker.py")
+WORKER = Path(__file__).with_name("worker.py")
 SETUP = "make setup-vllm"
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
             "/usr/lib64/libtcmalloc_minimal.so.4")
@@ -139,7 +139,7 @@ def worker_env(cfg) -> dict:
 
 
 class Worker:
-    """One vLLM engine in vLLM's environment (``vllm_worker.py``); its log goes to a file whose
+    """One vLLM engine in vLLM's environment (``worker.py``); its log goes to a file whose
     last lines an error quotes (kept after a failure, deleted after a clean exit)."""
 
     failed = False
