@@ -55,7 +55,7 @@ test: setup ## the whole suite (ARGS: pytest arguments)
 test-fast: setup ## the suite without the slow tests on the real model
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
-# A benchmark is a Hydra preset, specbench/conf/experiment/NAME.yaml: its sweeps, its profiles, its report.
+# A benchmark is a Hydra preset, conf/experiment/NAME.yaml: its sweeps, its profiles, its report.
 bench: setup ## a benchmark preset end to end: NAME=search (make benches lists them; ARGS go to every sweep)
 	@test -n "$(NAME)" || { echo "make bench: set NAME=<preset>; make benches lists them"; exit 2; }
 	$(BIN)/python -m specbench.bench $(NAME) $(ARGS)
@@ -73,10 +73,10 @@ bench-peers: setup ## HF transformers' own assisted generation beside ours (spec
 	$(BIN)/python -m specbench.peers --dtype fp32,bf16 $(ARGS)
 
 report: setup ## figures and tables from every record under results/ (ARGS: filters, --out DIR)
-	$(BIN)/python -m analysis.report results $(ARGS)
+	$(BIN)/python -m specbench.analysis.report results $(ARGS)
 
 profile: setup ## forward-cost curves (analysis.profile; ARGS: its options)
-	$(BIN)/python -m analysis.profile $(ARGS)
+	$(BIN)/python -m specbench.analysis.profile $(ARGS)
 
 train-draft: setup ## train a drafter (python -m specbench.train; ARGS: drafter=... target=...)
 	$(BIN)/python -m specbench.train $(ARGS)
@@ -87,7 +87,7 @@ REGRESS_DIR := results/regress
 regress: setup ## the regression check against results/baselines/regress.jsonl
 	rm -f $(REGRESS_DIR)/records.jsonl
 	$(BIN)/python -m specbench +experiment=regress results_dir=$(REGRESS_DIR)
-	$(BIN)/python -m analysis.compare $(REGRESS_DIR)/records.jsonl results/baselines/regress.jsonl \
+	$(BIN)/python -m specbench.analysis.compare $(REGRESS_DIR)/records.jsonl results/baselines/regress.jsonl \
 		--bench-json $(REGRESS_DIR)/benchmark.json
 
 regress-baseline: setup ## rewrite the regression baseline (after an intended change of acceptance)

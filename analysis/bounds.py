@@ -9,8 +9,8 @@ import math
 
 import pandas as pd
 
-from analysis import simulate, theory
-from analysis.load import ar_baselines, method_rows, spec_len
+from specbench.analysis import simulate, theory
+from specbench.analysis.load import ar_baselines, method_rows, spec_len
 from specbench.costs import interp
 
 

@@ -1,6 +1,6 @@
 """Regression check of a new records file against a baseline.
 
-    python -m analysis.compare NEW BASELINE [--speed-tol 0.25] [--fail-on-speed] [--bench-json out.json]
+    python -m specbench.analysis.compare NEW BASELINE [--speed-tol 0.25] [--fail-on-speed] [--bench-json out.json]
 
 Jobs are matched by what defines them (method, model, draft, K, bs, ctx, dataset, limit,
 sampling, max_new_tokens, dtype, device, seed). Deterministic quantities of greedy jobs —

@@ -14,8 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from analysis.load import k_label, method_rows, setting_of  # noqa: E402
-from analysis.tables import engines_table  # noqa: E402
+from specbench.analysis.load import k_label, method_rows, setting_of  # noqa: E402
+from specbench.analysis.tables import engines_table  # noqa: E402
 
 
 PHASES = ["prefill", "draft", "verify", "accept", "other"]

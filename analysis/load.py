@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import theory
+from specbench.analysis import theory
 from specbench.run import records as R
 
 KEY = list(R.BASELINE_KEYS)

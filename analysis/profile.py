@@ -10,7 +10,7 @@ reports the median with its spread (min-max over repeats): on a shared host the 
 how far a single number can be trusted. T(n)/T(1) is taken within each repeat, where its
 two points are seconds apart, and reported as the median of those ratios with their spread.
 
-    python -m analysis.profile --bs 1,2,4,8 --n 1,2,4,8,16 --ctx 256 --draft-layers 4 --repeats 3
+    python -m specbench.analysis.profile --bs 1,2,4,8 --n 1,2,4,8,16 --ctx 256 --draft-layers 4 --repeats 3
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Figures (vector PDF + PNG) and tables (Markdown + LaTeX) from records.
 
-    python -m analysis.report results/ [--method pld leviathan] [--model ...] [--dataset ...]
+    python -m specbench.analysis.report results/ [--method pld leviathan] [--model ...] [--dataset ...]
                               [--sweep ID] [--out reports/NAME]
 
 Figures (``analysis.figures``): speedup vs batch size; acceptance per position; time split by
@@ -16,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from analysis.figures import (fig_acceptance, fig_bounds, fig_engines, fig_hist, fig_quality, fig_serving,
+from specbench.analysis.figures import (fig_acceptance, fig_bounds, fig_engines, fig_hist, fig_quality, fig_serving,
                               fig_simulator, fig_speedup_vs, fig_speedup_vs_concurrency, fig_time_split, fig_tuned)
-from analysis.load import k_label, load, load_cost_curves
-from analysis.tables import (engines_table, identity_table, paper_per_category, paper_sweep, per_category,
+from specbench.analysis.load import k_label, load, load_cost_curves
+from specbench.analysis.tables import (engines_table, identity_table, paper_per_category, paper_sweep, per_category,
                              sweep_table, to_latex, to_markdown, tuned_table)
-from analysis.bounds import STATE_GAP, batch_aware, curve_state_gap, simulated
+from specbench.analysis.bounds import STATE_GAP, batch_aware, curve_state_gap, simulated
 
 
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from analysis.load import _label, ar_baselines, method_rows, setting_of, spec_len
+from specbench.analysis.load import _label, ar_baselines, method_rows, setting_of, spec_len
 from specbench.run import records as R
 
 

@@ -1,7 +1,7 @@
 """Registry of speculative-decoding methods: name -> proposer class, imported lazily.
 
 Built-in methods live here: a module ``methods/<name>.py`` beside a yaml
-``specbench/conf/method/<name>.yaml`` is a method (its class: the ``Proposer`` subclass whose
+``conf/method/<name>.yaml`` is a method (its class: the ``Proposer`` subclass whose
 ``name`` is ``<name>``); ``REGISTRY`` names the classes of the first ones explicitly. A
 method from another package needs no fork: its package declares an entry point in the group
 ``specbench.methods`` (``name = "my_pkg.my_module:MyProposer"``), or a run names the class
@@ -12,6 +12,12 @@ which ``<name>.<key>=...`` overrides and Hydra checks as it does a built-in meth
 
 from __future__ import annotations
 
+if __name__ == "methods":  # imported by its old name: an alias of specbench.methods for one release
+    from specbench._alias import alias
+
+    alias(__name__, "specbench.methods")
+
+
 import dataclasses
 import functools
 import importlib
@@ -21,19 +27,19 @@ from pathlib import Path
 GROUP = "specbench.methods"  # the entry-point group of outside methods
 
 REGISTRY: dict[str, str] = {
-    "ar": "methods.ar:AR",
-    "pld": "methods.pld:PromptLookup",
-    "leviathan": "methods.leviathan:Leviathan",
-    "medusa": "methods.medusa:Medusa",
-    "eagle": "methods.eagle:Eagle",
-    "specdec": "methods.specdec:SpecDec",
-    "lookahead": "methods.lookahead:Lookahead",
-    "rest": "methods.rest:Rest",
-    "reject": "methods.reject:Reject",
-    "recycle": "methods.recycle:TokenRecycling",
-    "sam": "methods.sam:SamDecoding",
-    "suffix": "methods.suffix:SuffixDecoding",
-    "combo": "methods.combo:Combo",
+    "ar": "specbench.methods.ar:AR",
+    "pld": "specbench.methods.pld:PromptLookup",
+    "leviathan": "specbench.methods.leviathan:Leviathan",
+    "medusa": "specbench.methods.medusa:Medusa",
+    "eagle": "specbench.methods.eagle:Eagle",
+    "specdec": "specbench.methods.specdec:SpecDec",
+    "lookahead": "specbench.methods.lookahead:Lookahead",
+    "rest": "specbench.methods.rest:Rest",
+    "reject": "specbench.methods.reject:Reject",
+    "recycle": "specbench.methods.recycle:TokenRecycling",
+    "sam": "specbench.methods.sam:SamDecoding",
+    "suffix": "specbench.methods.suffix:SuffixDecoding",
+    "combo": "specbench.methods.combo:Combo",
 }
 
 
@@ -43,7 +49,7 @@ def found() -> dict[str, str]:
     from specbench.paths import CONF_DIR
 
     here = Path(__file__).parent
-    return {p.stem: f"methods.{p.stem}" for p in sorted((CONF_DIR / "method").glob("*.yaml"))
+    return {p.stem: f"specbench.methods.{p.stem}" for p in sorted((CONF_DIR / "method").glob("*.yaml"))
             if p.stem not in REGISTRY and (here / f"{p.stem}.py").exists()}
 
 
@@ -82,7 +88,7 @@ def target(name: str) -> str:
         return REGISTRY[name]
     if name in found():
         mod = importlib.import_module(found()[name])
-        from methods.base import Proposer
+        from specbench.methods.base import Proposer
 
         own = [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, Proposer)
                and c.__module__ == mod.__name__ and c.name == name]
@@ -104,7 +110,7 @@ def get(name: str):
         obj = getattr(importlib.import_module(mod), cls)
     except (ImportError, AttributeError) as e:
         raise KeyError(f"method '{name}': cannot import {mod}:{cls} ({type(e).__name__}: {e})") from e
-    from methods.base import Proposer
+    from specbench.methods.base import Proposer
 
     if not (isinstance(obj, type) and issubclass(obj, Proposer)):
         raise KeyError(f"method '{name}': {mod}:{cls} is not a methods.base.Proposer subclass")

@@ -1,7 +1,7 @@
 """Plain autoregressive decoding: the baseline. It proposes nothing, so each engine step is
 one target forward over the last token."""
 
-from methods.base import Proposer
+from specbench.methods.base import Proposer
 
 
 class AR(Proposer):

@@ -42,7 +42,7 @@ class MethodSpec:
 
     name = "base"
     # the settings of a method from another package: a dataclass (with a field `name: str`), or a
-    # yaml file beside its module; a built-in method's are specbench/conf/method/<name>.yaml
+    # yaml file beside its module; a built-in method's are conf/method/<name>.yaml
     Settings = None
     config_file: str | None = None
     lossless = True  # False for relaxed acceptance rules; recorded with every job

@@ -23,10 +23,10 @@ under sampling, Lookahead are refused at their first draft).
 
 from __future__ import annotations
 
-import methods
+from specbench import methods
 from specbench import backends
-from methods.base import BatchState, Proposer
-from methods import member_cfg
+from specbench.methods.base import BatchState, Proposer
+from specbench.methods import member_cfg
 from specbench.decode.draft import Draft
 from specbench.errors import ConfigError
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from methods.base import BatchState, Proposer
+from specbench.methods.base import BatchState, Proposer
 from specbench import drafters
 from specbench.drafters import formats
 from specbench.decode.draft import Draft, pad_rows

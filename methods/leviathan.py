@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from methods.base import BatchState, Proposer
+from specbench.methods.base import BatchState, Proposer
 from specbench import backends, drafters
 from specbench.devices import to_device
 from specbench.decode.draft import Draft, pad_rows

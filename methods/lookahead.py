@@ -27,7 +27,7 @@ import random
 from collections import OrderedDict
 
 
-from methods.base import BatchState, Proposer
+from specbench.methods.base import BatchState, Proposer
 from specbench.decode.draft import Draft, prefix_tree
 from specbench.errors import ConfigError
 from specbench.decode.verify import greedy_pick

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from methods.base import BatchState, Proposer
+from specbench.methods.base import BatchState, Proposer
 from specbench import backends, drafters
 from specbench.drafters import formats
 from specbench.decode.draft import Draft

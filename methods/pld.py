@@ -8,7 +8,7 @@ costs O(new tokens x n-gram sizes) whatever the context length and batch size.""
 
 from __future__ import annotations
 
-from methods.base import BatchState, Proposer
+from specbench.methods.base import BatchState, Proposer
 from specbench.decode.draft import Draft
 
 

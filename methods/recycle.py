@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from methods.base import BatchState, Proposer
+from specbench.methods.base import BatchState, Proposer
 from specbench.decode.draft import Draft
 from specbench.errors import ConfigError
 

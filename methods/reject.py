@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from methods.base import BatchState, Proposer
+from specbench.methods.base import BatchState, Proposer
 from specbench.decode.draft import Draft
 from specbench.errors import ConfigError
 

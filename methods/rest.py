@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from methods.base import BatchState, Proposer
+from specbench.methods.base import BatchState, Proposer
 from specbench import suffix_index
 from specbench.decode.draft import Draft
 from specbench.errors import ConfigError

@@ -24,9 +24,9 @@ from __future__ import annotations
 import functools
 import sys
 
-import methods
-from methods import member_cfg
-from methods.base import BatchState, Proposer
+from specbench import methods
+from specbench.methods import member_cfg
+from specbench.methods.base import BatchState, Proposer
 from specbench.decode.draft import Draft
 from specbench.errors import ConfigError
 
@@ -102,7 +102,7 @@ def corpus_automaton(spec: str, tokenizer, cap: int) -> tuple[SuffixAutomaton, l
     """The automaton of a corpus's first ``cap`` tokens (entries joined by SEP), and those tokens."""
     from tqdm.auto import tqdm
 
-    from methods.rest import corpus
+    from specbench.methods.rest import corpus
 
     toks: list[int] = []
     for text in corpus(spec):
@@ -161,7 +161,7 @@ class SamDecoding(Proposer):
                 raise ConfigError(f"sam.fallback: {e.args[0]}") from None
             member.check(member_cfg(cfg, fb, m.get("fallback_opts")), target_config)
         if m.corpus is not None:
-            from methods.rest import BUILTIN, _datastore_path
+            from specbench.methods.rest import BUILTIN, _datastore_path
 
             if m.corpus not in BUILTIN and not _datastore_path(m.corpus).exists():
                 raise ConfigError(f"sam.corpus '{m.corpus}' is neither {' nor '.join(BUILTIN)} nor an existing file")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from methods.base import BatchState, Proposer
+from specbench.methods.base import BatchState, Proposer
 from specbench import drafters
 from specbench.decode.draft import Draft, pad_rows
 from specbench.decode.kv import RaggedCache

@@ -17,7 +17,7 @@ def preprocess(argv: list[str]) -> list[str]:
     from specbench.errors import ConfigError
     from specbench.paths import group_options
 
-    import methods
+    from specbench import methods
 
     known = set(methods.names())
     out = []
@@ -57,7 +57,7 @@ def store_outside_methods(argv: list[str]) -> list[str]:
 
     from specbench.errors import ConfigError
 
-    import methods
+    from specbench import methods
 
     names = []
     for arg in argv:
@@ -84,9 +84,10 @@ def main() -> int:
         return 2
     import hydra
 
+    from specbench.paths import CONF_DIR
     from specbench.run import runner
 
-    @hydra.main(config_path="conf", config_name="config", version_base="1.3")
+    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def _app(cfg):
         runner.job(cfg)
 

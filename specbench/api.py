@@ -9,7 +9,7 @@ engine shows a method each step, ``Draft`` what a method proposes (``Draft.chain
 ``ConfigError`` the one-line refusal of bad settings. docs/adding-a-method.md walks through one.
 """
 
-from methods.base import BatchState, MethodSpec, Proposer
+from specbench.methods.base import BatchState, MethodSpec, Proposer
 from specbench.decode.draft import Draft, prefix_tree
 from specbench.errors import ConfigError
 from specbench.decode.verify import Sampling

@@ -12,7 +12,7 @@ A preset is ``conf/experiment/NAME.yaml`` (``# @package _global_``): its setting
         - sweep: method=rest bs=1,8            # the preset with these overrides (hydra.sweeper.params=null: without its sweep)
         - profile: --bs 1,8 --n 1,2,5      # analysis.profile into the preset's results_dir
         - show: identity.md                # print a file of the report
-      report: true                         # analysis.report over results_dir (the default)
+      report: true                         # specbench.analysis.report over results_dir (the default)
 
 ``key=value`` arguments go to every sweep (``results_dir=...`` moves the whole benchmark).
 """
@@ -62,13 +62,13 @@ def steps(name: str, args: list[str]) -> list[list[str]]:
         if kind == "sweep":
             out.append([py, "-m", "specbench", f"+experiment={name}", *words, *args])
         elif kind == "profile":
-            out.append([py, "-m", "analysis.profile", *words, "--results-dir", results])
+            out.append([py, "-m", "specbench.analysis.profile", *words, "--results-dir", results])
         elif kind == "show":
             out.append(["cat", str(Path(results) / "report" / text)])
         else:
             raise SystemExit(f"specbench.bench {name}: unknown step '{kind}' (sweep, profile or show)")
     if bench.get("report", True):
-        report = [py, "-m", "analysis.report", results, "--out", str(Path(results) / "report")]
+        report = [py, "-m", "specbench.analysis.report", results, "--out", str(Path(results) / "report")]
         shows = [i for i, s in enumerate(out) if s[0] == "cat"]
         out.insert(shows[0] if shows else len(out), report)
     return out

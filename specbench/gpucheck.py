@@ -23,7 +23,7 @@ the dry run CI keeps from rotting):
 5. ``profile``: the target's cost curve (``analysis.profile``) at two context lengths;
 6. ``compile``: ``compile=true`` for PLD (with its paired AR) at the two smallest batch sizes;
 7. ``memory``: AR at the largest batch size with ``ctx=2048``: peak memory against the live KV;
-8. ``report``: the figures and tables of every record (``analysis.report``), packed.
+8. ``report``: the figures and tables of every record (``specbench.analysis.report``), packed.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def plan(a, kit: Path, work: Path, drafts: dict[str, Path]) -> list[tuple[str, l
     continuous = [_sweep(base, ["method=pld", "batching=continuous", big]),
                   _sweep(base, ["method=eagle", f"eagle.checkpoint={drafts['eagle']}", "batching=continuous",
                                 "accept=synthetic", "accept.rates=0.8", big])]
-    profile = [[sys.executable, "-m", "analysis.profile", "--model", "random", "--shape", a.shape,
+    profile = [[sys.executable, "-m", "specbench.analysis.profile", "--model", "random", "--shape", a.shape,
                 "--device", a.device, "--dtype", a.dtype, "--bs", size["profile_bs"], "--n", size["profile_n"],
                 "--ctx", str(c), "--draft-layers", "0", "--reps", "3", "--results-dir", str(runs), *shape]
                for c, shape in [(c, []) for c in size["ctx"]] + [(size["ctx"][0], ["--ragged", "--tree"])]]
@@ -189,7 +189,7 @@ def plan(a, kit: Path, work: Path, drafts: dict[str, Path]) -> list[tuple[str, l
     memory = [_sweep(base, ["method=ar", f"ctx={size['mem_ctx']}", big])]
     suite = [[sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", "-k", "not rest",
               f"--junitxml={work / 'suite.xml'}", *size["suite"]]]  # REST's pydivsufsort is not carried
-    report = [[sys.executable, "-m", "analysis.report", str(runs / "records.jsonl"), "--out", str(work / "report")]]
+    report = [[sys.executable, "-m", "specbench.analysis.report", str(runs / "records.jsonl"), "--out", str(work / "report")]]
     return [("suite", suite), ("real", real), ("synthetic", synthetic), ("continuous", continuous),
             ("profile", profile), ("compile", compile_), ("memory", memory), ("report", report)]
 

@@ -8,7 +8,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CONF_DIR = Path(__file__).resolve().parent / "conf"  # shipped inside the package
+# the configs: at the checkout's top, or inside the package where a wheel ships them
+CONF_DIR = next((d for d in (REPO / "conf", Path(__file__).resolve().parent / "conf") if (d / "config.yaml").exists()),
+                REPO / "conf")
 
 
 def cache_dir() -> Path:

@@ -23,9 +23,9 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from methods.ar import AR
-from methods.leviathan import Leviathan
-from methods.pld import PromptLookup
+from specbench.methods.ar import AR
+from specbench.methods.leviathan import Leviathan
+from specbench.methods.pld import PromptLookup
 from specbench.run import data as D
 from specbench import backends
 from specbench.decode.engine import Engine

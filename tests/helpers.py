@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from methods.base import Proposer
+from specbench.methods.base import Proposer
 from specbench.decode.engine import Engine
 from specbench.decode.timing import PhaseTimer
 from specbench.decode.verify import Sampling

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from analysis import bounds, compare, figures, report, simulate, tables, theory
-from analysis.load import load
+from specbench.analysis import bounds, compare, figures, report, simulate, tables, theory
+from specbench.analysis.load import load
 from specbench.costs import interp
 from specbench.run import records as R
 
@@ -199,7 +199,7 @@ def test_report_numbers_match_records():
 
 
 def test_report_cli_filters(tmp_path, capsys):
-    from analysis.report import main
+    from specbench.analysis.report import main
 
     assert main([str(FIX / "records.jsonl"), "--method", "pld", "--out", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
@@ -324,7 +324,7 @@ def test_nvml_handle_follows_the_torch_device_by_uuid(monkeypatch):
 
 
 def test_bootstrap_interval_resamples_batches_paired_with_ar():
-    from analysis.theory import batch_units, bootstrap_speedup
+    from specbench.analysis.theory import batch_units, bootstrap_speedup
 
     # bs=2: rows of a batch share its clock; a batch's time is its slowest row's
     ar = [{"id": f"q{i}", "turn": 1, "batch": i // 2, "new_tokens": 10, "wall_s": 1.0 + 0.1 * (i % 2)}
@@ -376,7 +376,7 @@ def test_identity_table_reads_first_divergence_from_tokens(tmp_path):
 
 
 def test_profile_roofline_and_spread(capsys):
-    from analysis.profile import forward_bytes, forward_flops, print_curves, profile
+    from specbench.analysis.profile import forward_bytes, forward_flops, print_curves, profile
     from helpers import CPU, tiny_llama
 
     m = tiny_llama()
@@ -409,8 +409,8 @@ def test_profile_roofline_and_spread(capsys):
 def test_per_category_keeps_each_data_set_apart():
     """Over several data sets, each job's categories and overall stay on rows of their own (the
     training-free baseline: MT-Bench, HumanEval and GSM8K in one file)."""
-    from analysis.load import load
-    from analysis import report
+    from specbench.analysis.load import load
+    from specbench.analysis import report
 
     path = Path(__file__).resolve().parent.parent / "results/baselines/bench-training-free-cpu-2026-11-26.jsonl"
     df = load(path)
@@ -423,8 +423,8 @@ def test_per_category_keeps_each_data_set_apart():
 def test_an_interval_that_misses_its_point_still_plots(tmp_path):
     """A percentile interval of a ratio of ratios (two batches resampled) can lie wholly above or
     below its point estimate: the error bar then starts at the point instead of failing."""
-    from analysis.load import load
-    from analysis import report
+    from specbench.analysis.load import load
+    from specbench.analysis import report
 
     df = load(FIX / "records.jsonl")
     sd = df["method"] != "ar"
@@ -438,7 +438,7 @@ def test_an_interval_that_misses_its_point_still_plots(tmp_path):
 def test_bootstrap_interval_does_not_narrow_with_repeats_of_the_same_prompts():
     """Repeats re-time the same prompts: a batch's repeats are resampled together, so 16 repeats of
     4 batches give the interval of 4 batches, not of 64 independent ones."""
-    from analysis.theory import bootstrap_speedup
+    from specbench.analysis.theory import bootstrap_speedup
 
     ar = [{"id": f"q{i}", "turn": 1, "batch": i // 2, "new_tokens": 10, "wall_s": 1.0} for i in range(8)]
     noisy = [dict(r, wall_s=r["wall_s"] / (1.2 if r["batch"] % 2 else 2.0) / (1 + 0.1 * r["batch"])) for r in ar]
@@ -472,8 +472,8 @@ def test_a_speedup_above_its_bound_is_flagged_in_words(tmp_path):
     p = tmp_path / "records.jsonl"
     for r in (ar, bad, fine):
         R.append(p, r)
-    from analysis.load import load
-    from analysis.tables import paper_sweep, sweep_table
+    from specbench.analysis.load import load
+    from specbench.analysis.tables import paper_sweep, sweep_table
 
     df = load(p)
     assert df.set_index("method").loc["pld", "above_bound"].startswith("speedup 1.90x")

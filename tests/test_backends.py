@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from helpers import CPU, cfg_for, greedy_cases, reference_greedy, run_engine, tiny_llama
-from methods.pld import PromptLookup
-from methods.reject import Reject
+from specbench.methods.pld import PromptLookup
+from specbench.methods.reject import Reject
 from specbench import accel, backends
 from specbench.backends import extension, gqa, native, packing
 from specbench.errors import ConfigError

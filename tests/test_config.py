@@ -13,7 +13,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-import methods
+from specbench import methods
 from specbench.run import records as R
 from specbench import hf, models, paths
 from specbench.run import runner
@@ -22,7 +22,7 @@ from specbench.errors import ConfigError
 
 from conftest import REPO
 
-CONF = str(REPO / "specbench" / "conf")
+CONF = str(REPO / "conf")
 GROUPS = ["method", "model", "dataset", "draft", "logger", "accept"]
 
 
@@ -52,7 +52,7 @@ def test_every_registered_method_has_a_config():
 
 
 def test_default_sweep_and_multirun_mode():
-    raw = OmegaConf.load(REPO / "specbench" / "conf" / "config.yaml")
+    raw = OmegaConf.load(REPO / "conf" / "config.yaml")
     assert raw.hydra.mode == "MULTIRUN"
     assert set(raw.hydra.sweeper.params.method.split(",")) == {"ar", "pld", "lookahead"}
 
@@ -369,7 +369,7 @@ def test_paired_baseline_takes_turns_and_changes_no_token(tiny_dirs, tmp_path, m
     """ar_baseline=paired: each method job runs its own AR, the two taking turns batch by batch
     (ABBA), with the same tokens (greedy and sampled) as when each runs alone; the method's
     speedup and the analysis pair it with that exact AR record."""
-    from analysis.load import ar_baselines, load
+    from specbench.analysis.load import ar_baselines, load
 
     order = []
     real = runner.MethodRun.run_unit
@@ -462,7 +462,7 @@ def test_a_failed_append_prints_the_record_and_fails_the_job(tiny_dirs, tmp_path
 
 
 def test_a_device_side_error_stops_the_sweep_after_recording(tiny_dirs, tmp_path, monkeypatch):
-    from methods.base import Proposer
+    from specbench.methods.base import Proposer
 
     class Poisoned(Proposer):
         def propose(self, state):
@@ -487,7 +487,7 @@ def test_forward_time_counted_once_and_hooks_removed_on_error(tiny_dirs, tmp_pat
             raise RuntimeError("boom")
     assert not model._forward_hooks and not model._forward_pre_hooks
     # and through a real job that fails: the cached target keeps no hook
-    from methods.base import Proposer
+    from specbench.methods.base import Proposer
 
     class Exploding(Proposer):
         def propose(self, state):
@@ -501,7 +501,7 @@ def test_forward_time_counted_once_and_hooks_removed_on_error(tiny_dirs, tmp_pat
 
 
 def test_failing_jobs_are_recorded_and_the_sweep_goes_on(tiny_dirs, tmp_path, monkeypatch):
-    from methods.base import Proposer
+    from specbench.methods.base import Proposer
 
     class Exploding(Proposer):
         name = "exploding"
@@ -523,10 +523,10 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(tiny_dirs, tmp_path, mo
         assert "\n" not in recs[-1]["error"]
     cfg = tiny_cfg(tiny_dirs, tmp_path, K=0, **{"method": {"name": "pld"}})
     assert runner.job(cfg, sweep_id="f")[0]["error"].startswith("K must be")
-    monkeypatch.setitem(methods.REGISTRY, "broken", "methods.no_such_module:X")  # a method that fails to import
+    monkeypatch.setitem(methods.REGISTRY, "broken", "specbench.methods.no_such_module:X")  # a method that fails to import
     cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "broken"}})
     assert runner.job(cfg, sweep_id="f")[0]["error"].startswith(
-        "method 'broken': cannot import methods.no_such_module:X (ModuleNotFoundError")
+        "method 'broken': cannot import specbench.methods.no_such_module:X (ModuleNotFoundError")
     lines = R.read(tmp_path / "records.jsonl")
     assert [r["status"] for r in lines] == ["ok", "error", "oom", "error", "error"]  # ar ok, then the failures
 
@@ -534,12 +534,12 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(tiny_dirs, tmp_path, mo
 def test_the_recorded_K_is_the_methods_own(tiny_dirs, tmp_path, monkeypatch):
     """A job records the speculation length its method runs, not a K the method ignores: EAGLE's
     tree depth, Lookahead's N - 1, none for REST and AR; the analysis tables keep jobs without one."""
-    from analysis import load, report, tables
-    from methods.ar import AR
-    from methods.eagle import AUTO, Eagle
-    from methods.lookahead import Lookahead
-    from methods.pld import PromptLookup
-    from methods.rest import Rest
+    from specbench.analysis import load, report, tables
+    from specbench.methods.ar import AR
+    from specbench.methods.eagle import AUTO, Eagle
+    from specbench.methods.lookahead import Lookahead
+    from specbench.methods.pld import PromptLookup
+    from specbench.methods.rest import Rest
 
     cpu = torch.device("cpu")
 
@@ -551,7 +551,7 @@ def test_the_recorded_K_is_the_methods_own(tiny_dirs, tmp_path, monkeypatch):
     assert Lookahead.spec_len(c(W=2, N=4, G=2), cpu) == 3
     assert Rest.spec_len(c(datastore="x"), cpu) is None and AR.spec_len(c(), cpu) is None
     assert PromptLookup.spec_len(c(), cpu) == 5
-    from methods.medusa import Medusa
+    from specbench.methods.medusa import Medusa
 
     shipped = str(REPO / "checkpoints" / "smollm2-135m" / "medusa")  # 4 heads
     assert Medusa.spec_len(OmegaConf.create({"K": 6, "method": {"checkpoint": shipped}}), cpu) == 4
@@ -708,7 +708,7 @@ def test_trained_draft_for_another_model_is_refused(tiny_dirs, tmp_path):
 
 
 def test_shipped_draft_config_points_at_a_checkpoint():
-    cfg = OmegaConf.load(REPO / "specbench" / "conf" / "draft" / "smollm2-135m-draft.yaml")
+    cfg = OmegaConf.load(REPO / "conf" / "draft" / "smollm2-135m-draft.yaml")
     from specbench.drafters import is_draft_checkpoint
 
     path = paths.resolve_path(cfg.path)
@@ -875,8 +875,8 @@ def test_continuous_batching_records_serving_metrics_and_pairs_its_own_ar(tiny_d
     # the report: the serving plot and speedup against concurrency (two concurrencies per line)
     runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=1, batching="continuous", **pld), sweep_id="s")
     runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=1, **pld), sweep_id="s")
-    from analysis import report
-    from analysis.load import load
+    from specbench.analysis import report
+    from specbench.analysis.load import load
 
     df = load(tmp_path / "records.jsonl")
     assert set(df["label"]) >= {"ar", "ar [continuous]"} and df["label"].str.endswith("[continuous]").sum() >= 4
@@ -902,7 +902,7 @@ def test_chunked_prefill_is_recorded_pairs_its_own_ar_and_keeps_the_tokens(tiny_
             assert {key(rq): rq["tokens"] for rq in rec["requests"]} == \
                 {key(rq): rq["tokens"] for rq in s_rec["requests"]}
             assert rec["metrics"]["match_ar"] == 1.0
-    from analysis.load import load
+    from specbench.analysis.load import load
 
     labels = set(load(tmp_path / "records.jsonl")["label"])
     assert {"pld K=4 [prefill 3]", "pld K=4 [continuous, prefill 3]"} <= labels or \
@@ -925,7 +925,7 @@ def test_the_default_draft_fits_any_target(tiny_dirs, tmp_path, arch):
 
     import transformers
 
-    from methods.leviathan import Leviathan, resolved
+    from specbench.methods.leviathan import Leviathan, resolved
 
     cls = getattr(transformers, f"{arch}Config")
     model_cls = getattr(transformers, f"{arch}ForCausalLM")

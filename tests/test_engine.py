@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from helpers import DEVICE, greedy_cases, cfg_for, run_engine, tiny_llama
-from methods.base import Proposer
-from methods.leviathan import Leviathan
-from methods.pld import NgramIndex, PromptLookup, lookup
-from methods.reject import Reject
+from specbench.methods.base import Proposer
+from specbench.methods.leviathan import Leviathan
+from specbench.methods.pld import NgramIndex, PromptLookup, lookup
+from specbench.methods.reject import Reject
 from specbench.decode.draft import Draft
 from specbench.models import self_layers_draft
 

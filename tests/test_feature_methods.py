@@ -7,8 +7,8 @@ import torch
 from omegaconf import OmegaConf
 
 from helpers import DEVICE, greedy_cases, chi2_pvalue, prompts_of, reference_greedy, run_engine, tiny_llama
-from methods.eagle import Eagle
-from methods.medusa import Medusa
+from specbench.methods.eagle import Eagle
+from specbench.methods.medusa import Medusa
 from specbench import backends
 from specbench.backends import extension, packing
 from specbench.decode.draft import Draft
@@ -183,7 +183,7 @@ def test_eagle_tree_expansion_matches_training_unroll(model):
     res = run_engine(model, prop, [prompt], 2)
     assert res[0].tokens[0] == seq[-1]
     # the drafter's chain from this prefix, step by step through train_forward
-    from methods.base import BatchState
+    from specbench.methods.base import BatchState
     from specbench.decode.hidden import Hidden
 
     st = BatchState(seqs=[list(seq)], prompt_lens=[len(prompt)], sampling=Sampling(), gen=None, device=DEVICE)
@@ -196,7 +196,7 @@ def test_eagle1_static_tree_nodes_are_the_ranked_unroll(model):
     """eagle.tree=mc_sim_7b_63 (EAGLE-1's 25 nodes, depth 5): the node of path (r1, ..., rj) must
     be the rj-th likeliest token of the drafter unrolled along its ancestors; and decoding with
     the static tree stays token-identical to AR."""
-    from methods.base import BatchState
+    from specbench.methods.base import BatchState
     from specbench.drafters import formats
     from specbench.decode.hidden import Hidden
 
@@ -472,7 +472,7 @@ def test_eagle3_trainer_end_to_end(feature_setup, monkeypatch):
 def test_eagle3_tree_expansion_matches_training_unroll():
     """With top_k=1 EAGLE-3's tree is a chain; each drafted token is what its training-time
     unrolling predicts from the same real prefix (inference and training agree)."""
-    from methods.base import BatchState
+    from specbench.methods.base import BatchState
     from specbench.drafters.eagle3 import Eagle3Drafter, layer_config
     from specbench.decode.hidden import Hidden
 

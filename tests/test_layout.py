@@ -112,3 +112,34 @@ def test_the_decode_loop_reads_in_short_functions():
         long = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree)
                 if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 60]
         assert not long, f"{mod}: {long}"
+
+
+def test_the_old_package_names_still_import_with_a_warning():
+    """``methods`` and ``analysis`` are ``specbench.methods`` and ``specbench.analysis`` now: the old
+    imports warn, give the very same modules (a plug-in's Proposer is specbench's), and
+    ``python -m analysis.report`` still runs."""
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            "try:\n    import methods.base\nexcept DeprecationWarning as w:\n    print('warned', w)\n"
+            "warnings.simplefilter('ignore')\n"
+            "import methods.base, specbench.methods.base as new, analysis.theory, specbench.analysis.theory as t\n"
+            "print(methods.base.Proposer is new.Proposer, analysis.theory is t, new.__spec__.name)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert "warned `methods` is now `specbench.methods`" in out
+    assert out.strip().endswith("True True specbench.methods.base")
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "analysis.report", "--help"], capture_output=True,
+                       text=True, cwd=REPO)
+    assert r.returncode == 0 and "usage:" in r.stdout
+
+
+def test_the_wheel_lists_every_package_folder():
+    """pyproject lists the packages by hand (methods/, analysis/ and conf/ install under specbench):
+    a new package folder must be listed, or an installed specbench would lack it."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(f.parent.relative_to(REPO).parts) for f in (REPO / "specbench").rglob("__init__.py")}
+    folders |= {"specbench.methods", "specbench.analysis", "specbench.conf"}
+    assert listed == folders

@@ -11,7 +11,7 @@ import tomllib
 import pytest
 from omegaconf import OmegaConf
 
-import methods
+from specbench import methods
 from conftest import REPO
 from helpers import CPU, greedy_cases, run_engine, tiny_llama
 from specbench.run import records as R
@@ -110,10 +110,12 @@ def test_an_installed_wheel_runs_without_the_checkout(tiny_dirs, tmp_path):
     inst = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                           capture_output=True, text=True, timeout=300)
     assert inst.returncode == 0, inst.stderr[-2000:]
-    for f in ("specbench/conf/config.yaml", "specbench/conf/method/eagle.yaml", "specbench/backends/csrc/few_rows.cpp",
-              "specbench/drafters/eagle.py", "specbench/drafters/trees/medusa.json", "specbench/train/card.py",
-              "methods/pld.py"):
+    for f in ("specbench/conf/config.yaml", "specbench/conf/method/eagle.yaml", "specbench/conf/experiment/headline.yaml",
+              "specbench/backends/csrc/few_rows.cpp", "specbench/drafters/eagle.py",
+              "specbench/drafters/trees/medusa.json", "specbench/train/card.py", "specbench/methods/pld.py",
+              "specbench/analysis/report.py"):
         assert (site / f).exists(), f
+    assert not (site / "methods").exists() and not (site / "analysis").exists()  # no top-level package of those names
     env = {**os.environ, "PYTHONPATH": str(site)}
     run = subprocess.run([sys.executable, "-m", "specbench", "method=pld", "model=hf", f"model.path={tiny_dirs['target']}",
                           "dataset=jsonl", f"dataset.path={tiny_dirs['questions']}", "limit=1", "max_new_tokens=8",

@@ -1,4 +1,4 @@
-"""Benchmark presets (specbench/conf/experiment): every preset and every sweep of its benchmark
+"""Benchmark presets (conf/experiment): every preset and every sweep of its benchmark
 composes into jobs that pass the schema; a preset runs the jobs its old Makefile target ran; the
 Makefile's help lists its targets."""
 
@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import methods
+from specbench import methods
 from conftest import REPO
 from specbench import bench
 from specbench.run import schema
@@ -100,7 +100,7 @@ def test_a_bench_runs_its_steps_then_the_report(monkeypatch):
     with pytest.raises(SystemExit, match="set EAGLE3=<an EAGLE-3 drafter folder"):
         bench.steps("eagle3", [])
     cmds = bench.steps("floor", ["limit=2", "results_dir=/tmp/x"])
-    assert [c[2] if c[0] != "cat" else "cat" for c in cmds] == ["specbench"] * 3 + ["analysis.report", "cat"]
+    assert [c[2] if c[0] != "cat" else "cat" for c in cmds] == ["specbench"] * 3 + ["specbench.analysis.report", "cat"]
     assert all(c[-2:] == ["limit=2", "results_dir=/tmp/x"] for c in cmds[:3])
     assert cmds[3][3:] == ["/tmp/x", "--out", "/tmp/x/report"] and cmds[4] == ["cat", "/tmp/x/report/identity.md"]
     with pytest.raises(SystemExit, match="no preset 'nope'; choices: cpu, draft"):

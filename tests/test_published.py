@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO
 from helpers import CPU, greedy_cases, run_engine, tiny_llama
-from methods.medusa import Medusa
+from specbench.methods.medusa import Medusa
 from specbench import backends
 from specbench.backends import extension
 from specbench.drafters import formats
@@ -177,7 +177,7 @@ def test_eagle1_refusals(target, tmp_path):
     del state["fc.bias"]
     torch.save(state, bad / "pytorch_model.bin")
     with pytest.raises(ConfigError) as e:
-        from methods.eagle import Eagle
+        from specbench.methods.eagle import Eagle
 
         Eagle.check(eagle_cfg(bad), target.config)
     msg = str(e.value)
@@ -190,7 +190,7 @@ def test_eagle1_refusals(target, tmp_path):
     (three / "config.json").write_text("{}")
     torch.save({"fc.weight": torch.zeros(1), "midlayer.hidden_norm.weight": torch.zeros(1)}, three / "pytorch_model.bin")
     assert formats.detect(three) == "eagle3"
-    from methods.eagle import Eagle
+    from specbench.methods.eagle import Eagle
 
     with pytest.raises(ConfigError, match="holds an EAGLE-3 drafter; set eagle.version=3"):
         Eagle.check(eagle_cfg(three), target.config)
@@ -198,7 +198,7 @@ def test_eagle1_refusals(target, tmp_path):
 
 @pytest.mark.parametrize("bs,tree", [(1, None), (4, None), (4, "mc_sim_7b_63")])
 def test_greedy_identity_with_a_published_eagle(target, bs, tree):
-    from methods.eagle import Eagle
+    from specbench.methods.eagle import Eagle
 
     prompts, refs = greedy_cases(target, 20)[bs]
     cfg = eagle_cfg(EAGLE1, tree=tree)
@@ -213,7 +213,7 @@ def test_greedy_identity_with_a_published_eagle(target, bs, tree):
 
 
 def test_medusas_published_trees_are_trees_and_run_as_named(target):
-    from methods.medusa import named_trees
+    from specbench.methods.medusa import named_trees
 
     trees = named_trees()
     assert len(trees["mc_sim_7b_63"]) == 63 and {"vicuna_7b_stage2", "zephyr_stage2"} <= set(trees)
@@ -259,7 +259,7 @@ def test_eagle3_fixture_gives_the_reference_features_and_logits(kernel):
 
 
 def test_eagle3_refusals(target, target8, tmp_path):
-    from methods.eagle import Eagle
+    from specbench.methods.eagle import Eagle
 
     with pytest.raises(ConfigError, match="holds an EAGLE-3 drafter; set eagle.version=3"):
         Eagle.check(eagle_cfg(EAGLE3), target8.config)
@@ -282,7 +282,7 @@ def test_eagle3_refusals(target, target8, tmp_path):
 @pytest.mark.parametrize("bs", [1, 4, 8, 32])
 def test_greedy_identity_with_a_published_eagle3(target8, bs):
     from helpers import prompts_of, reference_greedy
-    from methods.eagle import Eagle
+    from specbench.methods.eagle import Eagle
 
     if bs in (1, 4):
         prompts, refs = greedy_cases(target8, 20)[bs]
@@ -301,7 +301,7 @@ def test_sampling_with_a_published_eagle3_follows_the_target(target8):
     """Seeded rows of one prompt at T=1: the 2nd and 3rd tokens (drafted by EAGLE-3's tree over
     its draft vocabulary, verified by the lossless rule) follow the target's exact marginals."""
     from helpers import chi2_pvalue
-    from methods.eagle import Eagle
+    from specbench.methods.eagle import Eagle
     from specbench.decode.verify import Sampling
     from test_verify import exact_marginals
 
@@ -322,7 +322,7 @@ def test_speculators_eagle3_gives_the_reference_outputs_and_runs(target8):
     """vLLM's speculators format, as its own converter wrote the EAGLE-3 fixture (the target
     layers named in config.json): the same features and logits as SafeAILab's reference, and
     greedy identity through method=eagle eagle.version=3."""
-    from methods.eagle import Eagle
+    from specbench.methods.eagle import Eagle
 
     assert formats.detect(SPECULATORS3) == "speculators-eagle3"
     d = formats.eagle3.load(SPECULATORS3, target8, CPU, torch.float32)
@@ -351,7 +351,7 @@ def test_speculators_eagle3_gives_the_reference_outputs_and_runs(target8):
 def test_speculators_refusals(target8, tmp_path, change, match):
     import json
 
-    from methods.eagle import Eagle
+    from specbench.methods.eagle import Eagle
 
     bad = tmp_path / "bad"
     shutil.copytree(SPECULATORS3, bad)

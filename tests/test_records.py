@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from analysis import load as L
+from specbench.analysis import load as L
 from specbench.run import records as R
 
 from conftest import REPO

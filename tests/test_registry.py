@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import methods
+from specbench import methods
 from conftest import REPO, save_tiny_hf
 from helpers import DEVICE, greedy_cases, run_engine, serve_engine
 
@@ -101,7 +101,7 @@ def documented():
     finally:
         for f in files:
             f.unlink(missing_ok=True)
-        sys.modules.pop("methods.last_token", None)
+        sys.modules.pop("specbench.methods.last_token", None)
 
 
 def test_the_documented_method_is_one_module_and_one_yaml(tiny, build, documented):

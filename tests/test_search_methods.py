@@ -18,12 +18,12 @@ from helpers import (
 )
 from omegaconf import OmegaConf
 
-from methods.base import BatchState
-from methods import lookahead as LA
-from methods import rest as R
-from methods.lookahead import Lookahead, Pool
-from methods.rest import Rest, build_datastore
-from methods.specdec import SpecDec
+from specbench.methods.base import BatchState
+from specbench.methods import lookahead as LA
+from specbench.methods import rest as R
+from specbench.methods.lookahead import Lookahead, Pool
+from specbench.methods.rest import Rest, build_datastore
+from specbench.methods.specdec import SpecDec
 from specbench.decode.draft import Draft, prefix_tree, tree_geometry
 from specbench.drafters.specdec import SpecDrafter
 from specbench.decode.verify import Sampling, verify
@@ -293,7 +293,7 @@ def test_datastore_search_is_rests_ranking(tmp_path):
 
 
 def test_python_code_datastore_is_the_stdlib():
-    from methods.rest import python_sources
+    from specbench.methods.rest import python_sources
 
     files = python_sources()
     assert len(files) > 100 and any(f.name == "json" or f.parent.name == "json" for f in files)

@@ -12,7 +12,7 @@ import test_feature_methods
 import test_search_methods
 import test_training_free
 from helpers import DEVICE, prompts_of, reference_greedy, serve_engine, tiny_llama
-from methods.base import Proposer
+from specbench.methods.base import Proposer
 
 N_NEW = 16
 LENGTHS = [7, 3, 12, 5, 9, 4, 15]  # ragged; with concurrency 3, rows join three times or more
@@ -114,8 +114,8 @@ def test_a_method_with_row_state_and_no_add_rows_cannot_join_rows():
         pass
 
     assert not Stateful.joins_rows() and Stateless.joins_rows() and Proposer.joins_rows()
-    from methods.eagle import Eagle
-    from methods.lookahead import Lookahead
+    from specbench.methods.eagle import Eagle
+    from specbench.methods.lookahead import Lookahead
 
     assert Eagle.joins_rows() and Lookahead.joins_rows()
 

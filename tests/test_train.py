@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from helpers import CPU, cfg_for, prompts_of, reference_greedy, run_engine
-from methods.leviathan import Leviathan
+from specbench.methods.leviathan import Leviathan
 from specbench.drafters import is_draft_checkpoint
 from specbench.drafters import load as load_draft
 from specbench.drafters.draft_lm import DraftLM
@@ -156,8 +156,8 @@ def test_shipped_cards_are_portable_and_made_from_todays_defaults():
     for f in folders:
         for name in ("drafter.json", "README.md"):
             assert card.absolute_paths((f / name).read_text()) == [], f / name
-    from methods.eagle import AUTO
-    from methods.medusa import AUTO_CPU_TREE
+    from specbench.methods.eagle import AUTO
+    from specbench.methods.medusa import AUTO_CPU_TREE
 
     eagle = (card.REPO / "checkpoints/smollm2-135m/eagle/README.md").read_text()
     assert f"{AUTO['cpu']['total_tokens']} nodes verified on a CPU" in eagle

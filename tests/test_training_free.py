@@ -11,10 +11,10 @@ import test_search_methods
 from helpers import DEVICE, chi2_pvalue, prompts_of, reference_greedy, run_engine, tiny_llama
 from omegaconf import OmegaConf
 
-from methods import combo as C
-from methods import recycle as TR
-from methods import sam as S
-from methods import suffix as SX
+from specbench.methods import combo as C
+from specbench.methods import recycle as TR
+from specbench.methods import sam as S
+from specbench.methods import suffix as SX
 from specbench.decode.verify import Sampling
 
 N_NEW = test_search_methods.N_NEW
@@ -309,7 +309,7 @@ def test_the_cursors_deepest_continuing_node_is_the_longest_match():
     sequence fed so far): its deepest node with children is what match() finds by search."""
     import random
 
-    from methods.suffix import SuffixTree
+    from specbench.methods.suffix import SuffixTree
 
     rng = random.Random(0)
     for trial in range(200):

@@ -33,7 +33,7 @@ def test_auto_pilots_held_out_prompts_and_records_the_choice(tiny_dirs, tmp_path
     # the report: K=auto beside every fixed K measured at that batch size
     for k in (1, 4):
         runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, K=k, **PLD), sweep_id="s")
-    from analysis import report
+    from specbench.analysis import report
     from specbench.run.summary import summary_table
 
     written = {p.name for p in report.build(tmp_path / "records.jsonl", tmp_path / "report")}
@@ -96,7 +96,7 @@ def test_auto_for_ar_is_a_plain_ar_job(tiny_dirs, tmp_path):
 
 
 def test_auto_refuses_a_method_that_reads_k_but_lists_nothing(tiny_dirs, tmp_path, monkeypatch):
-    import methods
+    from specbench import methods
 
     monkeypatch.setattr(methods.get("pld"), "tune_space", classmethod(lambda cls, cfg, device: []))
     with pytest.raises(ConfigError, match="lists no settings to choose among"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import DEVICE, cfg_for, chi2_pvalue, run_engine, tiny_llama
-from methods.leviathan import Leviathan
+from specbench.methods.leviathan import Leviathan
 from specbench.decode.draft import Draft, tree_geometry
 from specbench.decode.kv import RaggedCache
 from specbench.models import self_layers_draft

@@ -205,7 +205,7 @@ def test_our_medusa_heads_export_in_vllms_layout_with_our_scores(tiny_dirs, tmp_
 
 
 def test_the_report_puts_the_two_engines_side_by_side(tiny_dirs, tmp_path, fake_vllm):
-    from analysis import load, report, tables
+    from specbench.analysis import load, report, tables
 
     runner.job(vcfg(tiny_dirs, tmp_path, method=PLD, K=3, ar_baseline="paired"), sweep_id="v")
     runner.job(tiny_cfg(tiny_dirs, tmp_path, method=PLD, K=3, ar_baseline="paired"), sweep_id="o")

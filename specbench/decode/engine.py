@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from methods.base import BatchState, Proposer
+from specbench.methods.base import BatchState, Proposer
 from specbench.devices import to_device
 from specbench.decode.draft import Draft
 from specbench.decode.hidden import Hidden, Tap

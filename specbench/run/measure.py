@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import methods
+from specbench import methods
 from specbench.run import data as D
 from specbench.run import metrics as M
 from specbench.errors import ConfigError

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import methods
+from specbench import methods
 from specbench import backends, loggers
 from specbench.run import quality
 from specbench.run import tune

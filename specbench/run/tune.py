@@ -24,7 +24,7 @@ import time
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-import methods
+from specbench import methods
 from specbench.costs import forward_times
 from specbench.errors import ConfigError
 

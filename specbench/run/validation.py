@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-import methods
+from specbench import methods
 from specbench.run import data as D
 from specbench import backends, loggers
 from specbench.run import schema

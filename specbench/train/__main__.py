@@ -18,7 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 def main() -> int:
     import hydra
 
-    @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+    from specbench.paths import CONF_DIR
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
     def _app(cfg):
         import torch
 

@@ -86,14 +86,14 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
     elif kind == "eagle3":
         lines += ["```bash", f"python -m specbench method=eagle eagle.version=3 eagle.checkpoint={where}", "```", ""]
     if kind == "eagle":
-        from methods.eagle import AUTO
+        from specbench.methods.eagle import AUTO
 
         c, g = AUTO["cpu"], AUTO["cuda"]
         lines.append(f"Draft tree with `eagle.top_k`, `eagle.depth` and `eagle.total_tokens` at `auto` "
                      f"(methods/eagle.py): top_k {c['top_k']}, depth {c['depth']}, {c['total_tokens']} nodes "
                      f"verified on a CPU; top_k {g['top_k']}, depth {g['depth']}, {g['total_tokens']} nodes on a GPU.")
     elif kind == "medusa":
-        from methods.medusa import AUTO_CPU_TREE
+        from specbench.methods.medusa import AUTO_CPU_TREE
         from specbench.drafters.medusa import sparse_tree
 
         acc = meta.get("acc")

@@ -102,7 +102,7 @@ def build(target, tokenizer, target_name: str, dcfg, device, dtype, chat: bool =
     replaces the ShareGPT prompts (tests, custom data)."""
     from tqdm.auto import tqdm
 
-    from methods.ar import AR
+    from specbench.methods.ar import AR
     from specbench.decode.engine import Engine
     from specbench.hf import eos_ids
     from specbench.decode.timing import PhaseTimer

@@ -110,7 +110,7 @@ def build(target, tokenizer, target_name: str, fcfg, device, dtype, chat: bool =
     """Make (or resume) the feature set; returns its folder of shards."""
     from tqdm.auto import tqdm
 
-    from methods.ar import AR
+    from specbench.methods.ar import AR
     from specbench.decode.engine import Engine
     from specbench.hf import eos_ids
     from specbench.decode.timing import PhaseTimer

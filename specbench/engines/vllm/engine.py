@@ -25,8 +25,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import methods
-from methods.base import Proposer
+from specbench import methods
+from specbench.methods.base import Proposer
 from specbench.run import data as D
 from specbench.decode.engine import RowResult
 from specbench.errors import ConfigError
