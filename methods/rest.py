@@ -206,4 +206,5 @@ class Rest(Proposer):
 
     def describe(self) -> dict:
         return {"datastore": self.spec, "num_draft": self.num_draft, "max_suffix": self.max_suffix,
-                "min_suffix": self.min_suffix}
+                "min_suffix": self.min_suffix,
+                "search": "suffix-array"}  # specbench.suffix_index (records before 2026-11-27: draftretriever 0.1.1)

@@ -28,3 +28,7 @@ class _Checkout(importlib.abc.MetaPathFinder):
 
 if not (_HERE / "methods").is_dir() and not any(isinstance(f, _Checkout) for f in sys.meta_path):
     sys.meta_path.append(_Checkout())
+
+from specbench._alias import keep_moved_names  # noqa: E402  (the finders above first)
+
+keep_moved_names()  # specbench.engine, specbench.runner, ...: their old names, for one release

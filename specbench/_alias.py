@@ -1,6 +1,8 @@
-"""The old top-level package names (``methods``, ``analysis``), kept for one release as aliases of
-their homes under ``specbench``: importing one warns once, and each of its submodules is the very
-module object of its new home (a plug-in's ``from methods.base import Proposer`` is specbench's)."""
+"""Old names kept for one release as aliases of their new homes: importing one warns, and it is
+the very module object of its new home (a plug-in's ``from methods.base import Proposer`` is
+specbench's ``Proposer``). The top-level ``methods`` and ``analysis`` (from a checkout: an install
+has only ``specbench.methods`` and ``specbench.analysis``), and the modules that moved into
+``specbench.decode``, ``specbench.run`` and ``specbench.engines.vllm`` (``MOVED``)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,45 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def get_code(self, name):  # `python -m methods.x` runs `specbench.methods.x`
         real = self._real(name)
         return importlib.util.find_spec(real).loader.get_code(real)
+
+
+# specbench's modules before they were grouped into folders -> where they are now
+MOVED = {f"specbench.{old}": f"specbench.{new}" for old, new in {
+    "engine": "decode.engine", "kv": "decode.kv", "verify": "decode.verify", "draft": "decode.draft",
+    "hidden": "decode.hidden", "timing": "decode.timing", "runner": "run.runner", "measure": "run.measure",
+    "validation": "run.validation", "schema": "run.schema", "records": "run.records", "summary": "run.summary",
+    "tune": "run.tune", "quality": "run.quality", "data": "run.data", "monitor": "run.monitor",
+    "vllm_engine": "engines.vllm.engine"}.items()}
+
+
+class _Moved(_Alias):
+    """The modules of ``MOVED`` under their old names (each warns once, when first imported)."""
+
+    def __init__(self):
+        super().__init__("", "")
+        self._specs: dict = {}
+
+    def find_spec(self, name, path=None, target=None):
+        new = MOVED.get(name)
+        if new is None:
+            return None
+        real = importlib.util.find_spec(new)
+        return importlib.util.spec_from_loader(name, self, origin=real.origin, is_package=False)
+
+    def create_module(self, spec):
+        warnings.warn(f"`{spec.name}` is now `{MOVED[spec.name]}`: import it from there (the old name goes in the "
+                      "next release)", DeprecationWarning, stacklevel=2)
+        module = importlib.import_module(MOVED[spec.name])
+        self._specs[module.__name__] = module.__spec__
+        return module
+
+    def get_code(self, name):
+        return importlib.util.find_spec(MOVED[name]).loader.get_code(MOVED[name])
+
+
+def keep_moved_names() -> None:
+    if not any(isinstance(f, _Moved) for f in sys.meta_path):
+        sys.meta_path.append(_Moved())
 
 
 def alias(old: str, new: str) -> None:

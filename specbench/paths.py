@@ -8,8 +8,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# the configs: at the checkout's top, or inside the package where a wheel ships them
-CONF_DIR = next((d for d in (REPO / "conf", Path(__file__).resolve().parent / "conf") if (d / "config.yaml").exists()),
+# the configs: inside the package where a wheel ships them, else at the checkout's top
+CONF_DIR = next((d for d in (Path(__file__).resolve().parent / "conf", REPO / "conf") if (d / "config.yaml").exists()),
                 REPO / "conf")
 
 

@@ -143,3 +143,20 @@ def test_the_wheel_lists_every_package_folder():
     folders = {".".join(f.parent.relative_to(REPO).parts) for f in (REPO / "specbench").rglob("__init__.py")}
     folders |= {"specbench.methods", "specbench.analysis", "specbench.conf"}
     assert listed == folders
+
+
+def test_the_moved_modules_keep_their_old_names_for_a_release():
+    """A plug-in written against the last release (``from specbench.draft import Draft``) still
+    imports: the old module names warn and are the very modules of their new homes."""
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.simplefilter('ignore')\n"
+            "import specbench.draft, specbench.decode.draft as new, specbench.runner, specbench.run.runner as r\n"
+            "from specbench.vllm_engine import VllmRun\n"
+            "print(specbench.draft is new, specbench.draft.Draft is new.Draft, specbench.runner is r)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True).stdout
+    assert out.split() == ["True", "True", "True"]
+    warned = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", "import specbench.engine"],
+                            capture_output=True, text=True, cwd="/")
+    assert warned.returncode != 0 and "specbench.engine` is now `specbench.decode.engine" in warned.stderr

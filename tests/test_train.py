@@ -177,9 +177,9 @@ def test_card_check_fails_on_a_stale_card_and_a_machine_path(tmp_path, monkeypat
     assert card.main([str(ck)]) == 0  # outside the repo its card names no folder of this machine
     assert "eagle.checkpoint=<this folder>" in (ck / "README.md").read_text()
     assert card.main(["--check", str(ck)]) == 0
-    import methods.eagle
+    from specbench.methods import eagle as eagle_method
 
-    monkeypatch.setitem(methods.eagle.AUTO["cpu"], "total_tokens", 9)  # the code's default moved
+    monkeypatch.setitem(eagle_method.AUTO["cpu"], "total_tokens", 9)  # the code's default moved
     assert card.main(["--check", str(ck)]) == 1
     assert card.main([str(ck)]) == 0 and "9 nodes verified on a CPU" in (ck / "README.md").read_text()
     meta = json.loads((ck / "drafter.json").read_text())

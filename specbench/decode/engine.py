@@ -171,8 +171,9 @@ class Engine:
                 P = int(lens.max())
                 idx = (torch.arange(P, device=self.device)[None] + (P - lens)[:, None]).clamp(max=P - 1)
                 hidden = Hidden(tap.take(), torch.ones_like(lens)).gather(idx, lens)
+        firsts = first.tolist()  # waits for the prefill on the device: the first tokens exist from here
         now = self._clock(t0)
-        for r, t in zip(res, first.tolist()):
+        for r, t in zip(res, firsts):
             self._first(r, t, now)
         return cache, first, hidden, res
 
