@@ -66,6 +66,7 @@ class Worker:
     def __init__(self, send):
         self.send = send
         self.llm = None
+        self.rows = 1  # requests in flight at most (the scheduler's max_num_seqs: the job's bs)
 
     def start(self, engine: dict) -> None:
         import vllm
@@ -76,6 +77,7 @@ class Worker:
         load_s = time.perf_counter() - t
         c = self.llm.llm_engine.vllm_config
         sched, cache, spec = c.scheduler_config, c.cache_config, c.speculative_config
+        self.rows = int(sched.max_num_seqs)
         resolved = {
             "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
             "chunked_prefill": bool(getattr(sched, "enable_chunked_prefill", False)),
@@ -94,8 +96,10 @@ class Worker:
         self.send({"op": "started", "ok": True, "version": vllm.__version__, "load_s": load_s, "resolved": resolved})
 
     def stream(self, sampling: dict, requests: list[dict], more: bool, read) -> None:
-        """Serve one stream: requests join as they arrive (vLLM's scheduler keeps at most
-        ``max_num_seqs`` in flight), until ``end`` is read and every request has finished."""
+        """Serve one stream: requests join as they arrive, at most ``max_num_seqs`` in flight, until
+        ``end`` is read and every request has finished. A request is handed to vLLM when it has
+        arrived and a row is free, as our engine admits one: its ``admit_s`` is when it stopped
+        waiting for a row (vLLM's scheduler would queue it unseen, after a hand-off at arrival)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -121,7 +125,7 @@ class Worker:
 
         while True:
             now = time.perf_counter() - t0
-            while pending and pending[0]["at"] <= now:  # arrivals: handed to vLLM's scheduler
+            while pending and pending[0]["at"] <= now and len(live) < self.rows:  # arrived, and a row is free
                 m = pending.pop(0)
                 params_i = params.clone() if hasattr(params, "clone") else params
                 eng.add_request(m["id"], {"prompt_token_ids": m["prompt"]}, params_i)
