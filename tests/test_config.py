@@ -16,7 +16,7 @@ from omegaconf import OmegaConf, open_dict
 from specbench import methods
 from specbench.run import records as R
 from specbench import hf, models, paths
-from specbench.run import runner
+from specbench.run import measure, runner
 from specbench.__main__ import preprocess
 from specbench.errors import ConfigError
 
@@ -359,9 +359,9 @@ def test_compile_changes_no_token_pairs_with_a_compiled_ar_and_counts_graphs_in_
     model = runner.cached_model(tiny_cfg(tiny_dirs, tmp_path).model, torch.device("cpu"), torch.float32, "torch",
                                 True)[0]
     assert models.is_compiled(model)
-    runner.warm_compiled(model, 1, torch.device("cpu"), torch.float32)
+    measure.warm_compiled(model, 1, torch.device("cpu"), torch.float32)
     before = models.compiled_graphs()
-    runner.warm_compiled(model, 1, torch.device("cpu"), torch.float32)
+    measure.warm_compiled(model, 1, torch.device("cpu"), torch.float32)
     assert models.compiled_graphs() == before
 
 

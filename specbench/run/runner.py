@@ -21,22 +21,17 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specbench import methods
-from specbench import backends, loggers
-from specbench.run import quality
-from specbench.run import tune
+from specbench import backends, loggers, methods
 from specbench.engines.vllm import engine as vllm_engine
+from specbench.errors import ConfigError
+from specbench.models import cached_model, load_tokenizer, resolve_device, resolve_dtype
+from specbench.paths import file_lock
+from specbench.run import quality, tune
 from specbench.run import records as R
-from specbench.run.measure import (MethodRun, _spec_len, accept_of, build_requests, rate_of,  # noqa: F401
-                               run_methods, warm_compiled)
-from specbench.errors import ConfigError  # noqa: F401
-from specbench.run.monitor import PeakMemory  # noqa: F401
-from specbench.models import cached_model, load_tokenizer, resolve_device, resolve_dtype  # noqa: F401
-from specbench.paths import file_lock  # noqa: F401
+from specbench.run.measure import MethodRun, _spec_len, accept_of, build_requests, rate_of, run_methods
 from specbench.run.validation import check_prompts, validate
 
-__all__ = ["job", "validate", "check_prompts", "measure", "fill_against_ar", "sweep_id_of", "FAILED", "SweepAborted",
-           "MethodRun", "PeakMemory", "warm_compiled", "build_requests", "run_methods"]
+__all__ = ["job", "measure", "fill_against_ar", "sweep_id_of", "FAILED", "SweepAborted", "Job"]
 
 FAILED: list[str] = []  # one-line errors of this sweep's jobs (sets the exit code)
 
