@@ -86,8 +86,9 @@ def target(name: str) -> str:
     """``module:Class`` of a method name (or of a ``module:Class`` name itself)."""
     if name in REGISTRY:
         return REGISTRY[name]
-    if name in found():
-        mod = importlib.import_module(found()[name])
+    here = found()
+    if name in here:
+        mod = importlib.import_module(here[name])
         from specbench.methods.base import Proposer
 
         own = [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, Proposer)

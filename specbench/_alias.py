@@ -13,25 +13,31 @@ import sys
 import warnings
 
 
-class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, old: str, new: str):
-        self.old, self.new = old, new
+class _Renamed(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an old name as the module of its new name (``_real``); warns when ``warns``."""
+
+    warns = False
+
+    def __init__(self):
         self._specs: dict = {}
 
-    def _real(self, name: str) -> str:
-        return self.new + name[len(self.old):]
+    def _real(self, name: str) -> str | None:
+        raise NotImplementedError
 
     def find_spec(self, name, path=None, target=None):
-        if not name.startswith(self.old + "."):
-            return None
-        real = importlib.util.find_spec(self._real(name))
+        real_name = self._real(name)
+        real = None if real_name is None else importlib.util.find_spec(real_name)
         if real is None:
             return None
         return importlib.util.spec_from_loader(name, self, origin=real.origin,
                                                is_package=real.submodule_search_locations is not None)
 
     def create_module(self, spec):
-        module = importlib.import_module(self._real(spec.name))
+        real = self._real(spec.name)
+        if self.warns:
+            warnings.warn(f"`{spec.name}` is now `{real}`: import it from there (the old name goes in the next "
+                          "release)", DeprecationWarning, stacklevel=2)
+        module = importlib.import_module(real)
         self._specs[module.__name__] = module.__spec__
         return module
 
@@ -43,6 +49,17 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.find_spec(real).loader.get_code(real)
 
 
+class _Alias(_Renamed):
+    """The submodules of an old package name (the package itself warned when imported: ``alias``)."""
+
+    def __init__(self, old: str, new: str):
+        super().__init__()
+        self.old, self.new = old, new
+
+    def _real(self, name: str) -> str | None:
+        return self.new + name[len(self.old):] if name.startswith(self.old + ".") else None
+
+
 # specbench's modules before they were grouped into folders -> where they are now
 MOVED = {f"specbench.{old}": f"specbench.{new}" for old, new in {
     "engine": "decode.engine", "kv": "decode.kv", "verify": "decode.verify", "draft": "decode.draft",
@@ -52,29 +69,13 @@ MOVED = {f"specbench.{old}": f"specbench.{new}" for old, new in {
     "vllm_engine": "engines.vllm.engine"}.items()}
 
 
-class _Moved(_Alias):
+class _Moved(_Renamed):
     """The modules of ``MOVED`` under their old names (each warns once, when first imported)."""
 
-    def __init__(self):
-        super().__init__("", "")
-        self._specs: dict = {}
+    warns = True
 
-    def find_spec(self, name, path=None, target=None):
-        new = MOVED.get(name)
-        if new is None:
-            return None
-        real = importlib.util.find_spec(new)
-        return importlib.util.spec_from_loader(name, self, origin=real.origin, is_package=False)
-
-    def create_module(self, spec):
-        warnings.warn(f"`{spec.name}` is now `{MOVED[spec.name]}`: import it from there (the old name goes in the "
-                      "next release)", DeprecationWarning, stacklevel=2)
-        module = importlib.import_module(MOVED[spec.name])
-        self._specs[module.__name__] = module.__spec__
-        return module
-
-    def get_code(self, name):
-        return importlib.util.find_spec(MOVED[name]).loader.get_code(MOVED[name])
+    def _real(self, name: str) -> str | None:
+        return MOVED.get(name)
 
 
 def keep_moved_names() -> None:
