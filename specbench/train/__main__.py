@@ -32,7 +32,7 @@ def main() -> int:
 
         try:
             mcfg = model_cfg(str(cfg.target), "sdpa")
-            kinds = [*drafters.KINDS, "eagle3"]  # eagle3: written in its authors' layout (drafters.formats.eagle3)
+            kinds = [*drafters.KINDS, "eagle3", "dflash"]  # written in their authors' layouts (drafters.formats)
             if cfg.drafter.kind not in kinds:
                 raise ConfigError(f"unknown drafter kind '{cfg.drafter.kind}'; choices: {', '.join(kinds)}")
             device = resolve_device(cfg.device)
@@ -53,19 +53,34 @@ def main() -> int:
             out = REPO / out
         out.mkdir(parents=True, exist_ok=True)
         command = "python -m specbench.train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        if cfg.drafter.kind in ("eagle", "medusa", "eagle3"):  # feature-level drafters train on the feature set
+        if cfg.drafter.kind in ("eagle", "medusa", "eagle3", "dflash"):  # feature-level drafters train on the feature set
             from specbench.train import features, heads
 
             if cfg.drafter.kind == "eagle3":  # the states at the inputs of layers 2, L//2, L-3, and the teacher's
                 from specbench.drafters.eagle3 import tap_layers
 
                 cfg.features.layers = [*tap_layers(int(target.config.get_text_config().num_hidden_layers)), "final"]
+            if cfg.drafter.kind == "dflash":  # the states after its target layers, and the teacher's
+                from specbench.drafters.dflash import taps_of
+                from specbench.train.dflash import layer_ids
+
+                n = int(target.config.get_text_config().num_hidden_layers)
+                cfg.features.layers = [t for t in taps_of(layer_ids(cfg.drafter, n), n) if t != "final"] + ["final"]
 
             root = features.build(target, tok, name, cfg.features, device, dtype, chat=bool(mcfg.get("chat", True)),
                                   progress=bool(cfg.progress))
             items = features.load(root)
             meta = json.loads((root / "meta.json").read_text())
             dmeta = {**features.stats(items), "dropped": meta["dropped"], "key": meta["key"]}
+            if cfg.drafter.kind == "dflash":
+                from specbench.train import dflash
+
+                res = dflash.train(cfg, target, tok, items, out, device, progress=bool(cfg.progress))
+                dflash.finish(cfg, res, out, name, dmeta, command)
+                s = res["summary"]
+                print(f"[train] wrote {out}: held-out top-1 agreement per slot "
+                      f"{[round(x, 3) for x in s['eval_top1_agreement']]}, expected accepted {s['eval_expected_accepted']:.2f}")
+                return
             res = heads.train(cfg, target, items, out, eos_ids(target, tok), device, progress=bool(cfg.progress))
             heads.finish(cfg, res, out, name, dmeta, command)
             s = res["summary"]

@@ -85,6 +85,10 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
         lines += ["```bash", f"python -m specbench {pick}", "```", ""]
     elif kind == "eagle3":
         lines += ["```bash", f"python -m specbench method=eagle eagle.version=3 eagle.checkpoint={where}", "```", ""]
+    elif kind == "dflash":
+        pick = "" if _conf("method", "dflash").get("checkpoint") == where else f" dflash.checkpoint={where}"
+        lines += ["```bash", f"python -m specbench method=dflash{pick}", "```", "",
+                  "Drafts with the block it was trained with; `dflash.block_size=<B>` drafts with another."]
     if kind == "eagle":
         from specbench.methods.eagle import AUTO
 
@@ -223,7 +227,34 @@ def _specdec_body(meta: dict) -> list[str]:
     return lines
 
 
-BODIES = {"eagle": _heads_body, "eagle3": _heads_body, "medusa": _heads_body, "draft_lm": _draft_lm_body, "specdec": _specdec_body}
+def _dflash_body(meta: dict) -> list[str]:
+    """The description, data and training sections of a DFlash card (``render`` adds the rest)."""
+    s, d, fs, ts, dr = meta["train_summary"], meta["data"], meta["feature_settings"], meta["train_settings"], meta["drafter"]
+    agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
+    return [
+        f"# {meta['name']}: DFlash drafter for {meta['target']}", "",
+        f"A block-diffusion drafter for `method=dflash` (Z Lab's layout): fc([the target's states after decoder "
+        f"layers {s['target_layer_ids']}]) -> {dr['layers']} non-causal draft layer(s) over [context ; block of "
+        f"{dr['block_size']}] -> the target's output layer; mask token {s['mask_token_id']}. Only the drafter's own "
+        f"weights are stored ({s['trainable_params']:,} parameters, bf16); the embedding and output layer are the "
+        "target's.",
+        "", "## Data",
+        f"- {d['sequences']} sequences of the ShareGPT training slice ({d['tokens']:,} token positions): "
+        f"{d['answered']} first turns answered by the target itself (greedy, up to {fs['max_new_tokens']} tokens) "
+        f"and {d['sequences'] - d['answered']} whole conversations (up to {fs['max_tokens']} tokens); "
+        f"dropped: {d['dropped']}; feature set key {d['key']}",
+        "", "## Training",
+        f"- {s['steps']} steps, batch {ts['batch_size']} x up to {ts['seq_len']} tokens x {dr['anchors']} blocks, "
+        f"AdamW lr {ts['lr']}, loss decay gamma {dr['gamma']}, layers initialised from the {dr.get('init')}, "
+        f"seed {meta['seed']}; {s['trained_block_positions']:,} drafted positions seen",
+        f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}; held-out loss {s['eval_loss']:.3f} "
+        f"({s['eval_sequences']} sequences)",
+        f"- held-out top-1 agreement with the target's greedy token, per block slot: {agree}; expected accepted "
+        f"drafts a block (chain product): {s['eval_expected_accepted']:.2f}",
+    ]
+
+
+BODIES = {"dflash": _dflash_body, "eagle": _heads_body, "eagle3": _heads_body, "medusa": _heads_body, "draft_lm": _draft_lm_body, "specdec": _specdec_body}
 
 
 def render(meta: dict, folder: Path) -> str:

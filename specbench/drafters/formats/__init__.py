@@ -12,17 +12,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specbench.drafters.formats import eagle1, eagle3, medusa
+from specbench.drafters.formats import dflash, eagle1, eagle3, medusa
 from specbench.drafters.formats.common import FormatError
 
-FORMATS = (medusa, eagle3, eagle1)  # detection order: a speculators folder also has eagle1's keys
+FORMATS = (medusa, dflash, eagle3, eagle1)  # detection order: a speculators folder also has eagle1's keys
 BY_NAME = {name: mod for mod in FORMATS for name in mod.NAMES}
 
 
 def detect(folder) -> str | None:
     """The published format of ``folder``: ``medusa1``, ``medusa2``, ``eagle1`` (EAGLE-1 and EAGLE-2
-    ship one layout), ``eagle3``, ``speculators-<algorithm>`` (vLLM's format; ``speculators-eagle3``
-    is read); None: not a published drafter."""
+    ship one layout), ``eagle3``, ``dflash`` (Z Lab's), ``speculators-<algorithm>`` (vLLM's format;
+    ``speculators-eagle3`` and ``speculators-dflash`` are read); None: not a published drafter."""
     return next((f for f in (mod.detect(folder) for mod in FORMATS) if f is not None), None)
 
 

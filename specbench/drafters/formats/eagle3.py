@@ -74,8 +74,9 @@ def speculators_config(folder, raw):
 
     kind = raw["speculators_model_type"]
     if kind != "eagle3":
+        other = {"dflash": " and dflash (method=dflash)"}.get(kind, "")
         raise FormatError(f"{folder}: a speculators '{kind}' checkpoint; specbench reads speculators' eagle3 "
-                          "(method=eagle eagle.version=3)")
+                          f"(method=eagle eagle.version=3){other}")
     on = [f for f in SPECULATORS_FLAGS if raw.get(f)]
     tl = dict(raw.get("transformer_layer_config") or {})
     if on or int(tl.get("num_hidden_layers", 1)) != 1:

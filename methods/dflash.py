@@ -1,0 +1,166 @@
+"""DFlash (Z Lab, arXiv 2602.06036): a block-diffusion drafter proposes a whole block in one
+forward; the engine verifies it as a chain.
+
+Per step and row: the drafter reads the block ``[x_p, MASK, ..., MASK]`` at positions p..p+B-1
+(x_p the last emitted token, not yet in the target's cache) over the keys and values of the
+verified tokens' context features, non-causally, and its slots' argmax are the drafts: B-1 of them
+(slot k drafts x_{p+k}) for Z Lab's checkpoints, B (slot k drafts x_{p+k+1}) for those trained with
+``sample_from_anchor`` (``specbench/drafters/dflash.py``). After the verify the target hands over its
+states of the tokens just committed (the step's root and its accepted drafts); their fused features'
+keys and values join the drafter's cache, the block's are never kept. Drafts are deterministic
+candidates (the argmax, as the reference drafts), so sampling uses the lossless rule.
+
+``dflash.checkpoint`` names Z Lab's layout, vLLM's speculators ``dflash`` or ours
+(``python -m specbench.train drafter=dflash``); ``dflash.block_size`` drafts with a block of
+another size than the one it was trained with (null: the checkpoint's).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specbench.decode.draft import Draft, pad_rows
+from specbench.drafters import formats
+from specbench.drafters.dflash import ContextCache
+from specbench.errors import ConfigError
+from specbench.methods.base import BatchState, Proposer
+from specbench.paths import resolve_path
+
+TRAIN = "python -m specbench.train drafter=dflash target=<model>"
+
+
+def _declared(folder) -> dict:
+    """The block size and anchor a checkpoint folder declares (read from config.json alone)."""
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    if raw.get("speculators_model_type"):
+        return {"block_size": raw.get("block_size"), "anchor": "next" if raw.get("sample_from_anchor") else "bonus"}
+    return {"block_size": raw.get("block_size", (raw.get("dflash_config") or {}).get("block_size")), "anchor": "bonus"}
+
+
+class DFlash(Proposer):
+    name = "dflash"
+
+    @classmethod
+    def check(cls, cfg, target_config) -> None:
+        m = cfg.method
+        b = m.get("block_size")
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 2):
+            raise ConfigError(f"dflash.block_size must be null (the checkpoint's) or an integer >= 2 (the anchor and "
+                              f"at least one mask slot), got {b!r}")
+        folder = resolve_path(m.checkpoint)
+        if not Path(folder).exists():
+            raise ConfigError(f"dflash.checkpoint '{m.checkpoint}' does not exist: train one ({TRAIN}) or name a "
+                              "downloaded DFlash folder (Z Lab's or vLLM's speculators format)")
+        fmt = formats.detect(folder)
+        if fmt not in formats.dflash.NAMES:
+            raise ConfigError(f"dflash.checkpoint '{m.checkpoint}' holds no DFlash drafter "
+                              f"({fmt or 'no published format'}); train one: {TRAIN}")
+        try:
+            formats.dflash.check(folder, target_config)
+        except formats.FormatError as e:
+            raise ConfigError(f"dflash.checkpoint {e}") from None
+
+    @classmethod
+    def block(cls, cfg) -> tuple[int, str]:
+        """(block size, anchor) of a job: ``dflash.block_size`` or the checkpoint's."""
+        d = _declared(resolve_path(cfg.method.checkpoint))
+        return int(cfg.method.get("block_size") or d["block_size"]), d["anchor"]
+
+    @classmethod
+    def spec_len(cls, cfg, device) -> int:
+        b, anchor = cls.block(cfg)
+        return b - (anchor == "bonus")
+
+    @classmethod
+    def tune_space(cls, cfg, device) -> list[dict]:
+        """K=auto sizes the block (the drafts are B-1 or B long)."""
+        return [{"method.block_size": b} for b in (2, 3, 4, 6, 8, 12, 16)]
+
+    @classmethod
+    def draft_label(cls, cfg) -> str:
+        return str(cfg.method.checkpoint)
+
+    @classmethod
+    def vllm_config(cls, cfg) -> dict:
+        """vLLM's ``dflash`` reads Z Lab's and speculators' layouts, drafting the block it was trained with."""
+        b, anchor = cls.block(cfg)
+        declared = _declared(resolve_path(cfg.method.checkpoint))["block_size"]
+        if b != int(declared):
+            raise ConfigError(f"vLLM's dflash drafts the checkpoint's block ({declared}); with backend=vllm leave "
+                              "dflash.block_size=null")
+        return {"method": "dflash", "model": resolve_path(cfg.method.checkpoint),
+                "num_speculative_tokens": b - (anchor == "bonus")}
+
+    @classmethod
+    def tiny(cls, target, tokenizer, folder) -> dict:
+        from specbench.drafters.dflash import DFlashDrafter, default_layer_ids, layer_config
+        from specbench.hf import text_config
+
+        tc = text_config(target.config)
+        ids = default_layer_ids(int(tc.num_hidden_layers), 1)
+        d = DFlashDrafter(target, layer_config(tc, 1, int(tc.vocab_size) - 1, 4, ids), ids, 4, int(tc.vocab_size) - 1)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in d.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+        formats.dflash.save(folder / "dflash", d, dtype=torch.float32)
+        return {"method": {"checkpoint": str(folder / "dflash")}}
+
+    def __init__(self, cfg, target, tokenizer, device, dtype, drafter=None):
+        super().__init__(cfg, target, tokenizer, device, dtype)
+        folder = resolve_path(cfg.method.checkpoint)
+        self.format = formats.detect(folder)
+        self.drafter = drafter if drafter is not None else formats.dflash.load(folder, target, device, dtype)
+        self.block_size = int(cfg.method.get("block_size") or self.drafter.block_size)
+        self.hidden_layers = tuple(self.drafter.taps)
+        self.vocab_ids = self.drafter.vocab_ids.to(device)
+        self.cache: ContextCache | None = None
+
+    def modules(self):
+        return [self.drafter]
+
+    def _cache(self, state: BatchState, hidden) -> ContextCache:
+        """A cache for the rows of ``state`` holding their prompts' context (room for the answers)."""
+        dt = next(self.drafter.parameters()).dtype
+        longest = max(len(s) for s in state.seqs)
+        cache = ContextCache(self.drafter, len(state.seqs), self.device, dt, longest + state.max_new_tokens)
+        self._append(cache, hidden)
+        return cache
+
+    def _append(self, cache: ContextCache, hidden) -> None:
+        feats = self.drafter.features(hidden)
+        pos = cache.length[:, None] + torch.arange(feats.shape[1], device=self.device)[None]
+        cache.append(self.drafter.context(feats, pos), hidden.counts)
+
+    def start(self, state: BatchState, hidden=None) -> None:
+        self.cache = self._cache(state, hidden)
+
+    def update(self, state: BatchState, accepted, hidden=None) -> None:
+        self._append(self.cache, hidden)
+
+    def add_rows(self, state: BatchState, hidden=None) -> None:
+        self.cache.extend(self._cache(state, hidden))
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.cache.select(keep)
+
+    def propose(self, state: BatchState) -> Draft:
+        cache, n, dev = self.cache, self.block_size, self.device
+        B = len(state.seqs)
+        tokens = torch.full((B, n), self.drafter.mask_token_id, dtype=torch.long, device=dev)
+        tokens[:, :1] = pad_rows([s[-1:] for s in state.seqs], dev)
+        pos = cache.length[:, None] + torch.arange(n, device=dev)[None]  # x_p sits at p = the cached length
+        visible = torch.cat([cache.visible(n), torch.ones(B, n, n, dtype=torch.bool, device=dev)], dim=2)
+        h = self.drafter.block(tokens, pos, list(zip(cache.keys, cache.values)), visible)
+        drafts = h[:, 1:] if self.drafter.anchor == "bonus" else h  # [B, drafts, d]
+        return Draft.chain(self.vocab_ids[self.drafter.logits(drafts).argmax(-1)])
+
+    def describe(self) -> dict:
+        d = self.drafter
+        return {"block_size": self.block_size, "trained_block_size": d.block_size, "anchor": d.anchor,
+                "checkpoint_format": self.format, "target_layer_ids": list(d.layer_ids),
+                "draft_layers": len(d.layers), "drafter_params": sum(p.numel() for p in d.parameters()),
+                "draft_vocab": int(d.vocab_ids.numel())}

@@ -1,0 +1,177 @@
+"""Training a DFlash drafter (``specbench/drafters/dflash.py``) on the feature set.
+
+Each sequence gives ``anchors`` random block starts p (among its valid positions, so that p and
+at least one later token exist). Block p is ``[x_p, MASK x (B-1)]`` at positions p..p+B-1 and sees
+the target's fused states of tokens 0..p-1 and its own slots (``DFlashDrafter.train_forward``, the
+paper's anchored blocks, many in one forward). Slot k (k >= 1) is trained towards the target's own
+distribution of token p+k (its output layer on the stored final state at p+k-1): soft
+cross-entropy over the full vocabulary, weighted exp(-(k-1)/gamma) (DFlash's decay; gamma 4 as
+speculators trains it). The draft layers start from the target's last layers (``init: target``,
+our choice on a CPU budget; ``random``: as the paper trains) and the mask token is an added
+special token the data never holds (or ``drafter.mask_token_id``).
+
+Held-out sequences give the summary: top-1 agreement with the target's greedy token per slot,
+and the expected accepted drafts a block (the chain's product of agreements, summed).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from specbench.drafters.dflash import DFlashDrafter, default_layer_ids, exp_decay, layer_config, taps_of
+from specbench.errors import ConfigError
+from specbench.train.heads import collate
+from specbench.train.loop import fit
+
+
+def layer_ids(dr, num_target_layers: int) -> list[int]:
+    ids = list(dr.target_layers) if dr.get("target_layers") else default_layer_ids(num_target_layers, int(dr.layers))
+    try:
+        taps_of(ids, num_target_layers)
+    except ValueError as e:
+        raise ConfigError(f"drafter.target_layers: {e}") from None
+    return [int(i) for i in ids]
+
+
+def mask_token(dr, tokenizer, items) -> int:
+    """``drafter.mask_token_id``, else the tokenizer's mask token, else the highest-id added special
+    token the feature set never holds (a block's mask slots must not look like text)."""
+    if dr.get("mask_token_id") is not None:
+        return int(dr.mask_token_id)
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    seen = set()
+    for it in items:
+        seen |= set(it["tokens"].unique().tolist())
+    added = sorted(getattr(tokenizer, "added_tokens_decoder", {}) or {}, reverse=True)
+    free = [i for i in added if i not in seen and i not in (tokenizer.eos_token_id, tokenizer.bos_token_id,
+                                                            tokenizer.pad_token_id)]
+    if not free:
+        raise ConfigError("the tokenizer has no mask token and every added token occurs in the data: set "
+                          "drafter.mask_token_id=<an id the text never holds>")
+    return int(free[0])
+
+
+def pick_anchors(valid: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, n] block starts per row among its positions 1..len-2 (a context before, a token after),
+    drawn without replacement where the row has enough (else with)."""
+    lens = valid.sum(1)
+    out = []
+    for length in lens.tolist():
+        hi = max(2, int(length) - 1)
+        pool = torch.arange(1, hi)
+        pick = pool[torch.randperm(len(pool), generator=gen)[:n]]
+        if len(pick) < n:
+            pick = torch.cat([pick, pool[torch.randint(len(pool), (n - len(pick),), generator=gen)]])
+        out.append(pick.sort().values)
+    return torch.stack(out).to(valid.device)
+
+
+def dflash_loss(model: DFlashDrafter, tok, taps, fin, valid, anchors, weights, head):
+    """Soft cross-entropy of every slot against the target's distribution of its token, and the
+    top-1 agreement per draft (slot order)."""
+    h = model.train_forward(taps, tok, valid, anchors)  # [B, A, Bk, d]
+    Bt, A, Bk, _ = h.shape
+    first = 1 if model.anchor == "bonus" else 0
+    slots = torch.arange(first, Bk, device=tok.device)
+    teacher_at = anchors[:, :, None] + slots - 1 + (model.anchor == "next")  # the final state that predicts it
+    ok = teacher_at < valid.sum(1)[:, None, None]
+    teacher_at = teacher_at.clamp(max=fin.shape[1] - 1)
+    t_states = fin.gather(1, teacher_at.reshape(Bt, -1, 1).expand(-1, -1, fin.shape[-1])).view(Bt, A, len(slots), -1)
+    with torch.no_grad():
+        p = torch.softmax(head(t_states).float(), -1)
+    logits = model.logits(h[:, :, first:]).float()
+    ce = -(p * torch.log_softmax(logits, -1)).sum(-1)  # [B, A, drafts]
+    w = weights[first:].to(tok.device)[None, None] * ok
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
+    agree = ((logits.argmax(-1) == p.argmax(-1)) & ok).float().sum((0, 1)) / ok.float().sum((0, 1)).clamp(min=1)
+    return (loss, *agree.detach())
+
+
+def train(cfg, target, tokenizer, items: list[dict], out: Path, device, progress: bool = True) -> dict:
+    tcfg, dr = cfg.train, cfg.drafter
+    torch.manual_seed(int(cfg.seed))
+    rng = random.Random(int(cfg.seed))
+    gen = torch.Generator().manual_seed(int(cfg.seed))
+    tc = target.config.get_text_config()
+    ids, block = layer_ids(dr, int(tc.num_hidden_layers)), int(dr.block_size)
+    mask = mask_token(dr, tokenizer, items)
+    model = DFlashDrafter(target, layer_config(tc, int(dr.layers), mask, block, ids), ids, block, mask)
+    if dr.get("init", "target") == "target":  # the target's last layers (its q/k norms start at one)
+        from specbench.drafters.formats.dflash import OURS
+
+        with torch.no_grad():
+            for mine, theirs in zip(model.layers, target.model.layers[-len(model.layers):]):
+                for name, ours in OURS.items():
+                    if ours not in ("q_norm", "k_norm"):  # a Llama target has none
+                        getattr(mine, ours).weight.copy_(theirs.get_submodule(name).weight)
+    model.to(device)
+    head = target.get_output_embeddings()
+    weights = exp_decay(block, float(dr.gamma), model.anchor)
+    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
+    evals, trains = items[:n_eval], items[n_eval:]
+    params = [p for p in model.parameters() if p.requires_grad]
+    bs, L, A = int(tcfg.batch_size), int(tcfg.seq_len), int(dr.anchors)
+    order = list(range(len(trains)))
+
+    def batches():
+        while True:
+            rng.shuffle(order)
+            for s in range(0, len(order) - bs + 1, bs):
+                yield [trains[i] for i in order[s:s + bs]]
+
+    it = batches()
+
+    def loss_of(batch):
+        tok, taps, valid = collate(batch, L, device, layers=model.taps)
+        fin = collate(batch, L, device)[1]
+        return dflash_loss(model, tok, taps, fin, valid, pick_anchors(valid, A, gen), weights, head)
+
+    def step(skip=False):
+        b = next(it)
+        if skip:
+            pick_anchors(collate(b, L, "cpu")[2], A, gen)  # the anchors' draws replay too
+            return None
+        return loss_of(b)
+
+    t0 = time.time()
+    history = fit(model, params, step, tcfg, out / "_train_state.pt", bool(cfg.resume), f"train {dr.name}", progress)
+    train_s = time.time() - t0
+    sums, n = None, 0
+    model.eval()
+    with torch.no_grad():
+        for s in range(0, len(evals), bs):
+            v = torch.tensor([float(x) for x in loss_of(evals[s:s + bs])])
+            sums = v if sums is None else sums + v
+            n += 1
+    ev = (sums / max(1, n)).tolist()
+    last = history[-min(20, len(history)):] if history else [(math.nan,)]
+    positions = int(tcfg.steps) * bs * A * model.drafts
+    summary = {"steps": int(tcfg.steps), "train_loss_last20": sum(h[0] for h in last) / len(last),
+               "eval_loss": ev[0], "eval_top1_agreement": ev[1:],
+               "eval_expected_accepted": sum(math.prod(ev[1:k + 1]) for k in range(1, len(ev))),
+               "trained_block_positions": positions, "train_seconds_this_run": train_s,
+               "eval_sequences": len(evals), "train_sequences": len(trains),
+               "trainable_params": sum(p.numel() for p in params), "mask_token_id": mask, "target_layer_ids": ids}
+    return {"draft": model, "summary": summary, "extra": {}, "loss_curve": [round(h[0], 4) for h in history[::10]]}
+
+
+def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, command: str) -> None:
+    """Write the checkpoint in Z Lab's layout (config.json + model.safetensors, bf16), its
+    drafter.json and card."""
+    from specbench.drafters.formats.dflash import save
+    from specbench.train import card
+
+    model, dr, s = result["draft"], cfg.drafter, result["summary"]
+    meta = {"kind": "dflash", "name": dr.name, "target": target_name, "target_vocab_size": int(model.vocab_size),
+            "draft_vocab": int(model.vocab_size), "seed": int(cfg.seed), "drafter": {k: dr[k] for k in dr},
+            "data": data_meta, "feature_settings": {k: cfg.features[k] for k in cfg.features},
+            "train_settings": {k: cfg.train[k] for k in cfg.train}, "train_summary": s,
+            "loss_curve_every_10_steps": result["loss_curve"], "command": command}
+    save(out, model)
+    card.write(out, meta)
