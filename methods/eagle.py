@@ -46,9 +46,9 @@ class Eagle(Proposer):
     def check(cls, cfg, target_config) -> None:
         m = cfg.method
         version = m.get("version", 2)
-        if version not in (2, 3):
-            raise ConfigError(f"eagle.version must be 2 (EAGLE-1/2's drafter) or 3 (EAGLE-3's), got {version!r}; "
-                              "both draft EAGLE-2's dynamic tree")
+        if version not in (2, 3, 3.1):
+            raise ConfigError(f"eagle.version must be 2 (EAGLE-1/2's drafter), 3 (EAGLE-3's) or 3.1 (EAGLE 3.1's), "
+                              f"got {version!r}; all draft EAGLE-2's dynamic tree")
         tree = m.get("tree")
         if tree is not None and tree not in formats.named_trees("eagle"):
             raise ConfigError(f"eagle.tree must be null (EAGLE-2's dynamic tree) or an EAGLE-1 static tree "
@@ -63,11 +63,15 @@ class Eagle(Proposer):
             if fmt is not None and fmt.startswith("speculators-"):  # vLLM's format: only its eagle3 is read
                 formats.eagle3.check(folder, target_config)
             three = fmt in EAGLE3_FORMATS
-            if three != (version == 3):
+            if three and version in (3, 3.1) and formats.eagle3.version(folder) != version:
+                has = formats.eagle3.version(folder)
+                raise ConfigError(f"eagle.checkpoint '{m.checkpoint}' holds an EAGLE-{has} drafter"
+                                  + (" (fc_norm, norm_output)" if has == 3.1 else "") + f"; set eagle.version={has}")
+            if three != (version in (3, 3.1)):
                 what = "an EAGLE-3 drafter" if three else "an EAGLE-1/2 drafter"
                 raise ConfigError(f"eagle.checkpoint '{m.checkpoint}' holds {what}; set eagle.version="
-                                  f"{3 if three else 2}, or name an EAGLE-{3 if version == 3 else 2} checkpoint "
-                                  f"(python -m specbench.train drafter={'eagle3' if version == 3 else 'eagle'})")
+                                  f"{3 if three else 2}, or name an EAGLE-{3 if version in (3, 3.1) else 2} checkpoint "
+                                  f"(python -m specbench.train drafter={'eagle3' if version in (3, 3.1) else 'eagle'})")
             if fmt in ("eagle1", "eagle3"):  # SafeAILab's published layouts
                 formats.check(fmt, folder, target_config)
             elif fmt is None:
@@ -104,7 +108,7 @@ class Eagle(Proposer):
         step's top-1, which is EAGLE-2's dynamic tree with top_k=1 and total_tokens=depth."""
         m = cfg.method
         folder = resolve_path(m.checkpoint)
-        if m.get("version", 2) != 3 or formats.detect(folder) not in EAGLE3_FORMATS:
+        if m.get("version", 2) not in (3, 3.1) or formats.detect(folder) not in EAGLE3_FORMATS:
             raise ConfigError("backend=vllm runs EAGLE-3 drafters in SafeAILab's or vLLM's speculators layout (eagle.version=3 "
                               "eagle.checkpoint=<folder>; ours: python -m specbench.train drafter=eagle3); "
                               "the shipped EAGLE-1/2 head normalises its input, which vLLM's EAGLE-1 layout cannot hold")
@@ -340,6 +344,7 @@ class Eagle(Proposer):
     def describe(self) -> dict:
         return {"tree": self.tree or "dynamic", "top_k": self.top_k, "depth": self.depth, "total_tokens": self.total,
                 "checkpoint_format": self.format,
-                "version": 3 if self.format in EAGLE3_FORMATS else 2,
+                "version": formats.eagle3.version(resolve_path(self.cfg.method.checkpoint)) if self.format in EAGLE3_FORMATS
+                else 2,
                 "drafter_params": sum(p.numel() for p in self.drafter.parameters()),
                 "draft_vocab": int(self.drafter.vocab_ids.numel())}

@@ -342,9 +342,63 @@ def test_speculators_eagle3_gives_the_reference_outputs_and_runs(target8):
         Eagle.check(eagle_cfg(SPECULATORS3), target8.config)
 
 
+SPECULATORS31 = FIXTURES / "speculators-eagle3.1"
+
+
+def test_eagle31_gives_its_references_two_drafting_steps_and_runs(target8):
+    """EAGLE 3.1 in speculators' format (``fc_norm``: a norm per tapped layer before fc;
+    ``norm_output``: the post-norm state fed back): the logits of both TTT steps of speculators'
+    own forward; ``eagle.version=3.1`` decodes token-identically to greedy; version 3 is refused."""
+    from specbench.methods.eagle import Eagle
+    from specbench.decode.hidden import Tap
+
+    ref = torch.load(SPECULATORS31 / "reference.pt", weights_only=True)
+    d = formats.eagle3.load(SPECULATORS31, target8, CPU, torch.float32)
+    assert d.fc_norm is not None and d.norm_output and formats.eagle3.version(SPECULATORS31) == 3.1
+    tokens = ref["tokens"][None]
+    T = tokens.shape[1]
+    with Tap(target8, d.taps) as tap, torch.no_grad():
+        target8(tokens)
+        got = tap.take()
+    taps = torch.cat([got[t] for t in d.taps], dim=-1)
+    pos = torch.arange(T)[None]
+    causal = torch.ones(T, T).tril().bool()[None]
+    empty = torch.zeros(1, d.block.Hk, 0, d.block.Dh)
+    with torch.no_grad():
+        h0, k0, v0 = d.step(taps, tokens, pos, empty, empty, causal)
+        nxt = torch.cat([tokens[:, 1:], tokens.new_zeros(1, 1)], 1)  # its teacher-forced next tokens
+        h1, _, _ = d.step(h0, nxt, pos + 1, k0, v0, torch.cat([causal, torch.eye(T).bool()[None]], 2))
+        torch.testing.assert_close(d.logits(h0)[0], ref["logits"][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(d.logits(h1)[0, :-1], ref["logits"][1][:-1], rtol=1e-4, atol=1e-4)
+    cfg = eagle_cfg(SPECULATORS31, version=3.1)
+    Eagle.check(cfg, target8.config)
+    prop = Eagle(cfg, target8, None, CPU, torch.float32)
+    assert prop.describe()["version"] == 3.1
+    prompts, refs = greedy_cases(target8, 20)[4]
+    assert [r.tokens for r in run_engine(target8, prop, prompts, 20)] == refs
+    with pytest.raises(ConfigError, match=r"holds an EAGLE-3.1 drafter \(fc_norm, norm_output\); set eagle.version=3.1"):
+        Eagle.check(eagle_cfg(SPECULATORS31, version=3), target8.config)
+    with pytest.raises(ConfigError, match="holds an EAGLE-3 drafter; set eagle.version=3"):
+        Eagle.check(eagle_cfg(SPECULATORS3, version=3.1), target8.config)
+
+
+def test_an_eagle31_drafter_without_its_norms_is_refused(target8, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from specbench.methods.eagle import Eagle
+
+    bad = tmp_path / "bad"
+    shutil.copytree(SPECULATORS31, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if k != "fc_norm.2.weight"}, str(bad / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"missing \['fc_norm.2.weight'\]"):
+        Eagle.check(eagle_cfg(bad, version=3.1), target8.config)
+
+
 @pytest.mark.parametrize("change,match", [
     ({"norm_before_fc": True}, r"variant specbench does not draft with \(norm_before_fc=true\)"),
     ({"speculators_model_type": "mtp"}, "a speculators 'mtp' checkpoint; specbench reads speculators' eagle3"),
+    ({"norm_before_residual": True}, r"\(norm_before_residual=true\)"),
     ({"eagle_aux_hidden_state_layer_ids": [2, 4, 9]}, r"inputs of layers \[2, 4, 9\]: a target of 8 layers"),
     ({"draft_vocab_size": 40}, "missing|lm_head is"),
 ])

@@ -81,8 +81,12 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(Drafter):
     kind = "eagle3"
 
-    def __init__(self, target, config, draft_vocab: int, target_hidden: int | None = None, layers=None):
-        """``layers``: the target layers whose inputs are fused (None: 2, L//2 and L-3)."""
+    def __init__(self, target, config, draft_vocab: int, target_hidden: int | None = None, layers=None,
+                 fc_norm: bool = False, norm_output: bool = False):
+        """``layers``: the target layers whose inputs are fused (None: 2, L//2 and L-3). EAGLE 3.1
+        (arXiv 2605.09992): ``fc_norm``, one RMSNorm per tapped layer before ``fc``;
+        ``norm_output``, the drafter's post-norm state is what it feeds back (and what ``logits``
+        reads)."""
         super().__init__()
         cfg = text_config(config)
         tcfg = text_config(target.config)
@@ -90,6 +94,9 @@ class Eagle3Drafter(Drafter):
         self.config = cfg
         self.taps = tap_layers(int(tcfg.num_hidden_layers), layers)
         self.fc = nn.Linear(len(self.taps) * (target_hidden or d), d, bias=False)
+        eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        self.fc_norm = nn.ModuleList(nn.RMSNorm(target_hidden or d, eps=eps) for _ in self.taps) if fc_norm else None
+        self.norm_output = bool(norm_output)
         self.block = Eagle3Layer(cfg)
         self.norm = nn.RMSNorm(d, eps=float(getattr(cfg, "rms_norm_eps", 1e-6)))
         self.lm_head = nn.Linear(d, draft_vocab, bias=False)
@@ -113,20 +120,31 @@ class Eagle3Drafter(Drafter):
     def embed(self, tokens):
         return (self.embedding if self.embedding is not None else self.target_embedding)(tokens)
 
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """The target's concatenated taps [.., n x H] -> the fused feature [.., H] (EAGLE 3.1: each
+        tap normed first)."""
+        if self.fc_norm is not None:
+            taps = torch.cat([norm(t) for norm, t in zip(self.fc_norm, taps.chunk(len(self.fc_norm), dim=-1))], -1)
+        return self.fc(taps)
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        """What a step returns and feeds back: the layer's output, or (EAGLE 3.1) its post-norm state."""
+        return self.norm(h) if self.norm_output else h
+
     def step(self, feats, tokens, pos, k_ctx, v_ctx, mask):
         """As ``EagleDrafter.step``; ``feats`` either the target's concatenated taps (fused by
         ``fc``) or the drafter's own earlier output (H wide)."""
-        g = self.fc(feats) if feats.shape[-1] != self.fc.out_features else feats
+        g = self.fuse(feats) if feats.shape[-1] != self.fc.out_features else feats
         e = self.embed(tokens).to(g.dtype)
         cos, sin = self.own_rope(g, pos)
         q, k, v = self.block.qkv(e, g, cos, sin)
         K = torch.cat([k_ctx, k], dim=2)
         V = torch.cat([v_ctx, v], dim=2)
-        return self.block.attend(g, q, K, V, mask), k, v
+        return self.output(self.block.attend(g, q, K, V, mask)), k, v
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary [.., V']."""
-        return self.lm_head(self.norm(h))
+        """Logits over the draft vocabulary [.., V'] of a step's output."""
+        return self.lm_head(h if self.norm_output else self.norm(h))
 
     def train_forward(self, feats: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, steps: int = 1):
         """As ``EagleDrafter.train_forward`` (the training-time test): ``feats`` [B, T, 3H] the
@@ -139,18 +157,18 @@ class Eagle3Drafter(Drafter):
         pos = torch.arange(T, device=feats.device)[None].expand(B, T)
         idx = torch.arange(T, device=feats.device)
         causal = (idx[None, :] <= idx[:, None])[None] & valid[:, None, :]
-        g = self.fc(feats)
+        g = self.fuse(feats)
         e = self.embed(tokens).to(g.dtype)
         cos, sin = self.own_rope(g, pos)
         q, k, v = self.block.qkv(e, g, cos, sin)
         keys, vals = [k], [v]
-        outs = [self.block.attend(g, q, k, v, causal)]
+        outs = [self.output(self.block.attend(g, q, k, v, causal))]
         for s in range(1, steps):
             prev = torch.cat([g[:, :1], outs[-1][:, :-1]], dim=1)
             q, k, v = self.block.qkv(e, prev, cos, sin)
             keys.append(k)
             vals.append(v)
-            outs.append(self.block.attend(prev, q, torch.cat(keys, 2), torch.cat(vals, 2), ttt_mask(valid, s)))
+            outs.append(self.output(self.block.attend(prev, q, torch.cat(keys, 2), torch.cat(vals, 2), ttt_mask(valid, s))))
         return torch.stack(outs)
 
 

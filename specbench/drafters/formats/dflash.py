@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from specbench import backends
-from specbench.drafters.formats.common import FormatError, speculators_raw, weight_files
+from specbench.drafters.formats.common import FormatError, weight_files
 from specbench.hf import text_config
 
 NAMES = ("dflash", "speculators-dflash")

@@ -66,7 +66,21 @@ def config(folder):
     return cfg, dv, raw.get("target_hidden_size"), None
 
 
-SPECULATORS_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+SPECULATORS_FLAGS = ("norm_before_residual", "norm_before_fc")  # variants not drafted with
+EAGLE31_FLAGS = ("fc_norm", "norm_output")  # EAGLE 3.1 (arXiv 2605.09992): drafted with
+
+
+def variant(folder) -> dict:
+    """EAGLE 3.1's flags as the checkpoint's config.json sets them (speculators' or SafeAILab's
+    keys): ``fc_norm`` (an RMSNorm per tapped layer before fc) and ``norm_output`` (the post-norm
+    state fed back). Neither: EAGLE-3."""
+    raw = json.loads((Path(str(folder)).expanduser() / "config.json").read_text())
+    return {f: bool(raw.get(f)) for f in EAGLE31_FLAGS}
+
+
+def version(folder) -> float:
+    """3.1 where either EAGLE 3.1 flag is set, else 3."""
+    return 3.1 if any(variant(folder).values()) else 3
 
 
 def speculators_config(folder, raw):
@@ -82,7 +96,8 @@ def speculators_config(folder, raw):
     if on or int(tl.get("num_hidden_layers", 1)) != 1:
         what = f"{', '.join(f + '=true' for f in on)}" if on else f"{tl.get('num_hidden_layers')} layers"
         raise FormatError(f"{folder}: a speculators eagle3 variant specbench does not draft with ({what}); "
-                          "it reads EAGLE-3 as published: one layer, none of " + ", ".join(SPECULATORS_FLAGS))
+                          "it reads EAGLE-3 and EAGLE 3.1 (fc_norm, norm_output): one layer, none of "
+                          + ", ".join(SPECULATORS_FLAGS))
     if tl.get("model_type", "llama") != "llama":
         raise FormatError(f"{folder}: the drafter layer is a {tl.get('model_type')} layer; specbench's EAGLE-3 layer "
                           "is Llama's")
@@ -100,8 +115,10 @@ def check(folder, target_config, state: dict | None = None):
     tc = text_config(target_config)
     d, V = int(tc.hidden_size), int(tc.vocab_size)
     equal = dv == V
+    n_taps = len(layers or (0, 0, 0))
+    norms = {f"fc_norm.{i}.weight" for i in range(n_taps)} if variant(folder)["fc_norm"] else set()
     want = {"fc.weight", "norm.weight", "lm_head.weight"} | {f"midlayer.{k}" for k in EAGLE3_LAYER} \
-        | (set() if equal else {"d2t", "t2d"})
+        | (set() if equal else {"d2t", "t2d"}) | norms
     have = set(state) - {"embed_tokens.weight"} - ({"d2t", "t2d"} if equal else set())
     if want != have:
         missing, unexpected = sorted(want - have), sorted(have - want)
@@ -149,6 +166,7 @@ def save(folder, drafter, dtype=torch.bfloat16) -> None:
     own = drafter.state_dict()
     state = {"fc.weight": own["fc.weight"], "norm.weight": own["norm.weight"], "lm_head.weight": own["lm_head.weight"]}
     state |= {f"midlayer.{theirs}.weight": own[f"block.{ours}.weight"] for theirs, ours in EAGLE3_NAMES.items()}
+    state |= {k: v for k, v in own.items() if k.startswith("fc_norm.")}
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
     dv, V = drafter.d2t.numel(), drafter.vocab_size
     if dv != V:
@@ -162,6 +180,8 @@ def save(folder, drafter, dtype=torch.bfloat16) -> None:
     (out / "model.safetensors.tmp").rename(out / "model.safetensors")
     raw = drafter.config.to_dict()
     raw.update({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": int(dv), "num_hidden_layers": 1})
+    raw.update({"fc_norm": True} if drafter.fc_norm is not None else {})
+    raw.update({"norm_output": True} if drafter.norm_output else {})
     (out / "config.json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
 
 
@@ -170,12 +190,13 @@ def load(folder, target, device, dtype):
 
     state = eagle_state(folder)
     cfg, dv, th, layers = check(folder, target.config, state)
-    d = Eagle3Drafter(target, cfg, dv, target_hidden=th, layers=layers)
+    d = Eagle3Drafter(target, cfg, dv, target_hidden=th, layers=layers, **variant(folder))
     names = EAGLE3_NAMES
     mine = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
             "lm_head.weight": state["lm_head.weight"],
             "d2t": state["d2t"].long() if "d2t" in state else torch.zeros(dv, dtype=torch.long)}
     mine |= {f"block.{ours}.weight": state[f"midlayer.{theirs}.weight"] for theirs, ours in names.items()}
+    mine |= {k: v for k, v in state.items() if k.startswith("fc_norm.")}
     if cfg.hidden_size != int(text_config(target.config).hidden_size):
         d.embedding = nn.Embedding.from_pretrained(state["embed_tokens.weight"].float(), freeze=True)
         mine["embedding.weight"] = state["embed_tokens.weight"]
