@@ -88,11 +88,13 @@ class DFlash(Proposer):
         """vLLM's ``dflash`` reads Z Lab's and speculators' layouts, drafting the block it was trained with."""
         b, anchor = cls.block(cfg)
         declared = _declared(resolve_path(cfg.method.checkpoint))["block_size"]
+        if anchor != "bonus":
+            raise ConfigError("backend=vllm: vLLM's dflash drafts from mask slots only; this checkpoint drafts from its anchor "
+                              "slot too (sample_from_anchor: true): run it with backend=specbench")
         if b != int(declared):
             raise ConfigError(f"vLLM's dflash drafts the checkpoint's block ({declared}); with backend=vllm leave "
                               "dflash.block_size=null")
-        return {"method": "dflash", "model": resolve_path(cfg.method.checkpoint),
-                "num_speculative_tokens": b - (anchor == "bonus")}
+        return {"method": "dflash", "model": resolve_path(cfg.method.checkpoint), "num_speculative_tokens": b - 1}
 
     @classmethod
     def tiny(cls, target, tokenizer, folder) -> dict:

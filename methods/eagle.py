@@ -112,6 +112,9 @@ class Eagle(Proposer):
             raise ConfigError("backend=vllm runs EAGLE-3 drafters in SafeAILab's or vLLM's speculators layout (eagle.version=3 "
                               "eagle.checkpoint=<folder>; ours: python -m specbench.train drafter=eagle3); "
                               "the shipped EAGLE-1/2 head normalises its input, which vLLM's EAGLE-1 layout cannot hold")
+        if formats.eagle3.version(folder) == 3.1:
+            raise ConfigError("backend=vllm: an EAGLE 3.1 drafter (fc_norm, norm_output) is not known to vLLM's eagle3 path; "
+                              "run it with backend=specbench")
         top_k, depth, total = cls.tree_shape(m, torch.device("cpu"))
         if m.get("tree") is not None or top_k != 1 or total != depth:
             raise ConfigError(f"vLLM's eagle3 drafts a chain (each step's top-1): with backend=vllm set eagle.top_k=1 "

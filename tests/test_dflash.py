@@ -220,6 +220,8 @@ def _rekey(folder, fn):
     (lambda f: _edit(f, num_target_layers=36), "made for a target of 36 layers; the target has 4"),
     (lambda f: _edit(f, dflash_config={"mask_token_id": 95, "target_layer_ids": [1, 7]}), "decoder layers 0..3"),
     (lambda f: _edit(f, dflash_config={"target_layer_ids": [1, 3]}), "no mask_token_id"),
+    (lambda f: _edit(f, head_dim=8), r"layers.0.self_attn.q_proj.weight is \(64, 64\), config.json makes it \(32, 64\)"),
+    (lambda f: _edit(f, hidden_act="gelu"), "hidden_act=gelu"),
     (lambda f: _edit(f, dflash_config={"mask_token_id": 500, "target_layer_ids": [1, 3]}), "outside the target's 96 tokens"),
 ])
 def test_z_lab_refusals_in_one_line(target4, tmp_path, change, match):
@@ -323,6 +325,7 @@ def test_the_mask_token_is_one_the_data_never_holds():
 def test_backend_vllm_runs_vllms_dflash_with_the_trained_block():
     cls = methods.get("dflash")
     assert cls.vllm_config(cfg_of(ZLAB)) == {"method": "dflash", "model": str(ZLAB), "num_speculative_tokens": 3}
-    assert cls.vllm_config(cfg_of(SPECULATORS))["num_speculative_tokens"] == 4  # sample_from_anchor: B drafts
     with pytest.raises(ConfigError, match="leave dflash.block_size=null"):
         cls.vllm_config(cfg_of(ZLAB, block_size=6))
+    with pytest.raises(ConfigError, match="sample_from_anchor: true"):
+        cls.vllm_config(cfg_of(SPECULATORS))

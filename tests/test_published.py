@@ -380,6 +380,8 @@ def test_eagle31_gives_its_references_two_drafting_steps_and_runs(target8):
         Eagle.check(eagle_cfg(SPECULATORS31, version=3), target8.config)
     with pytest.raises(ConfigError, match="holds an EAGLE-3 drafter; set eagle.version=3"):
         Eagle.check(eagle_cfg(SPECULATORS3, version=3.1), target8.config)
+    with pytest.raises(ConfigError, match="EAGLE 3.1 drafter .* not known to vLLM's eagle3 path"):
+        Eagle.vllm_config(eagle_cfg(SPECULATORS31, version=3.1, top_k=1, depth=3, total_tokens=3))
 
 
 def test_an_eagle31_drafter_without_its_norms_is_refused(target8, tmp_path):

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from specbench.drafters.dflash import DFlashDrafter, default_layer_ids, exp_decay, layer_config, taps_of
 from specbench.errors import ConfigError
@@ -83,8 +84,8 @@ def dflash_loss(model: DFlashDrafter, tok, taps, fin, valid, anchors, weights, h
     ok = teacher_at < valid.sum(1)[:, None, None]
     teacher_at = teacher_at.clamp(max=fin.shape[1] - 1)
     t_states = fin.gather(1, teacher_at.reshape(Bt, -1, 1).expand(-1, -1, fin.shape[-1])).view(Bt, A, len(slots), -1)
-    with torch.no_grad():
-        p = torch.softmax(head(t_states).float(), -1)
+    with torch.no_grad():  # the teacher in fp32 whatever the target's dtype
+        p = torch.softmax(F.linear(t_states.float(), head.weight.float()), -1)
     logits = model.logits(h[:, :, first:]).float()
     ce = -(p * torch.log_softmax(logits, -1)).sum(-1)  # [B, A, drafts]
     w = weights[first:].to(tok.device)[None, None] * ok
@@ -101,6 +102,8 @@ def train(cfg, target, tokenizer, items: list[dict], out: Path, device, progress
     tc = target.config.get_text_config()
     ids, block = layer_ids(dr, int(tc.num_hidden_layers)), int(dr.block_size)
     mask = mask_token(dr, tokenizer, items)
+    if not 0 <= mask < int(tc.vocab_size):
+        raise ConfigError(f"the mask token {mask} is outside the target's {tc.vocab_size} tokens: set drafter.mask_token_id")
     model = DFlashDrafter(target, layer_config(tc, int(dr.layers), mask, block, ids), ids, block, mask)
     if dr.get("init", "target") == "target":  # the target's last layers (its q/k norms start at one)
         from specbench.drafters.formats.dflash import OURS

@@ -105,6 +105,9 @@ def settings(folder, target_config) -> dict:
              "draft_vocab": None, "num_target_layers": nt,
              "sliding": bool(raw.get("use_sliding_window")) or "sliding_attention" in (raw.get("layer_types") or []),
              "target_hidden": None}
+    act = getattr(s["cfg"], "hidden_act", "silu")
+    if act != "silu":
+        raise FormatError(f"{folder}: draft layers with hidden_act={act}; specbench's DFlash layer is Qwen3's (silu)")
     if s["sliding"]:
         raise FormatError(f"{folder}: a DFlash drafter with sliding-window layers; specbench drafts with full "
                           "(non-causal) attention in every draft layer")
@@ -158,6 +161,17 @@ def check(folder, target_config, state: dict | None = None) -> dict:
     if int(cfg.hidden_size) != d or (s["target_hidden"] is not None and int(s["target_hidden"]) != d):
         raise FormatError(f"{folder}: a drafter of hidden size {cfg.hidden_size} for a target of "
                           f"{s['target_hidden'] or cfg.hidden_size}; the target's is {d}: a drafter for another target")
+    H, Hk = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    Dh, inter = int(getattr(cfg, "head_dim", None) or d // H), int(cfg.intermediate_size)
+    shapes = {"self_attn.q_proj.weight": (H * Dh, d), "self_attn.k_proj.weight": (Hk * Dh, d),
+              "self_attn.v_proj.weight": (Hk * Dh, d), "self_attn.o_proj.weight": (d, H * Dh),
+              "self_attn.q_norm.weight": (Dh,), "self_attn.k_norm.weight": (Dh,), "mlp.gate_proj.weight": (inter, d),
+              "mlp.up_proj.weight": (inter, d), "mlp.down_proj.weight": (d, inter)}
+    for i in range(nd):
+        for k, shape in shapes.items():
+            if tuple(state[f"layers.{i}.{k}"].shape) != shape:
+                raise FormatError(f"{folder}: layers.{i}.{k} is {tuple(state[f'layers.{i}.{k}'].shape)}, config.json makes "
+                                  f"it {shape} (heads, head_dim or MLP width disagree with the weights)")
     if tuple(state["fc.weight"].shape) != (d, len(s["layer_ids"]) * d):
         raise FormatError(f"{folder}: fc is {tuple(state['fc.weight'].shape)}; {len(s['layer_ids'])} target layers "
                           f"of hidden size {d} need ({d}, {len(s['layer_ids']) * d}): a drafter for another target")
@@ -200,6 +214,7 @@ def load(folder, target, device, dtype):
     for p in d.parameters():
         p.requires_grad_(False)
     d = d.to(device=device, dtype=dtype).eval()
+    d.rope.module.to(device)  # its own RoPE tables (fp32) beside it: no copy per step
     backends.apply(d, backends.kernel_of(target))
     return d
 

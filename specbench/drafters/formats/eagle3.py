@@ -204,5 +204,6 @@ def load(folder, target, device, dtype):
     for p in d.parameters():
         p.requires_grad_(False)
     d = d.to(device=device, dtype=dtype).eval()
+    d.own_rope.module.to(device)  # its own RoPE tables (fp32) beside it: no copy per step
     backends.apply(d, backends.kernel_of(target))
     return d
