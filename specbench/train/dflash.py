@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from specbench.drafters.dflash import DFlashDrafter, default_layer_ids, exp_decay, layer_config, taps_of
 from specbench.errors import ConfigError
 from specbench.train.heads import collate
-from specbench.train.loop import fit
+from specbench.train.loop import batches, fit
 
 
 def layer_ids(dr, num_target_layers: int) -> list[int]:
@@ -120,15 +120,7 @@ def train(cfg, target, tokenizer, items: list[dict], out: Path, device, progress
     evals, trains = items[:n_eval], items[n_eval:]
     params = [p for p in model.parameters() if p.requires_grad]
     bs, L, A = int(tcfg.batch_size), int(tcfg.seq_len), int(dr.anchors)
-    order = list(range(len(trains)))
-
-    def batches():
-        while True:
-            rng.shuffle(order)
-            for s in range(0, len(order) - bs + 1, bs):
-                yield [trains[i] for i in order[s:s + bs]]
-
-    it = batches()
+    it = batches(trains, bs, L, rng)
 
     def loss_of(batch):
         tok, taps, valid = collate(batch, L, device, layers=model.taps)
