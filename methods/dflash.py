@@ -118,7 +118,8 @@ class DFlash(Proposer):
         self.drafter = drafter if drafter is not None else formats.dflash.load(folder, target, device, dtype)
         self.block_size = int(cfg.method.get("block_size") or self.drafter.block_size)
         self.hidden_layers = tuple(self.drafter.taps)
-        self.vocab_ids = self.drafter.vocab_ids.to(device)
+        # target ids of its own head's outputs (speculators' draft vocabulary); the target's head needs none
+        self.vocab_ids = self.drafter.vocab_ids.to(device) if self.drafter.lm_head is not None else None
         self.cache: ContextCache | None = None
 
     def modules(self):
@@ -158,7 +159,8 @@ class DFlash(Proposer):
         visible = torch.cat([cache.visible(n), torch.ones(B, n, n, dtype=torch.bool, device=dev)], dim=2)
         h = self.drafter.block(tokens, pos, list(zip(cache.keys, cache.values)), visible)
         drafts = h[:, 1:] if self.drafter.anchor == "bonus" else h  # [B, drafts, d]
-        return Draft.chain(self.vocab_ids[self.drafter.logits(drafts).argmax(-1)])
+        ids = self.drafter.logits(drafts).argmax(-1)
+        return Draft.chain(ids if self.vocab_ids is None else self.vocab_ids[ids])
 
     def describe(self) -> dict:
         d = self.drafter

@@ -18,7 +18,7 @@ from specbench.drafters.dflash import DFlashDrafter, default_layer_ids, exp_deca
 from specbench.errors import ConfigError
 from conftest import REPO
 from helpers import DEVICE, greedy_cases, reference_greedy, run_engine, serve_engine, tiny_llama
-from test_feature_methods import feature_setup  # noqa: F401 - the fixture
+from test_feature_methods import feature_setup, frozen_target8, patch_eval_slice  # noqa: F401 - a fixture
 
 FIXTURES = REPO / "tests" / "fixtures"
 ZLAB, SPECULATORS = FIXTURES / "dflash", FIXTURES / "speculators-dflash"
@@ -272,11 +272,8 @@ def test_dflash_trainer_end_to_end(feature_setup, monkeypatch):
     from specbench.train import dflash as train_dflash, features
 
     _, tok, convs, cfg, root = feature_setup
-    target = tiny_llama(seed=0, layers=8, scale=4.0)
-    for p in target.parameters():
-        p.requires_grad_(False)
-    monkeypatch.setattr(features, "eval_first_turns", lambda: {features._norm(convs[0]["turns"][0][1])[:160]})
-    monkeypatch.setattr(features, "benchmark_texts", lambda: [])
+    target = frozen_target8()
+    patch_eval_slice(monkeypatch, convs)
     dr = {"kind": "dflash", "name": "tiny_dflash", "layers": 2, "target_layers": [3, 7], "block_size": 4,
           "mask_token_id": 95, "anchors": 6, "gamma": 4.0, "init": "target"}
     c = OmegaConf.merge(cfg, {"drafter": dr, "features": {"layers": [3, "final"], "dir": str(root / "features-df")},

@@ -317,13 +317,27 @@ def feature_setup(tmp_path_factory):
     return target, tok, convs, cfg, root
 
 
-def _features(feature_setup, monkeypatch):
+def patch_eval_slice(monkeypatch, convs):
+    """The feature set's overlap filters on the tiny data: the first conversation's opening turn
+    stands for a prompt of the evaluation slice, no benchmark text."""
     from specbench.train import features
 
-    target, tok, convs, cfg, root = feature_setup
-    # the first conversation's opening turn stands for a prompt of the evaluation slice
     monkeypatch.setattr(features, "eval_first_turns", lambda: {features._norm(convs[0]["turns"][0][1])[:160]})
     monkeypatch.setattr(features, "benchmark_texts", lambda: [])
+    return features
+
+
+def frozen_target8():
+    """An 8-layer tiny target (three distinct EAGLE-3 tap layers), frozen for training drafters on it."""
+    target = tiny_llama(seed=0, layers=8, scale=4.0)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return target
+
+
+def _features(feature_setup, monkeypatch):
+    target, tok, convs, cfg, root = feature_setup
+    features = patch_eval_slice(monkeypatch, convs)
     return features, features.build(target, tok, "tiny", cfg.features, DEVICE, torch.float32, progress=False, convs=convs)
 
 
@@ -430,17 +444,13 @@ def test_eagle3_trainer_end_to_end(feature_setup, monkeypatch):
     final state for the teacher), training lowers the held-out loss, the checkpoint is written in
     SafeAILab's EAGLE-3 layout with its card, loads through eagle.version=3, and decoding with it
     is token-identical to plain greedy with drafts accepted."""
-    from helpers import tiny_llama
     from specbench.drafters import formats
     from specbench.drafters.eagle3 import tap_layers
     from specbench.train import features, heads
 
     _, tok, convs, cfg, root = feature_setup
-    target = tiny_llama(seed=0, layers=8, scale=4.0)
-    for p in target.parameters():
-        p.requires_grad_(False)
-    monkeypatch.setattr(features, "eval_first_turns", lambda: {features._norm(convs[0]["turns"][0][1])[:160]})
-    monkeypatch.setattr(features, "benchmark_texts", lambda: [])
+    target = frozen_target8()
+    patch_eval_slice(monkeypatch, convs)
     c = OmegaConf.merge(cfg, {"drafter": {"kind": "eagle3", "name": "tiny_eagle3", "draft_vocab": 64, "ttt_steps": 2},
                               "features": {"layers": [*tap_layers(8), "final"], "dir": str(root / "features3")},
                               "train": {"steps": 60}})

@@ -112,6 +112,15 @@ def load(folder, target, device, dtype, kind: str | None = None):
     return drafter
 
 
+def layer_shape(cfg) -> tuple[int, int, int, int, bool, float]:
+    """A decoder layer's shape from its HF config: (hidden size, query heads, key/value heads,
+    head dim, attention bias, RMSNorm eps), with HF's defaults where a field is absent."""
+    d, heads = int(cfg.hidden_size), int(cfg.num_attention_heads)
+    return (d, heads, int(getattr(cfg, "num_key_value_heads", None) or heads),
+            int(getattr(cfg, "head_dim", None) or d // heads), bool(getattr(cfg, "attention_bias", False)),
+            float(getattr(cfg, "rms_norm_eps", 1e-6)))
+
+
 class Drafter(torch.nn.Module):
     """Base of every drafter: a checkpoint stores its own weights, i.e. its state minus the
     parts it shares with the target (``shared_prefixes``)."""

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specbench import backends
-from specbench.drafters import Drafter, borrow
+from specbench.drafters import Drafter, borrow, layer_shape
 from specbench.drafters.eagle import rotate_half
 from specbench.hf import text_config
 
@@ -65,12 +65,7 @@ class DFlashLayer(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        d = cfg.hidden_size
-        self.H = cfg.num_attention_heads
-        self.Hk = getattr(cfg, "num_key_value_heads", None) or self.H
-        self.Dh = getattr(cfg, "head_dim", None) or d // self.H
-        bias = bool(getattr(cfg, "attention_bias", False))
-        eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        d, self.H, self.Hk, self.Dh, bias, eps = layer_shape(cfg)
         self.input_layernorm = nn.RMSNorm(d, eps=eps)
         self.q_proj = nn.Linear(d, self.H * self.Dh, bias=bias)
         self.k_proj = nn.Linear(d, self.Hk * self.Dh, bias=bias)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specbench import backends
-from specbench.drafters import Drafter, TargetParts, borrow
+from specbench.drafters import Drafter, TargetParts, borrow, layer_shape
 from specbench.hf import text_config
 
 
@@ -42,12 +42,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg, input_norm: bool = True):
         super().__init__()
-        d = cfg.hidden_size
-        self.H = cfg.num_attention_heads
-        self.Hk = getattr(cfg, "num_key_value_heads", None) or self.H
-        self.Dh = getattr(cfg, "head_dim", None) or d // self.H
-        bias = bool(getattr(cfg, "attention_bias", False))
-        eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        d, self.H, self.Hk, self.Dh, bias, eps = layer_shape(cfg)
         # EAGLE-1's published layer has no input norm (the fused pair goes into attention as is)
         self.ln1 = nn.RMSNorm(d, eps=eps) if input_norm else None
         self.q = nn.Linear(d, self.H * self.Dh, bias=bias)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specbench import backends
-from specbench.drafters import Drafter, borrow
+from specbench.drafters import Drafter, borrow, layer_shape
 from specbench.hf import text_config
 
 
@@ -42,11 +42,7 @@ def tap_layers(num_layers: int, layers=None) -> tuple[int, ...]:
 class Eagle3Layer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        d = cfg.hidden_size
-        self.H = cfg.num_attention_heads
-        self.Hk = getattr(cfg, "num_key_value_heads", None) or self.H
-        self.Dh = getattr(cfg, "head_dim", None) or d // self.H
-        eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        d, self.H, self.Hk, self.Dh, _, eps = layer_shape(cfg)
         self.input_layernorm = nn.RMSNorm(d, eps=eps)
         self.hidden_norm = nn.RMSNorm(d, eps=eps)
         self.q = nn.Linear(2 * d, self.H * self.Dh, bias=False)

@@ -73,3 +73,15 @@ def speculators_raw(folder) -> dict | None:
         return None
     raw = json.loads(p.read_text())
     return raw if "speculators_model_type" in raw else None
+
+
+def write_folder(folder, state: dict, config: dict) -> None:
+    """A published layout's folder: ``model.safetensors`` (whole or absent: written aside, then
+    renamed) and ``config.json``."""
+    from safetensors.torch import save_file
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors.tmp"))
+    (out / "model.safetensors.tmp").rename(out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(config, indent=1, default=str) + "\n")

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from specbench import backends
-from specbench.drafters.formats.common import FormatError, weight_files
+from specbench.drafters import layer_shape
+from specbench.drafters.formats.common import FormatError, weight_files, write_folder
 from specbench.hf import text_config
 
 NAMES = ("dflash", "speculators-dflash")
@@ -161,8 +162,8 @@ def check(folder, target_config, state: dict | None = None) -> dict:
     if int(cfg.hidden_size) != d or (s["target_hidden"] is not None and int(s["target_hidden"]) != d):
         raise FormatError(f"{folder}: a drafter of hidden size {cfg.hidden_size} for a target of "
                           f"{s['target_hidden'] or cfg.hidden_size}; the target's is {d}: a drafter for another target")
-    H, Hk = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    Dh, inter = int(getattr(cfg, "head_dim", None) or d // H), int(cfg.intermediate_size)
+    _, H, Hk, Dh, _, _ = layer_shape(cfg)
+    inter = int(cfg.intermediate_size)
     shapes = {"self_attn.q_proj.weight": (H * Dh, d), "self_attn.k_proj.weight": (Hk * Dh, d),
               "self_attn.v_proj.weight": (Hk * Dh, d), "self_attn.o_proj.weight": (d, H * Dh),
               "self_attn.q_norm.weight": (Dh,), "self_attn.k_norm.weight": (Dh,), "mlp.gate_proj.weight": (inter, d),
@@ -222,8 +223,6 @@ def load(folder, target, device, dtype):
 def save(folder, drafter, dtype=torch.bfloat16) -> None:
     """Write a ``DFlashDrafter`` that uses its target's head and embedding in Z Lab's layout
     (config.json + model.safetensors): what the trainer writes, so Z Lab's code runs it too."""
-    from safetensors.torch import save_file
-
     if drafter.lm_head is not None or drafter.embed_tokens is not None or drafter.anchor != "bonus":
         raise ValueError("Z Lab's layout holds a drafter that uses its target's head and embedding, bonus anchor")
     theirs = {ours: t for t, ours in OURS.items()}
@@ -235,11 +234,7 @@ def save(folder, drafter, dtype=torch.bfloat16) -> None:
         elif k != "d2t":
             state[k] = v
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors.tmp"))
-    (out / "model.safetensors.tmp").rename(out / "model.safetensors")
     raw = drafter.config.to_dict()
     raw.update({"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": drafter.block_size,
                 "dflash_config": {"mask_token_id": drafter.mask_token_id, "target_layer_ids": drafter.layer_ids}})
-    (out / "config.json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
+    write_folder(folder, state, raw)

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from specbench import backends
-from specbench.drafters.formats.common import FormatError, eagle_file, eagle_keys, eagle_state, speculators_raw
+from specbench.drafters.formats.common import (FormatError, eagle_file, eagle_keys, eagle_state, speculators_raw,
+                                                write_folder)
 from specbench.hf import text_config
 
 NAMES = ("eagle3", "speculators-eagle3")
@@ -161,8 +162,6 @@ EAGLE3_NAMES = {"input_layernorm": "input_layernorm", "hidden_norm": "hidden_nor
 def save(folder, drafter, dtype=torch.bfloat16) -> None:
     """Write an ``Eagle3Drafter`` in SafeAILab's EAGLE-3 layout (config.json + model.safetensors):
     what the trainer writes, so the authors' code and engines reading that layout run it too."""
-    from safetensors.torch import save_file
-
     own = drafter.state_dict()
     state = {"fc.weight": own["fc.weight"], "norm.weight": own["norm.weight"], "lm_head.weight": own["lm_head.weight"]}
     state |= {f"midlayer.{theirs}.weight": own[f"block.{ours}.weight"] for theirs, ours in EAGLE3_NAMES.items()}
@@ -174,15 +173,11 @@ def save(folder, drafter, dtype=torch.bfloat16) -> None:
         t2d = torch.zeros(V, dtype=torch.bool)
         t2d[drafter.vocab_ids.cpu()] = True
         state["t2d"] = t2d
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors.tmp"))
-    (out / "model.safetensors.tmp").rename(out / "model.safetensors")
     raw = drafter.config.to_dict()
     raw.update({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": int(dv), "num_hidden_layers": 1})
     raw.update({"fc_norm": True} if drafter.fc_norm is not None else {})
     raw.update({"norm_output": True} if drafter.norm_output else {})
-    (out / "config.json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
+    write_folder(folder, state, raw)
 
 
 def load(folder, target, device, dtype):
