@@ -105,9 +105,18 @@ def load(folder, target, device, dtype, kind: str | None = None):
     bad = [k for k in missing if not k.startswith(shared)]
     if bad or unexpected:
         raise ValueError(f"{folder}: checkpoint does not fit the drafter (missing {bad[:3]}, unexpected {unexpected[:3]})")
+    return ready(drafter, target, device, dtype)
+
+
+def ready(drafter: torch.nn.Module, target, device, dtype, tables: tuple = ()) -> torch.nn.Module:
+    """A loaded drafter made ready to draft: frozen, on ``device`` in ``dtype``, in eval mode, its
+    layers on the target's kernel path; ``tables``: modules it built for itself but holds outside
+    its module tree (its own RoPE tables, kept fp32), moved beside it so no step copies them."""
     for p in drafter.parameters():
         p.requires_grad_(False)
     drafter = drafter.to(device=device, dtype=dtype).eval()
+    for module in tables:
+        module.to(device)
     backends.apply(drafter, backends.kernel_of(target))  # the drafter's own layers on the target's path
     return drafter
 

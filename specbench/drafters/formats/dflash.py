@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specbench import backends
-from specbench.drafters import layer_shape
+from specbench.drafters import layer_shape, ready
 from specbench.drafters.formats.common import FormatError, weight_files, write_folder
 from specbench.hf import text_config
 
@@ -212,12 +211,7 @@ def load(folder, target, device, dtype):
                 mine[k] = v
     mine["d2t"] = state["d2t"].long() if "d2t" in state else torch.zeros(s["draft_vocab"] or 0, dtype=torch.long)
     d.load_state_dict(mine, strict=True)
-    for p in d.parameters():
-        p.requires_grad_(False)
-    d = d.to(device=device, dtype=dtype).eval()
-    d.rope.module.to(device)  # its own RoPE tables (fp32) beside it: no copy per step
-    backends.apply(d, backends.kernel_of(target))
-    return d
+    return ready(d, target, device, dtype, tables=(d.rope.module,))
 
 
 def save(folder, drafter, dtype=torch.bfloat16) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specbench import backends
+from specbench.drafters import ready
 from specbench.drafters.formats.common import FormatError, eagle_file, eagle_keys, eagle_state, speculators_raw
 from specbench.hf import text_config
 
@@ -117,8 +117,4 @@ def load(folder, target, device, dtype):
     if bad or unexpected:  # the config asked for attention biases the layout has no key for
         raise FormatError(f"{folder}: config.json's layer does not fit the weights (missing {bad[:3]}, "
                           f"unexpected {unexpected[:3]})")
-    for p in d.parameters():
-        p.requires_grad_(False)
-    d = d.to(device=device, dtype=dtype).eval()
-    backends.apply(d, backends.kernel_of(target))
-    return d
+    return ready(d, target, device, dtype)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specbench import backends
+from specbench.drafters import ready
 from specbench.drafters.formats.common import (FormatError, eagle_file, eagle_keys, eagle_state, speculators_raw,
                                                 write_folder)
 from specbench.hf import text_config
@@ -196,9 +196,4 @@ def load(folder, target, device, dtype):
         d.embedding = nn.Embedding.from_pretrained(state["embed_tokens.weight"].float(), freeze=True)
         mine["embedding.weight"] = state["embed_tokens.weight"]
     d.load_state_dict(mine, strict=True)
-    for p in d.parameters():
-        p.requires_grad_(False)
-    d = d.to(device=device, dtype=dtype).eval()
-    d.own_rope.module.to(device)  # its own RoPE tables (fp32) beside it: no copy per step
-    backends.apply(d, backends.kernel_of(target))
-    return d
+    return ready(d, target, device, dtype, tables=(d.own_rope.module,))
