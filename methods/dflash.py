@@ -17,7 +17,6 @@ another size than the one it was trained with (null: the checkpoint's).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -29,44 +28,45 @@ from specbench.errors import ConfigError
 from specbench.methods.base import BatchState, Proposer
 from specbench.paths import resolve_path
 
-TRAIN = "python -m specbench.train drafter=dflash target=<model>"
-
-
-def _declared(folder) -> dict:
-    """The block size and anchor a checkpoint folder declares (read from config.json alone)."""
-    raw = json.loads((Path(folder) / "config.json").read_text())
-    if raw.get("speculators_model_type"):
-        return {"block_size": raw.get("block_size"), "anchor": "next" if raw.get("sample_from_anchor") else "bonus"}
-    return {"block_size": raw.get("block_size", (raw.get("dflash_config") or {}).get("block_size")), "anchor": "bonus"}
-
-
 class DFlash(Proposer):
-    name = "dflash"
+    name, title = "dflash", "DFlash"
+    dspark_heads = False  # drafts with DSpark's Markov and confidence heads (methods/dspark.py)
+    published = "Z Lab's, DeepSpec's or vLLM's speculators format"
+
+    @classmethod
+    def train_command(cls) -> str:
+        return f"python -m specbench.train drafter={cls.name} target=<model>"
 
     @classmethod
     def check(cls, cfg, target_config) -> None:
-        m = cfg.method
+        m, n = cfg.method, cls.name
         b = m.get("block_size")
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 2):
-            raise ConfigError(f"dflash.block_size must be null (the checkpoint's) or an integer >= 2 (the anchor and "
+            raise ConfigError(f"{n}.block_size must be null (the checkpoint's) or an integer >= 2 (the anchor and "
                               f"at least one mask slot), got {b!r}")
         folder = resolve_path(m.checkpoint)
         if not Path(folder).exists():
-            raise ConfigError(f"dflash.checkpoint '{m.checkpoint}' does not exist: train one ({TRAIN}) or name a "
-                              "downloaded DFlash folder (Z Lab's or vLLM's speculators format)")
+            raise ConfigError(f"{n}.checkpoint '{m.checkpoint}' does not exist: train one ({cls.train_command()}) or "
+                              f"name a downloaded {cls.title} folder ({cls.published})")
         fmt = formats.detect(folder)
         if fmt not in formats.dflash.NAMES:
-            raise ConfigError(f"dflash.checkpoint '{m.checkpoint}' holds no DFlash drafter "
-                              f"({fmt or 'no published format'}); train one: {TRAIN}")
+            raise ConfigError(f"{n}.checkpoint '{m.checkpoint}' holds no {cls.title} drafter "
+                              f"({fmt or 'no published format'}); train one: {cls.train_command()}")
         try:
-            formats.dflash.check(folder, target_config)
+            s = formats.dflash.check(folder, target_config)
         except formats.FormatError as e:
-            raise ConfigError(f"dflash.checkpoint {e}") from None
+            raise ConfigError(f"{n}.checkpoint {e}") from None
+        h = s["heads"]
+        has = bool(h["markov_rank"] or h["confidence"])
+        if has != cls.dspark_heads:
+            other = "dspark" if has else "dflash"
+            raise ConfigError(f"{n}.checkpoint '{m.checkpoint}' is a {other} drafter "
+                              f"({formats.dflash.describe_heads(h)}): run it with method={other}")
 
     @classmethod
     def block(cls, cfg) -> tuple[int, str]:
-        """(block size, anchor) of a job: ``dflash.block_size`` or the checkpoint's."""
-        d = _declared(resolve_path(cfg.method.checkpoint))
+        """(block size, anchor) of a job: ``<method>.block_size`` or the checkpoint's."""
+        d = formats.dflash.declared(resolve_path(cfg.method.checkpoint))
         return int(cfg.method.get("block_size") or d["block_size"]), d["anchor"]
 
     @classmethod
@@ -87,7 +87,7 @@ class DFlash(Proposer):
     def vllm_config(cls, cfg) -> dict:
         """vLLM's ``dflash`` reads Z Lab's and speculators' layouts, drafting the block it was trained with."""
         b, anchor = cls.block(cfg)
-        declared = _declared(resolve_path(cfg.method.checkpoint))["block_size"]
+        declared = formats.dflash.declared(resolve_path(cfg.method.checkpoint))["block_size"]
         if anchor != "bonus":
             raise ConfigError("backend=vllm: vLLM's dflash drafts from mask slots only; this checkpoint drafts from its anchor "
                               "slot too (sample_from_anchor: true): run it with backend=specbench")
@@ -158,8 +158,11 @@ class DFlash(Proposer):
         pos = cache.length[:, None] + torch.arange(n, device=dev)[None]  # x_p sits at p = the cached length
         visible = torch.cat([cache.visible(n), torch.ones(B, n, n, dtype=torch.bool, device=dev)], dim=2)
         h = self.drafter.block(tokens, pos, list(zip(cache.keys, cache.values)), visible)
-        drafts = h[:, 1:] if self.drafter.anchor == "bonus" else h  # [B, drafts, d]
-        ids = self.drafter.logits(drafts).argmax(-1)
+        return self.drafts(h[:, 1:] if self.drafter.anchor == "bonus" else h, tokens[:, 0])  # [B, drafts, d]
+
+    def drafts(self, h, first) -> Draft:
+        """The chain of the drafting slots' states ``h`` [B, n, d]: each slot's argmax."""
+        ids = self.drafter.logits(h).argmax(-1)
         return Draft.chain(ids if self.vocab_ids is None else self.vocab_ids[ids])
 
     def describe(self) -> dict:

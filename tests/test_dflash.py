@@ -211,7 +211,7 @@ def _rekey(folder, fn):
 
 @pytest.mark.parametrize("change, match", [
     (lambda f: _rekey(f, lambda s: {k: v for k, v in s.items() if k != "hidden_norm.weight"}),
-     r"not DFlash's layout \(2 draft layers\): missing \['hidden_norm.weight'\]"),
+     r"not DFlash's layout \(2 draft layers, no DSpark heads\): missing \['hidden_norm.weight'\]"),
     (lambda f: _rekey(f, lambda s: {**s, "layers.0.self_attn.qkv_proj.weight": s["layers.0.self_attn.q_proj.weight"].clone()}),
      r"fused q\|k\|v projections"),
     (lambda f: _rekey(f, lambda s: {**s, "layers.0.self_attn.sinks": torch.zeros(4)}), "attention sinks"),

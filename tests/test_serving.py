@@ -29,7 +29,24 @@ def refs(model):
     return prompts, [reference_greedy(model, p, N_NEW) for p in prompts]
 
 
+def block_drafter(name, model):
+    """A random one-layer DFlash / DSpark drafter (rnn Markov head, confidence cut 0.3) for ``model``."""
+    import tempfile
+    from pathlib import Path
+
+    import test_dflash
+    import test_dspark
+
+    folder = Path(tempfile.mkdtemp(prefix="specbench-")) / name
+    if name == "dflash":
+        return test_dflash.proposer(model, test_dflash.random_dflash(model, folder, block=4, layers=1), DEVICE)
+    return test_dspark.proposer(model, test_dspark.random_dspark(model, folder, block=4, layers=1, kind="rnn"), DEVICE,
+                                threshold=0.3)
+
+
 def make(name, model, truth, datastore):
+    if name in ("dflash", "dspark"):
+        return block_drafter(name, model)
     if name in ("ar", "pld", "leviathan_self", "leviathan_other", "oracle_tree", "reject"):
         return test_engine.make(name, model, truth)
     if name in ("eagle", "eagle_small_vocab", "medusa", "medusa_chain"):
@@ -52,7 +69,8 @@ def cut(ref, eos):
 @pytest.mark.parametrize("early_eos", [False, True])
 @pytest.mark.parametrize("name", ["ar", "pld", "leviathan_self", "leviathan_other", "oracle_tree", "reject", "eagle",
                                   "eagle_small_vocab", "medusa", "medusa_chain", "lookahead", "lookahead_n2", "rest",
-                                  "specdec", "sam", "sam_recycle", "suffix", "suffix_own", "recycle", "combo"])
+                                  "specdec", "sam", "sam_recycle", "suffix", "suffix_own", "recycle", "combo",
+                                  "dflash", "dspark"])
 def test_greedy_identity_with_rows_joining(model, refs, datastore, name, early_eos):
     prompts, want = refs
     truth = {tuple(p): r + [0] * 8 for p, r in zip(prompts, want)}

@@ -85,10 +85,12 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
         lines += ["```bash", f"python -m specbench {pick}", "```", ""]
     elif kind == "eagle3":
         lines += ["```bash", f"python -m specbench method=eagle eagle.version=3 eagle.checkpoint={where}", "```", ""]
-    elif kind == "dflash":
-        pick = "" if _conf("method", "dflash").get("checkpoint") == where else f" dflash.checkpoint={where}"
-        lines += ["```bash", f"python -m specbench method=dflash{pick}", "```", "",
-                  "Drafts with the block it was trained with; `dflash.block_size=<B>` drafts with another."]
+    elif kind in ("dflash", "dspark"):
+        pick = "" if _conf("method", kind).get("checkpoint") == where else f" {kind}.checkpoint={where}"
+        lines += ["```bash", f"python -m specbench method={kind}{pick}", "```", "",
+                  f"Drafts with the block it was trained with; `{kind}.block_size=<B>` drafts with another."]
+        if kind == "dspark":
+            lines += ["`dspark.threshold=<c>` verifies a row's drafts up to the first slot whose confidence is below c."]
     if kind == "eagle":
         from specbench.methods.eagle import AUTO
 
@@ -231,13 +233,16 @@ def _dflash_body(meta: dict) -> list[str]:
     """The description, data and training sections of a DFlash card (``render`` adds the rest)."""
     s, d, fs, ts, dr = meta["train_summary"], meta["data"], meta["feature_settings"], meta["train_settings"], meta["drafter"]
     agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
+    dspark = meta["kind"] == "dspark"
+    heads = (f" + a {dr['markov_type']} Markov head of rank {dr['markov_rank']} and "
+             f"{'a confidence head' if dr['confidence'] else 'no confidence head'}" if dspark else "")
     return [
-        f"# {meta['name']}: DFlash drafter for {meta['target']}", "",
-        f"A block-diffusion drafter for `method=dflash` (Z Lab's layout): fc([the target's states after decoder "
-        f"layers {s['target_layer_ids']}]) -> {dr['layers']} non-causal draft layer(s) over [context ; block of "
-        f"{dr['block_size']}] -> the target's output layer; mask token {s['mask_token_id']}. Only the drafter's own "
-        f"weights are stored ({s['trainable_params']:,} parameters, bf16); the embedding and output layer are the "
-        "target's.",
+        f"# {meta['name']}: {'DSpark' if dspark else 'DFlash'} drafter for {meta['target']}", "",
+        f"A block-diffusion drafter for `method={meta['kind']}` ({'DeepSpec' if dspark else 'Z Lab'}'s layout): "
+        f"fc([the target's states after decoder layers {s['target_layer_ids']}]) -> {dr['layers']} non-causal draft "
+        f"layer(s) over [context ; block of {dr['block_size']}] -> the target's output layer{heads}; mask token "
+        f"{s['mask_token_id']}. Only the drafter's own weights are stored ({s['trainable_params']:,} parameters, bf16); "
+        "the embedding and output layer are the target's.",
         "", "## Data",
         f"- {d['sequences']} sequences of the ShareGPT training slice ({d['tokens']:,} token positions): "
         f"{d['answered']} first turns answered by the target itself (greedy, up to {fs['max_new_tokens']} tokens) "
@@ -254,7 +259,7 @@ def _dflash_body(meta: dict) -> list[str]:
     ]
 
 
-BODIES = {"dflash": _dflash_body, "eagle": _heads_body, "eagle3": _heads_body, "medusa": _heads_body, "draft_lm": _draft_lm_body, "specdec": _specdec_body}
+BODIES = {"dflash": _dflash_body, "dspark": _dflash_body, "eagle": _heads_body, "eagle3": _heads_body, "medusa": _heads_body, "draft_lm": _draft_lm_body, "specdec": _specdec_body}
 
 
 def render(meta: dict, folder: Path) -> str:

@@ -1,4 +1,5 @@
-"""Training a DFlash drafter (``specbench/drafters/dflash.py``) on the feature set.
+"""Training a DFlash drafter (``specbench/drafters/dflash.py``), or a DSpark one
+(``drafters/dspark.py``: ``drafter=dspark``), on the feature set.
 
 Each sequence gives ``anchors`` random block starts p (among its valid positions, so that p and
 at least one later token exist). Block p is ``[x_p, MASK x (B-1)]`` at positions p..p+B-1 and sees
@@ -9,6 +10,12 @@ cross-entropy over the full vocabulary, weighted exp(-(k-1)/gamma) (DFlash's dec
 speculators trains it). The draft layers start from the target's last layers (``init: target``,
 our choice on a CPU budget; ``random``: as the paper trains) and the mask token is an added
 special token the data never holds (or ``drafter.mask_token_id``).
+
+DSpark drafts from its anchor slot (slot k drafts x_{p+k+1}). Its Markov head is trained
+teacher-forced (slot k's previous token is the data's x_{p+k}) inside the same cross-entropy, and
+its confidence head by binary cross-entropy towards the slot's 1 - TV(draft, target) (its
+acceptance probability under the sampling rule), weighted as the slot's cross-entropy and by
+``confidence_alpha``, as DeepSpec and speculators train it.
 
 Held-out sequences give the summary: top-1 agreement with the target's greedy token per slot,
 and the expected accepted drafts a block (the chain's product of agreements, summed).
@@ -25,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from specbench.drafters.dflash import DFlashDrafter, default_layer_ids, exp_decay, layer_config, taps_of
+from specbench.drafters.dspark import DSparkDrafter
 from specbench.errors import ConfigError
 from specbench.train.heads import collate
 from specbench.train.loop import batches, fit
@@ -73,9 +81,9 @@ def pick_anchors(valid: torch.Tensor, n: int, gen: torch.Generator) -> torch.Ten
     return torch.stack(out).to(valid.device)
 
 
-def dflash_loss(model: DFlashDrafter, tok, taps, fin, valid, anchors, weights, head):
-    """Soft cross-entropy of every slot against the target's distribution of its token, and the
-    top-1 agreement per draft (slot order)."""
+def dflash_loss(model: DFlashDrafter, tok, taps, fin, valid, anchors, weights, head, confidence_alpha: float = 1.0):
+    """Soft cross-entropy of every slot against the target's distribution of its token (and, for
+    DSpark, its confidence's binary cross-entropy), and the top-1 agreement per draft (slot order)."""
     h = model.train_forward(taps, tok, valid, anchors)  # [B, A, Bk, d]
     Bt, A, Bk, _ = h.shape
     first = 1 if model.anchor == "bonus" else 0
@@ -86,12 +94,33 @@ def dflash_loss(model: DFlashDrafter, tok, taps, fin, valid, anchors, weights, h
     t_states = fin.gather(1, teacher_at.reshape(Bt, -1, 1).expand(-1, -1, fin.shape[-1])).view(Bt, A, len(slots), -1)
     with torch.no_grad():  # the teacher in fp32 whatever the target's dtype
         p = torch.softmax(F.linear(t_states.float(), head.weight.float()), -1)
-    logits = model.logits(h[:, :, first:]).float()
-    ce = -(p * torch.log_softmax(logits, -1)).sum(-1)  # [B, A, drafts]
+    conf = None
+    if isinstance(model, DSparkDrafter):  # the token before each slot's is the one whose state predicts it
+        logits, conf = model.train_logits(h[:, :, first:], tok.gather(1, teacher_at.reshape(Bt, -1)).view_as(teacher_at))
+        logits = logits.float()
+    else:
+        logits = model.logits(h[:, :, first:]).float()
+    logq = torch.log_softmax(logits, -1)
+    ce = -(p * logq).sum(-1)  # [B, A, drafts]
     w = weights[first:].to(tok.device)[None, None] * ok
     loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
+    if conf is not None:
+        with torch.no_grad():
+            accept = (1.0 - 0.5 * (logq.exp() - p).abs().sum(-1)).clamp(0.0, 1.0)
+        bce = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="none")
+        loss = loss + confidence_alpha * (bce * w).sum() / w.sum().clamp(min=1e-9)
     agree = ((logits.argmax(-1) == p.argmax(-1)) & ok).float().sum((0, 1)) / ok.float().sum((0, 1)).clamp(min=1)
     return (loss, *agree.detach())
+
+
+def build(dr, tc, target, ids: list[int], block: int, mask: int) -> DFlashDrafter:
+    """The untrained drafter ``drafter=`` names: DFlash's (bonus anchor) or DSpark's (next anchor, heads)."""
+    cfg = layer_config(tc, int(dr.layers), mask, block, ids)
+    if dr.kind == "dspark":
+        return DSparkDrafter(target, cfg, ids, block, mask, "next", markov_rank=int(dr.markov_rank),
+                             markov_type=str(dr.markov_type), confidence=bool(dr.confidence),
+                             confidence_with_markov=bool(dr.confidence_with_markov))
+    return DFlashDrafter(target, cfg, ids, block, mask)
 
 
 def train(cfg, target, tokenizer, items: list[dict], out: Path, device, progress: bool = True) -> dict:
@@ -104,7 +133,7 @@ def train(cfg, target, tokenizer, items: list[dict], out: Path, device, progress
     mask = mask_token(dr, tokenizer, items)
     if not 0 <= mask < int(tc.vocab_size):
         raise ConfigError(f"the mask token {mask} is outside the target's {tc.vocab_size} tokens: set drafter.mask_token_id")
-    model = DFlashDrafter(target, layer_config(tc, int(dr.layers), mask, block, ids), ids, block, mask)
+    model = build(dr, tc, target, ids, block, mask)
     if dr.get("init", "target") == "target":  # the target's last layers (its q/k norms start at one)
         from specbench.drafters.formats.dflash import OURS
 
@@ -125,7 +154,8 @@ def train(cfg, target, tokenizer, items: list[dict], out: Path, device, progress
     def loss_of(batch):
         tok, taps, valid = collate(batch, L, device, layers=model.taps)
         fin = collate(batch, L, device)[1]
-        return dflash_loss(model, tok, taps, fin, valid, pick_anchors(valid, A, gen), weights, head)
+        return dflash_loss(model, tok, taps, fin, valid, pick_anchors(valid, A, gen), weights, head,
+                           float(dr.get("confidence_alpha", 1.0)))
 
     def step(skip=False):
         b = next(it)
@@ -157,16 +187,16 @@ def train(cfg, target, tokenizer, items: list[dict], out: Path, device, progress
 
 
 def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, command: str) -> None:
-    """Write the checkpoint in Z Lab's layout (config.json + model.safetensors, bf16), its
-    drafter.json and card."""
+    """Write the checkpoint (config.json + model.safetensors, bf16: Z Lab's layout for DFlash,
+    DeepSpec's for DSpark), its drafter.json and card."""
     from specbench.drafters.formats.dflash import save
     from specbench.train import card
 
     model, dr, s = result["draft"], cfg.drafter, result["summary"]
-    meta = {"kind": "dflash", "name": dr.name, "target": target_name, "target_vocab_size": int(model.vocab_size),
+    meta = {"kind": str(dr.kind), "name": dr.name, "target": target_name, "target_vocab_size": int(model.vocab_size),
             "draft_vocab": int(model.vocab_size), "seed": int(cfg.seed), "drafter": {k: dr[k] for k in dr},
             "data": data_meta, "feature_settings": {k: cfg.features[k] for k in cfg.features},
             "train_settings": {k: cfg.train[k] for k in cfg.train}, "train_summary": s,
             "loss_curve_every_10_steps": result["loss_curve"], "command": command}
-    save(out, model)
+    save(out, model, anchors=int(dr.anchors))
     card.write(out, meta)

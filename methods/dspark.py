@@ -1,0 +1,96 @@
+"""DSpark (DeepSeek, arXiv 2607.05147): DFlash's block drafter with a Markov head that makes a
+block's drafts depend on each other and a confidence head that cuts the block; the engine verifies
+the kept prefix as a chain.
+
+Per step and row, as DFlash (``methods/dflash.py``): one forward of the draft layers over the block
+``[x_p, MASK, ..., MASK]`` and the verified tokens' context. Then slot by slot: the head's logits
+plus the Markov bias from the token before the slot (x_p, then the previous slot's draft), the
+argmax, and the slot's confidence (``specbench/drafters/dspark.py``). A row keeps its drafts up to
+the first slot whose confidence is below ``dspark.threshold`` (0: every draft, DeepSpec's
+default), as DeepSpec's evaluator cuts them; the verify forward is as wide as the longest kept
+chain of the batch. Drafts are deterministic candidates, so sampling uses the lossless rule.
+
+``dspark.checkpoint`` names DeepSpec's layout (``deepseek-ai/dspark_*``), vLLM's speculators
+``dspark`` or ours (``python -m specbench.train drafter=dspark``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specbench.decode.draft import Draft
+from specbench.errors import ConfigError
+from specbench.methods.dflash import DFlash
+
+
+class DSpark(DFlash):
+    name, title = "dspark", "DSpark"
+    dspark_heads = True
+    published = "DeepSpec's or vLLM's speculators dspark format"
+
+    @classmethod
+    def check(cls, cfg, target_config) -> None:
+        t = cfg.method.get("threshold", 0.0)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= float(t) <= 1.0:
+            raise ConfigError(f"dspark.threshold must be a number in [0, 1] (0: verify every draft), got {t!r}")
+        super().check(cfg, target_config)
+
+    @classmethod
+    def tune_space(cls, cfg, device) -> list[dict]:
+        """K=auto sizes the block and the confidence cut."""
+        return [{"method.block_size": b, "method.threshold": t} for b in (4, 8, 16) for t in (0.0, 0.3, 0.5)]
+
+    @classmethod
+    def vllm_config(cls, cfg) -> dict:
+        """vLLM's ``dspark`` drafts the checkpoint's block; its confidence cut is not mapped."""
+        if float(cfg.method.get("threshold", 0.0)) > 0.0:
+            raise ConfigError("backend=vllm: specbench does not map dspark.threshold to vLLM's dspark; run with "
+                              "dspark.threshold=0 or backend=specbench")
+        b, anchor = cls.block(cfg)
+        from specbench.drafters import formats
+        from specbench.paths import resolve_path
+
+        folder = resolve_path(cfg.method.checkpoint)
+        if b != int(formats.dflash.declared(folder)["block_size"]):
+            raise ConfigError("vLLM's dspark drafts the checkpoint's block; with backend=vllm leave dspark.block_size=null")
+        return {"method": "dspark", "model": folder, "num_speculative_tokens": b - (anchor == "bonus")}
+
+    @classmethod
+    def tiny(cls, target, tokenizer, folder) -> dict:
+        from specbench.drafters import formats
+        from specbench.drafters.dflash import default_layer_ids, layer_config
+        from specbench.drafters.dspark import DSparkDrafter
+        from specbench.hf import text_config
+
+        tc = text_config(target.config)
+        ids = default_layer_ids(int(tc.num_hidden_layers), 1)
+        mask = int(tc.vocab_size) - 1
+        d = DSparkDrafter(target, layer_config(tc, 1, mask, 4, ids), ids, 4, mask, "next", markov_rank=8,
+                          markov_type="rnn")
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in d.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+        formats.dflash.save(folder / "dspark", d, dtype=torch.float32)
+        return {"method": {"checkpoint": str(folder / "dspark"), "threshold": 0.3}}
+
+    def __init__(self, cfg, target, tokenizer, device, dtype, drafter=None):
+        super().__init__(cfg, target, tokenizer, device, dtype, drafter)
+        self.threshold = float(cfg.method.get("threshold", 0.0))
+
+    def drafts(self, h, first) -> Draft:
+        ids, conf = self.drafter.draft(h, first)
+        if conf is None or self.threshold <= 0.0:
+            return Draft.chain(ids)
+        keep = (torch.sigmoid(conf) >= self.threshold).cumprod(1).bool()  # [B, n]: before the first doubt
+        n = int(keep.sum(1).max())  # one read a step: the verify is as wide as the longest kept chain
+        return Draft.chain(ids[:, :n], keep[:, :n])
+
+    def describe(self) -> dict:
+        from specbench.drafters import formats
+
+        d = self.drafter
+        heads = {"markov_rank": d.markov_head.rank if d.markov_head is not None else 0,
+                 "markov_type": d.markov_head.kind if d.markov_head is not None else "vanilla",
+                 "confidence": d.confidence_head is not None, "confidence_with_markov": d.confidence_with_markov}
+        return super().describe() | {"threshold": self.threshold, "heads": formats.dflash.describe_heads(heads)}

@@ -1,0 +1,281 @@
+"""DSpark: the published layouts (DeepSpec's, speculators') load strictly and give their
+reference's drafts, Markov-corrected logits and confidences; the confidence cut verifies a prefix;
+the method is lossless (greedy identity at bs 1/4/32, with rows joining, and under sampling); our
+trainer writes DeepSpec's layout, which loads back."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from specbench import methods
+from specbench.decode.hidden import Tap
+from specbench.decode.verify import Sampling
+from specbench.drafters import formats
+from specbench.drafters.dflash import layer_config
+from specbench.drafters.dspark import DSparkDrafter
+from specbench.errors import ConfigError
+from conftest import REPO
+from helpers import DEVICE, greedy_cases, reference_greedy, run_engine, serve_engine, tiny_llama
+from test_feature_methods import feature_setup, frozen_target8, patch_eval_slice  # noqa: F401 - a fixture
+
+FIXTURES = REPO / "tests" / "fixtures"
+DEEPSPEC = {k: FIXTURES / f"deepspec-dspark-{k}" for k in ("vanilla", "gated")}
+SPECULATORS = FIXTURES / "speculators-dspark"
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def target4():
+    return tiny_llama(seed=0, layers=4, scale=4.0, device=CPU)
+
+
+def cfg_of(folder, name="dspark", **method):
+    return OmegaConf.create({"K": 3, "temperature": 0.0, "model": {"name": "tiny", "path": None},
+                             "method": {**methods.defaults(name), "checkpoint": str(folder), **method}})
+
+
+def proposer(target, folder, device=CPU, **method):
+    cfg = cfg_of(folder, **method)
+    methods.get("dspark").check(cfg, target.config)
+    return methods.get("dspark")(cfg, target, None, device, torch.float32)
+
+
+def taps_of_tokens(target, d, tokens):
+    with Tap(target, d.taps) as tap, torch.no_grad():
+        target(tokens)
+        got = tap.take()
+    return torch.cat([got[t] for t in d.taps], dim=-1)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated"])
+def test_deepspecs_layout_drafts_what_its_evaluator_drafted(target4, kind):
+    """DeepSpec's first block after a prompt: its drafts (B of them: slot k drafts x_{p+k+1}), the
+    Markov-corrected logits and the confidence logits, from our cache-and-block path."""
+    folder = DEEPSPEC[kind]
+    ref = torch.load(folder / "reference.pt")
+    assert formats.detect(folder) == "deepspec"
+    prop = proposer(target4, folder)
+    d = prop.drafter
+    assert isinstance(d, DSparkDrafter) and d.anchor == "next" and d.markov_head.kind == kind
+    assert d.taps == (1, "final") and methods.get("dspark").spec_len(cfg_of(folder), CPU) == 5
+    drafts = []
+    propose = prop.propose
+
+    def record(state):
+        out = propose(state)
+        drafts.append(out.tokens[0].clone())
+        return out
+
+    prop.propose = record
+    tokens = ref["tokens"]
+    got = run_engine(target4, prop, [tokens[:-1].tolist()], 3)[0].tokens
+    assert got == reference_greedy(target4, tokens[:-1].tolist(), 3)
+    assert drafts[0].tolist() == ref["drafts"].tolist()
+    taps = taps_of_tokens(target4, d, tokens[None])
+    with torch.no_grad():  # the block at the last token, teacher-forced on the reference's drafts
+        h = d.train_forward(taps, tokens[None], torch.ones(1, len(tokens), dtype=torch.bool),
+                            torch.tensor([[len(tokens) - 1]]))[0, 0]
+        prev = torch.cat([tokens[-1:], ref["drafts"][:-1]])
+        logits, conf = d.train_logits(h, prev)
+    torch.testing.assert_close(logits, ref["logits"], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(conf, ref["confidence_logits"], atol=2e-4, rtol=1e-4)
+    with torch.no_grad():
+        ids, c = d.draft(h[None], tokens[-1:])
+    assert ids[0].tolist() == ref["drafts"].tolist()
+    torch.testing.assert_close(c[0], ref["confidence_logits"], atol=2e-4, rtol=1e-4)
+
+
+def test_speculators_layout_gives_its_training_forwards_logits(target4):
+    """speculators' dspark (an rnn Markov head over a draft vocabulary of half the target's, aux
+    ids = Z Lab's + 1, sample_from_anchor by default): its training forward's corrected logits
+    and confidence logits at its anchors, teacher-forced on the data's tokens."""
+    ref = torch.load(SPECULATORS / "reference.pt")
+    assert formats.detect(SPECULATORS) == "speculators-dspark"
+    d = formats.dflash.load(SPECULATORS, target4, CPU, torch.float32)
+    assert d.layer_ids == [1, 3] and d.anchor == "next" and d.markov_head.kind == "rnn" and d.lm_head is not None
+    tokens = ref["tokens"][None]
+    taps = taps_of_tokens(target4, d, tokens)
+    anchors = ref["anchors"][None]
+    with torch.no_grad():
+        h = d.train_forward(taps, tokens, torch.ones_like(tokens, dtype=torch.bool), anchors)[0]  # [A, B, d]
+        prev = tokens[0, anchors[0][:, None] + torch.arange(4)]  # slot k's previous token: x_{p+k}
+        logits, conf = d.train_logits(h, prev)
+    torch.testing.assert_close(logits, ref["logits"], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(conf, ref["confidence_logits"], atol=2e-4, rtol=1e-4)
+    prop = proposer(target4, SPECULATORS, threshold=0.5)
+    prompt = tokens[0, :9].tolist()
+    assert run_engine(target4, prop, [prompt], 16)[0].tokens == reference_greedy(target4, prompt, 16)
+
+
+def random_dspark(target, folder, block=4, layers=2, kind="vanilla", rank=8, seed=0, anchor="next"):
+    tc = target.config
+    ids = list(range(1, tc.num_hidden_layers))[-layers:]
+    d = DSparkDrafter(target, layer_config(tc, layers, tc.vocab_size - 1, block, ids), ids, block, tc.vocab_size - 1,
+                      anchor, markov_rank=rank, markov_type=kind)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    formats.dflash.save(folder, d, dtype=torch.float32)
+    return folder
+
+
+def test_the_confidence_cut_verifies_the_prefix_before_the_first_doubt(tmp_path):
+    """A row keeps its drafts up to the first slot whose confidence is below the threshold; the
+    chain is as wide as the longest kept prefix; threshold 0 keeps every draft."""
+    target = tiny_llama(seed=1, layers=4, device=CPU)
+    prop = proposer(target, random_dspark(target, tmp_path / "d", block=6, kind="rnn"), threshold=0.5)
+    h = torch.randn(3, 6, target.config.hidden_size)
+    first = torch.tensor([3, 4, 5])
+    with torch.no_grad():
+        ids, conf = prop.drafter.draft(h, first)
+        draft = prop.drafts(h, first)
+    p = torch.sigmoid(conf)
+    want = [next((k for k in range(6) if p[b, k] < 0.5), 6) for b in range(3)]
+    n = max(want)
+    assert draft.tokens.shape == (3, n) and draft.tokens.tolist() == ids[:, :n].tolist()
+    assert draft.valid.sum(1).tolist() == want
+    prop.threshold = 0.0
+    assert prop.drafts(h, first).tokens.shape == (3, 6)
+
+
+@pytest.mark.parametrize("bs", [1, 4, 32])
+def test_greedy_identity_at_any_batch_size(tmp_path, bs):
+    target = tiny_llama(seed=2, layers=4, scale=4.0)
+    prop = proposer(target, random_dspark(target, tmp_path / "d", kind="gated"), DEVICE, threshold=0.4)
+    prompts, refs = greedy_cases(target, 12)[bs] if bs in (1, 4) else (None, None)
+    if prompts is None:
+        prompts = [[1 + (3 * b + j) % 90 for j in range(3 + b % 7)] for b in range(bs)]
+        refs = [reference_greedy(target, p, 12) for p in prompts]
+    assert [r.tokens for r in run_engine(target, prop, prompts, 12)] == refs
+
+
+def test_greedy_identity_with_rows_joining(tmp_path):
+    target = tiny_llama(seed=3, layers=4, scale=4.0)
+    prop = proposer(target, random_dspark(target, tmp_path / "d", block=3, kind="rnn"), DEVICE, block_size=5,
+                    threshold=0.3)
+    prompts = [[1 + (5 * b + j) % 90 for j in range(2 + b)] for b in range(6)]
+    res, _ = serve_engine(target, prop, prompts, 10, concurrency=2)
+    assert [r.tokens for r in res] == [reference_greedy(target, p, 10) for p in prompts]
+
+
+def test_sampling_follows_the_target_distribution(tmp_path):
+    """Seeded rows of one prompt at T=1, drafts cut by confidence: the 2nd and 3rd tokens follow
+    the target's exact marginals (chi-square)."""
+    from helpers import chi2_pvalue
+    from test_verify import exact_marginals
+
+    target = tiny_llama(seed=0, layers=4, vocab=12, device=CPU)
+    prop = proposer(target, random_dspark(target, tmp_path / "d", block=4, layers=1), threshold=0.2)
+    prompt, n, s = [3, 5, 7, 9], 2000, Sampling(1.0)
+    res = run_engine(target, prop, [prompt] * n, 3, sampling=s, gen=torch.Generator().manual_seed(5))
+    m2, m3 = exact_marginals(target, prompt, s)
+    assert sum(sum(r.accept_lens) for r in res) > n // 50
+    V = target.config.vocab_size
+    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[1] for r in res]), minlength=V), m2) > 1e-3
+    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V), m3) > 1e-3
+
+
+def _copy(src, tmp_path):
+    dest = tmp_path / src.name
+    shutil.copytree(src, dest)
+    return dest
+
+
+def _edit(folder, **changes):
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(changes)
+    (folder / "config.json").write_text(json.dumps(raw))
+
+
+def _rekey(folder, fn):
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    save_file(fn(load_file(str(f))), str(f))
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda f: _rekey(f, lambda s: {k: v for k, v in s.items() if k != "markov_head.markov_w2.weight"}),
+     r"a vanilla Markov head of rank 8, a confidence head over the Markov embedding\): missing \['markov_head.markov_w2"),
+    (lambda f: _edit(f, markov_head_type="gated"), r"missing \['markov_head.gate_proj.bias'"),
+    (lambda f: _edit(f, markov_rank=4), r"markov_head.markov_w1.weight is \(96, 8\); config.json and the target make it \(96, 4\)"),
+    (lambda f: _edit(f, markov_head_type="lstm"), "head types vanilla, gated, rnn"),
+    (lambda f: _edit(f, target_layer_ids=[-1, 3]), r"read the embeddings \(-1\)"),
+    (lambda f: _edit(f, architectures=["Gemma4DSparkModel"]), "reads its Qwen3 layers"),
+    (lambda f: _rekey(f, lambda s: {k: v for k, v in s.items() if k != "lm_head.weight"}), r"missing \['lm_head.weight'\]"),
+])
+def test_deepspec_refusals_in_one_line(target4, tmp_path, change, match):
+    folder = _copy(DEEPSPEC["vanilla"], tmp_path)
+    change(folder)
+    with pytest.raises(ConfigError, match=match) as e:
+        methods.get("dspark").check(cfg_of(folder), target4.config)
+    assert "\n" not in str(e.value)
+
+
+def test_each_method_refuses_the_others_checkpoints(target4):
+    with pytest.raises(ConfigError, match="is a dspark drafter .*: run it with method=dspark"):
+        methods.get("dflash").check(cfg_of(DEEPSPEC["vanilla"], "dflash"), target4.config)
+    with pytest.raises(ConfigError, match="is a dflash drafter \\(no DSpark heads\\): run it with method=dflash"):
+        methods.get("dspark").check(cfg_of(FIXTURES / "dflash"), target4.config)
+    with pytest.raises(ConfigError, match="dspark.threshold must be a number in"):
+        methods.get("dspark").check(cfg_of(SPECULATORS, threshold=1.5), target4.config)
+
+
+def test_our_layout_is_deepspecs_without_the_targets_copies(tmp_path):
+    target = tiny_llama(seed=5, layers=4, device=CPU)
+    folder = random_dspark(target, tmp_path / "d", block=6, layers=1, kind="rnn")
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen3DSparkModel"] and raw["block_size"] == 6 and raw["target_layer_ids"] == [3]
+    assert (raw["markov_rank"], raw["markov_head_type"], raw["enable_confidence_head"],
+            raw["confidence_head_with_markov"], raw["mask_token_id"]) == (8, "rnn", True, True, 95)
+    assert formats.detect(folder) == "deepspec"
+    d = formats.dflash.load(folder, target, CPU, torch.float32)
+    assert d.block_size == 6 and d.drafts == 6 and d.lm_head is None and d.embed_tokens is None
+
+
+def test_backend_vllm_runs_vllms_dspark():
+    cls = methods.get("dspark")
+    assert cls.vllm_config(cfg_of(SPECULATORS)) == {"method": "dspark", "model": str(SPECULATORS),
+                                                   "num_speculative_tokens": 4}
+    with pytest.raises(ConfigError, match="does not map dspark.threshold"):
+        cls.vllm_config(cfg_of(SPECULATORS, threshold=0.5))
+
+
+def test_dspark_trainer_end_to_end(feature_setup, monkeypatch):
+    """`drafter=dspark` on an 8-layer target: the held-out loss falls, every one of the B slots is
+    trained, the checkpoint is DeepSpec's layout with its card, and decoding with it (confidence
+    cut on) is token-identical to greedy with drafts accepted."""
+    from specbench.train import dflash as train_dflash, features
+
+    _, tok, convs, cfg, root = feature_setup
+    target = frozen_target8()
+    patch_eval_slice(monkeypatch, convs)
+    dr = OmegaConf.load(REPO / "conf" / "drafter" / "dspark.yaml")
+    dr = OmegaConf.merge(dr, {"name": "tiny_dspark", "target_layers": [3, 7], "block_size": 4, "mask_token_id": 95,
+                              "anchors": 6, "markov_rank": 8, "markov_type": "rnn"})
+    c = OmegaConf.merge(cfg, {"drafter": dr, "features": {"layers": [3, "final"], "dir": str(root / "features-ds")},
+                              "train": {"steps": 40}})
+    fs = features.build(target, tok, "tiny8", c.features, DEVICE, torch.float32, progress=False, convs=convs)
+    items = features.load(fs)
+    out0, out = root / "dspark_0", root / "dspark"
+    out0.mkdir()
+    out.mkdir()
+    before = train_dflash.train(OmegaConf.merge(c, {"train": {"steps": 1, "lr": 1e-9}}), target, tok, items, out0,
+                                DEVICE, progress=False)["summary"]
+    res = train_dflash.train(c, target, tok, items, out, DEVICE, progress=False)
+    s = res["summary"]
+    assert s["eval_loss"] < before["eval_loss"] and len(s["eval_top1_agreement"]) == 4  # slot 0 drafts too
+    assert isinstance(res["draft"], DSparkDrafter) and res["draft"].markov_head.kind == "rnn"
+    train_dflash.finish(c, res, out, "tiny8", {**features.stats(items), "dropped": {}, "key": "k"}, "python -m x")
+    assert formats.detect(out) == "deepspec"
+    card = (out / "README.md").read_text()
+    assert card.startswith("# tiny_dspark: DSpark drafter") and "dspark.threshold" in card
+    prop = proposer(target, out, DEVICE, threshold=0.2)
+    ps = [it["tokens"][:it["prompt_len"]].tolist() for it in items if it["answered"]][:3]
+    got = run_engine(target, prop, ps, 16)
+    assert [r.tokens for r in got] == [reference_greedy(target, p, 16) for p in ps]
+    assert sum(sum(r.accept_lens) for r in got) > 0
