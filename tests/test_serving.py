@@ -30,14 +30,18 @@ def refs(model):
 
 
 def block_drafter(name, model):
-    """A random one-layer DFlash / DSpark drafter (rnn Markov head, confidence cut 0.3) for ``model``."""
+    """A random one-layer DFlash / DSpark drafter (rnn Markov head, confidence cut 0.3), or a
+    two-layer P-EAGLE one, for ``model``."""
     import tempfile
     from pathlib import Path
 
     import test_dflash
     import test_dspark
+    import test_peagle
 
     folder = Path(tempfile.mkdtemp(prefix="specbench-")) / name
+    if name == "peagle":
+        return test_peagle.proposer(model, test_peagle.random_peagle(model, folder, depths=3), DEVICE)
     if name == "dflash":
         return test_dflash.proposer(model, test_dflash.random_dflash(model, folder, block=4, layers=1), DEVICE)
     return test_dspark.proposer(model, test_dspark.random_dspark(model, folder, block=4, layers=1, kind="rnn"), DEVICE,
@@ -45,7 +49,7 @@ def block_drafter(name, model):
 
 
 def make(name, model, truth, datastore):
-    if name in ("dflash", "dspark"):
+    if name in ("dflash", "dspark", "peagle"):
         return block_drafter(name, model)
     if name in ("ar", "pld", "leviathan_self", "leviathan_other", "oracle_tree", "reject"):
         return test_engine.make(name, model, truth)
@@ -70,7 +74,7 @@ def cut(ref, eos):
 @pytest.mark.parametrize("name", ["ar", "pld", "leviathan_self", "leviathan_other", "oracle_tree", "reject", "eagle",
                                   "eagle_small_vocab", "medusa", "medusa_chain", "lookahead", "lookahead_n2", "rest",
                                   "specdec", "sam", "sam_recycle", "suffix", "suffix_own", "recycle", "combo",
-                                  "dflash", "dspark"])
+                                  "dflash", "dspark", "peagle"])
 def test_greedy_identity_with_rows_joining(model, refs, datastore, name, early_eos):
     prompts, want = refs
     truth = {tuple(p): r + [0] * 8 for p, r in zip(prompts, want)}

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specbench.drafters.formats import dflash, eagle1, eagle3, medusa
+from specbench.drafters.formats import dflash, eagle1, eagle3, medusa, peagle
 from specbench.drafters.formats.common import FormatError
 
-FORMATS = (medusa, dflash, eagle3, eagle1)  # detection order: a speculators folder also has eagle1's keys
+FORMATS = (medusa, dflash, peagle, eagle3, eagle1)  # detection order: a speculators folder also has eagle1's keys
 BY_NAME = {name: mod for mod in FORMATS for name in mod.NAMES}
 
 

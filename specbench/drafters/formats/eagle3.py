@@ -89,7 +89,8 @@ def speculators_config(folder, raw):
 
     kind = raw["speculators_model_type"]
     if kind != "eagle3":
-        other = {"dflash": " and dflash (method=dflash)"}.get(kind, "")
+        other = {"dflash": " and dflash (method=dflash)", "dspark": " and dspark (method=dspark)",
+                 "peagle": " and peagle (method=peagle)"}.get(kind, "")
         raise FormatError(f"{folder}: a speculators '{kind}' checkpoint; specbench reads speculators' eagle3 "
                           f"(method=eagle eagle.version=3){other}")
     on = [f for f in SPECULATORS_FLAGS if raw.get(f)]

@@ -1,0 +1,158 @@
+"""P-EAGLE (AWS, arXiv 2602.01469): EAGLE-3's drafter drafts a step's K tokens in one forward,
+with mask slots; the engine verifies them as a chain.
+
+When the target hands over the states of the tokens it committed, their entries (feature h_i,
+the token after it x_{i+1}) run through the drafter's layers once, causally over the entries
+before them; their keys and values are kept per layer, and the last entry's output drafts the
+first token (``specbench/drafters/peagle.py``). A step then runs K-1 mask slots over the kept
+entries: slot d sees them and slots 1..d, and drafts the token d after the first. Drafts are
+each slot's argmax, deterministic candidates, so sampling uses the lossless rule.
+
+``peagle.checkpoint`` names vLLM's speculators ``peagle`` layout; ``peagle.K`` drafts that many
+tokens a step (null: the depths the checkpoint was trained for).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specbench.decode.draft import Draft, pad_rows
+from specbench.drafters import formats
+from specbench.drafters.dflash import ContextCache
+from specbench.errors import ConfigError
+from specbench.methods.base import BatchState, Proposer
+from specbench.paths import resolve_path
+
+
+def _depths(folder) -> int:
+    import json
+
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    methods = (raw.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return int(methods[0].get("speculative_tokens") or 8)
+
+
+class PEagle(Proposer):
+    name = "peagle"
+
+    @classmethod
+    def check(cls, cfg, target_config) -> None:
+        m = cfg.method
+        k = m.get("K")
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ConfigError(f"peagle.K must be null (the checkpoint's depths) or an integer >= 1, got {k!r}")
+        folder = resolve_path(m.checkpoint)
+        if not Path(folder).exists():
+            raise ConfigError(f"peagle.checkpoint '{m.checkpoint}' does not exist: name a P-EAGLE folder in vLLM's "
+                              "speculators format (speculators_model_type: peagle)")
+        fmt = formats.detect(folder)
+        if fmt != "speculators-peagle":
+            raise ConfigError(f"peagle.checkpoint '{m.checkpoint}' holds no P-EAGLE drafter ({fmt or 'no published format'})")
+        try:
+            formats.peagle.check(folder, target_config)
+        except formats.FormatError as e:
+            raise ConfigError(f"peagle.checkpoint {e}") from None
+
+    @classmethod
+    def spec_len(cls, cfg, device) -> int:
+        return int(cfg.method.get("K") or _depths(resolve_path(cfg.method.checkpoint)))
+
+    @classmethod
+    def tune_space(cls, cfg, device) -> list[dict]:
+        return [{"method.K": k} for k in (2, 3, 4, 6, 8)]
+
+    @classmethod
+    def draft_label(cls, cfg) -> str:
+        return str(cfg.method.checkpoint)
+
+    @classmethod
+    def tiny(cls, target, tokenizer, folder) -> dict:
+        from specbench.drafters.eagle3 import layer_config
+        from specbench.drafters.peagle import PEagleDrafter
+        from specbench.hf import text_config
+
+        tc = text_config(target.config)
+        V = int(tc.vocab_size)
+        lc = layer_config(target.config, V)
+        lc.num_hidden_layers = 2
+        n = int(tc.num_hidden_layers)
+        d = PEagleDrafter(target, lc, V, V - 1, 3, layers=tuple(range(1, min(n, 4))))
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in d.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+        formats.peagle.save(folder / "peagle", d, dtype=torch.float32)
+        return {"method": {"checkpoint": str(folder / "peagle")}}
+
+    def __init__(self, cfg, target, tokenizer, device, dtype, drafter=None):
+        super().__init__(cfg, target, tokenizer, device, dtype)
+        folder = resolve_path(cfg.method.checkpoint)
+        self.drafter = drafter if drafter is not None else formats.peagle.load(folder, target, device, dtype)
+        self.K = int(cfg.method.get("K") or self.drafter.depths)
+        self.hidden_layers = tuple(self.drafter.taps)
+        self.vocab_ids = self.drafter.vocab_ids.to(device)
+        self.cache: ContextCache | None = None
+        self.first: torch.Tensor | None = None  # [B] each row's first draft (from its last verified entry)
+
+    def modules(self):
+        return [self.drafter]
+
+    def _append(self, cache: ContextCache, state: BatchState, hidden) -> torch.Tensor:
+        """Run the newly verified entries (h_i, x_{i+1}) of every row over its kept ones, keep their
+        keys and values, and return each row's first draft (its last entry's argmax)."""
+        d, dev = self.drafter, self.device
+        counts = hidden.counts
+        feats = d.fuse(d.features(hidden).to(cache.keys[0].dtype))  # [B, m, d]
+        B, m = feats.shape[:2]
+        toks = pad_rows([s[len(s) - c:] for s, c in zip(state.seqs, counts.tolist())], dev, width=m)
+        j = torch.arange(m, device=dev)
+        pos = cache.length[:, None] + j[None]
+        own = (j[None, :] <= j[:, None])[None] & (j[None, None, :] < counts[:, None, None])
+        own = own | torch.eye(m, dtype=torch.bool, device=dev)[None]  # padded entries see themselves
+        visible = torch.cat([cache.visible(m), own], dim=2)
+        out, kv = d.run(feats, d.embed(toks).to(feats.dtype), pos, list(zip(cache.keys, cache.values)), visible)
+        cache.append(kv, counts)
+        last = out[torch.arange(B, device=dev), (counts - 1).clamp(min=0)]
+        return self.vocab_ids[d.logits(last).argmax(-1)]
+
+    def _start(self, state: BatchState, hidden):
+        dt = next(self.drafter.parameters()).dtype
+        longest = max(len(s) for s in state.seqs)
+        cache = ContextCache(self.drafter, len(state.seqs), self.device, dt, longest + state.max_new_tokens)
+        return cache, self._append(cache, state, hidden)
+
+    def start(self, state: BatchState, hidden=None) -> None:
+        self.cache, self.first = self._start(state, hidden)
+
+    def update(self, state: BatchState, accepted, hidden=None) -> None:
+        self.first = self._append(self.cache, state, hidden)
+
+    def add_rows(self, state: BatchState, hidden=None) -> None:
+        cache, first = self._start(state, hidden)
+        self.cache.extend(cache)
+        self.first = torch.cat([self.first, first])
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.cache.select(keep)
+        self.first = self.first[torch.tensor(keep, dtype=torch.long, device=self.device)]
+
+    def propose(self, state: BatchState) -> Draft:
+        if self.K == 1:
+            return Draft.chain(self.first[:, None])
+        d, cache, n, dev = self.drafter, self.cache, self.K - 1, self.device
+        B = len(state.seqs)
+        g, e = d.mask_entries(B, n)
+        pos = cache.length[:, None] - 1 + torch.arange(1, n + 1, device=dev)[None]  # slot d at p-1+d
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None].expand(B, n, n)
+        out, _ = d.run(g.to(cache.keys[0].dtype), e.to(cache.keys[0].dtype), pos,
+                       list(zip(cache.keys, cache.values)), torch.cat([cache.visible(n), causal], dim=2))
+        rest = self.vocab_ids[d.logits(out).argmax(-1)]  # [B, K-1]
+        return Draft.chain(torch.cat([self.first[:, None], rest], dim=1))
+
+    def describe(self) -> dict:
+        d = self.drafter
+        return {"K": self.K, "trained_depths": d.depths, "draft_layers": len(d.layers), "checkpoint_format": "speculators-peagle",
+                "version": 3.1 if (d.fc_norm is not None or d.norm_output) else 3,
+                "drafter_params": sum(p.numel() for p in d.parameters()), "draft_vocab": int(d.d2t.numel())}

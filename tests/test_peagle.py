@@ -1,0 +1,207 @@
+"""P-EAGLE: speculators' layout loads strictly and gives its own training forward's logits (COD
+entries: verified positions and mask-slot chains); the incremental drafter (entries kept per layer,
+mask slots run each step) drafts what a full recompute drafts; the method is lossless (greedy
+identity at bs 1/4/32, with rows joining, and under sampling)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from specbench import methods
+from specbench.decode.hidden import Tap
+from specbench.decode.verify import Sampling, Synthetic
+from specbench.drafters import formats
+from specbench.drafters.eagle3 import layer_config
+from specbench.drafters.peagle import PEagleDrafter
+from specbench.errors import ConfigError
+from conftest import REPO
+from helpers import DEVICE, greedy_cases, reference_greedy, run_engine, serve_engine, tiny_llama
+
+FIXTURE = REPO / "tests" / "fixtures" / "speculators-peagle"
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def target8():
+    return tiny_llama(seed=0, layers=8, scale=4.0, device=CPU)
+
+
+def cfg_of(folder, **method):
+    return OmegaConf.create({"K": 3, "temperature": 0.0, "model": {"name": "tiny", "path": None},
+                             "method": {**methods.defaults("peagle"), "checkpoint": str(folder), **method}})
+
+
+def proposer(target, folder, device=CPU, **method):
+    cfg = cfg_of(folder, **method)
+    methods.get("peagle").check(cfg, target.config)
+    return methods.get("peagle")(cfg, target, None, device, torch.float32)
+
+
+def taps_of(target, d, tokens):
+    with Tap(target, d.taps) as tap, torch.no_grad():
+        target(tokens)
+        got = tap.take()
+    return torch.cat([got[t] for t in d.taps], dim=-1)
+
+
+def test_speculators_layout_gives_its_training_forwards_logits(target8):
+    """Two layers (EAGLE-3's first, a Llama layer), EAGLE 3.1's norms, half the vocabulary: the
+    logits of every entry its COD sampling drew, verified positions and mask slots alike."""
+    ref = torch.load(FIXTURE / "reference.pt")
+    assert formats.detect(FIXTURE) == "speculators-peagle"
+    d = formats.peagle.load(FIXTURE, target8, CPU, torch.float32)
+    assert len(d.layers) == 2 and d.depths == 4 and d.norm_output and d.fc_norm is not None
+    assert set(ref["depth"].tolist()) == {0, 1, 2, 3}
+    tokens = ref["tokens"][None]
+    with torch.no_grad():
+        h = d.train_forward(taps_of(target8, d, tokens), tokens, ref["anchor"], ref["depth"])
+        torch.testing.assert_close(d.logits(h)[0], ref["logits"], atol=1e-4, rtol=1e-4)
+    prop = proposer(target8, FIXTURE)
+    assert methods.get("peagle").spec_len(cfg_of(FIXTURE), CPU) == 4 and prop.describe()["version"] == 3.1
+    prompt = tokens[0, :9].tolist()
+    assert run_engine(target8, prop, [prompt], 16)[0].tokens == reference_greedy(target8, prompt, 16)
+
+
+def random_peagle(target, folder, layers=2, depths=4, seed=0):
+    tc = target.config
+    V = tc.vocab_size
+    lc = layer_config(tc, V)
+    lc.num_hidden_layers = layers
+    d = PEagleDrafter(target, lc, V, V - 1, depths, layers=tuple(range(1, min(tc.num_hidden_layers, 4))))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    formats.peagle.save(folder, d, dtype=torch.float32)
+    return folder
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+def test_the_kept_entries_draft_what_a_full_recompute_drafts(tmp_path, bs):
+    """Rows accept ragged runs (synthetic acceptance); every step's drafts equal the training
+    forward's over the whole sequence so far: its positions as verified entries, the last one's
+    argmax the first draft, a chain of mask slots at it the rest."""
+    target = tiny_llama(seed=1, layers=6, device=CPU)
+    prop = proposer(target, random_peagle(target, tmp_path / "d"))
+    steps = []
+    propose = prop.propose
+
+    def record(state):
+        draft = propose(state)
+        steps.append(([list(s) for s in state.seqs], draft.tokens.clone()))
+        return draft
+
+    prop.propose = record
+    prompts = [[1, 5, 9, 3, 7, 11, 2][: 4 + b] for b in range(bs)]
+    res = run_engine(target, prop, prompts, 18, sampling=Sampling(synthetic=Synthetic(0.8, seed=0)))
+    assert sum(len(r.tokens) for r in res) >= 18 * bs
+    d, K = prop.drafter, prop.K
+    for seqs, drafts in steps:
+        for b, seq in enumerate(seqs):
+            n = len(seq) - 1  # verified entries 0..n-1, entry i pairs h_i with x_{i+1}
+            tokens = torch.tensor([seq[1:]])
+            taps = taps_of(target, d, torch.tensor([seq[:-1]]))
+            anchor = torch.cat([torch.arange(n), torch.full((K - 1,), n - 1)])
+            depth = torch.cat([torch.zeros(n, dtype=torch.long), torch.arange(1, K)])
+            with torch.no_grad():
+                logits = d.logits(d.train_forward(taps, tokens, anchor, depth))[0]
+            want = d.vocab_ids[logits[n - 1:].argmax(-1)]
+            assert drafts[b].tolist() == want.tolist()
+    assert len({len(s[0]) for s, _ in steps[1:]} | {0}) > 1
+
+
+@pytest.mark.parametrize("bs", [1, 4, 32])
+def test_greedy_identity_at_any_batch_size(tmp_path, bs):
+    target = tiny_llama(seed=2, layers=4, scale=4.0)
+    prop = proposer(target, random_peagle(target, tmp_path / "d"), DEVICE)
+    prompts, refs = greedy_cases(target, 12)[bs] if bs in (1, 4) else (None, None)
+    if prompts is None:
+        prompts = [[1 + (3 * b + j) % 90 for j in range(3 + b % 7)] for b in range(bs)]
+        refs = [reference_greedy(target, p, 12) for p in prompts]
+    assert [r.tokens for r in run_engine(target, prop, prompts, 12)] == refs
+
+
+def test_greedy_identity_with_rows_joining(tmp_path):
+    target = tiny_llama(seed=3, layers=4, scale=4.0)
+    prop = proposer(target, random_peagle(target, tmp_path / "d", depths=3), DEVICE, K=5)
+    prompts = [[1 + (5 * b + j) % 90 for j in range(2 + b)] for b in range(6)]
+    res, _ = serve_engine(target, prop, prompts, 10, concurrency=2)
+    assert [r.tokens for r in res] == [reference_greedy(target, p, 10) for p in prompts]
+
+
+def test_sampling_follows_the_target_distribution(tmp_path):
+    from helpers import chi2_pvalue
+    from test_verify import exact_marginals
+
+    target = tiny_llama(seed=0, layers=4, vocab=12, device=CPU)
+    prop = proposer(target, random_peagle(target, tmp_path / "d", layers=1, depths=3))
+    prompt, n, s = [3, 5, 7, 9], 2000, Sampling(1.0)
+    res = run_engine(target, prop, [prompt] * n, 3, sampling=s, gen=torch.Generator().manual_seed(5))
+    m2, m3 = exact_marginals(target, prompt, s)
+    assert sum(sum(r.accept_lens) for r in res) > n // 50
+    V = target.config.vocab_size
+    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[1] for r in res]), minlength=V), m2) > 1e-3
+    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V), m3) > 1e-3
+
+
+def _copy(tmp_path):
+    dest = tmp_path / FIXTURE.name
+    shutil.copytree(FIXTURE, dest)
+    return dest
+
+
+def _edit(folder, **changes):
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(changes)
+    (folder / "config.json").write_text(json.dumps(raw))
+
+
+def _rekey(folder, fn):
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    save_file(fn(load_file(str(f))), str(f))
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda f: _rekey(f, lambda s: {k: v for k, v in s.items() if k != "mask_hidden"}),
+     r"not P-EAGLE's layout \(2 layers, draft_vocab_size=48\): missing \['mask_hidden'\]"),
+    (lambda f: _rekey(f, lambda s: {k: v for k, v in s.items() if not k.startswith("layers.1.")}),
+     r"missing \['layers.1.input_layernorm.weight'"),
+    (lambda f: _edit(f, norm_before_fc=True), r"\(norm_before_fc=true\)"),
+    (lambda f: _edit(f, mask_token_id=None), "no mask_token_id"),
+    (lambda f: _edit(f, mask_token_id=700), "outside the target's 96 tokens"),
+    (lambda f: _edit(f, eagle_aux_hidden_state_layer_ids=[2, 4, 9]), "inputs of layers"),
+])
+def test_refusals_in_one_line(target8, tmp_path, change, match):
+    folder = _copy(tmp_path)
+    change(folder)
+    with pytest.raises(ConfigError, match=match) as e:
+        methods.get("peagle").check(cfg_of(folder), target8.config)
+    assert "\n" not in str(e.value)
+
+
+def test_other_checkpoints_and_settings_are_refused(target8, tmp_path):
+    with pytest.raises(ConfigError, match="holds no P-EAGLE drafter"):
+        methods.get("peagle").check(cfg_of(REPO / "tests" / "fixtures" / "speculators-eagle3.1"), target8.config)
+    with pytest.raises(ConfigError, match="does not exist"):
+        methods.get("peagle").check(cfg_of(tmp_path / "none"), target8.config)
+    with pytest.raises(ConfigError, match="peagle.K must be null"):
+        methods.get("peagle").check(cfg_of(FIXTURE, K=0), target8.config)
+    with pytest.raises(ConfigError, match="a speculators 'peagle' checkpoint; .* and peagle \\(method=peagle\\)"):
+        methods.get("eagle").check(OmegaConf.create({"K": 3, "temperature": 0.0, "model": {"name": "t", "path": None},
+                                                     "method": {**methods.defaults("eagle"), "checkpoint": str(FIXTURE),
+                                                                "version": 3}}), target8.config)
+    with pytest.raises(NotImplementedError):  # backend=vllm: "no counterpart in vLLM" (not mapped yet)
+        methods.get("peagle").vllm_config(cfg_of(FIXTURE))
+
+
+def test_our_layout_round_trips(tmp_path):
+    target = tiny_llama(seed=5, layers=4, device=CPU)
+    folder = random_peagle(target, tmp_path / "d", layers=3, depths=5)
+    assert formats.detect(folder) == "speculators-peagle"
+    d = formats.peagle.load(folder, target, CPU, torch.float32)
+    assert len(d.layers) == 3 and d.depths == 5 and d.taps == (0, 1, 2)
