@@ -63,7 +63,7 @@ SIZES = {  # batch sizes, new tokens, profile points, suite selection, each step
     "tiny": {"bs": "1,3", "tokens": 12, "ctx": [64], "mem_ctx": 256, "profile_bs": "1,3", "profile_n": "1,4",
              "suite": ["tests/test_synthetic.py::test_chain_acceptance_per_position_and_tau_match_the_rates",
                        "tests/test_gpu.py"],
-             "caps": {"suite": 120, "real": 240, "synthetic": 300, "continuous": 120, "profile": 120, "compile": 240,
+             "caps": {"suite": 120, "real": 240, "synthetic": 480, "continuous": 120, "profile": 120, "compile": 240,
                       "memory": 90, "report": 120}},
 }
 
@@ -103,9 +103,13 @@ def build_kit(kit: Path = KIT) -> dict:
 
 
 # ---------------------------------------------------------------------------- random drafters (there)
+KINDS = ("eagle", "eagle3", "medusa", "dflash", "dspark")
+
+
 def random_drafters(shape: str, device: str, dtype: str, tokenizer: str | None, out: Path) -> dict[str, Path]:
-    """Random EAGLE (EAGLE-1/2 layer), EAGLE-3 and Medusa drafters of the right shapes for the random
-    target ``model=random model.shape=<shape>``, saved as the loaders read them: {kind: folder}."""
+    """Random EAGLE (EAGLE-1/2 layer), EAGLE-3, Medusa, DFlash and DSpark drafters of the right shapes
+    for the random target ``model=random model.shape=<shape>``, saved as the loaders read them:
+    {kind: folder}."""
     import torch
     from omegaconf import OmegaConf
 
@@ -113,6 +117,9 @@ def random_drafters(shape: str, device: str, dtype: str, tokenizer: str | None, 
     from specbench.drafters.eagle import EagleDrafter
     from specbench.drafters.eagle3 import Eagle3Drafter, layer_config
     from specbench.drafters.medusa import MedusaHeads
+    from specbench.drafters.dflash import DFlashDrafter, default_layer_ids, layer_config as block_layers
+    from specbench.drafters.dspark import DSparkDrafter
+    from specbench.drafters.formats.dflash import save as save_block
     from specbench.drafters.formats.eagle3 import save as save_eagle3
     from specbench.models import load_model, resolve_device, resolve_dtype
     from specbench.paths import CONF_DIR
@@ -126,7 +133,7 @@ def random_drafters(shape: str, device: str, dtype: str, tokenizer: str | None, 
     name = str(mcfg.name)
     meta = {"name": "random", "target": name, "target_vocab_size": V, "seed": 1,
             "note": "random weights of the right shapes (specbench.gpucheck): for costs under accept=synthetic"}
-    folders = {k: out / k for k in ("eagle", "eagle3", "medusa")}
+    folders = {k: out / k for k in KINDS}
     with torch.no_grad():
         e = EagleDrafter(target, torch.arange(V), input_norm=True).to(dev)
         drafters.save(e, folders["eagle"], {**meta, "kind": "eagle", "draft_vocab": V})
@@ -139,7 +146,13 @@ def random_drafters(shape: str, device: str, dtype: str, tokenizer: str | None, 
         acc = [[0.6 * 0.7 ** h * 0.5 ** r for r in range(10)] for h in range(4)]  # a decaying profile: the tree's shape
         drafters.save(m, folders["medusa"], {**meta, "kind": "medusa", "draft_vocab": V, "heads": 4, "acc": acc,
                                              "drafter": {"kind": "medusa", "heads": 4, "tree_size": 32}})
-    del target, e, e3, m
+        L, mask = int(target.config.num_hidden_layers), V - 1
+        ids = default_layer_ids(L, 5)  # Z Lab's Qwen3-8B drafters: 5 layers, block 16; DeepSpec's DSpark: block 7
+        df = DFlashDrafter(target, block_layers(target.config, 5, mask, 16, ids), ids, 16, mask).to(dev)
+        save_block(folders["dflash"], df)
+        ds = DSparkDrafter(target, block_layers(target.config, 5, mask, 7, ids), ids, 7, mask, "next", markov_rank=256).to(dev)
+        save_block(folders["dspark"], ds)
+    del target, e, e3, m, df, ds
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return folders
@@ -177,6 +190,8 @@ def plan(a, kit: Path, work: Path, drafts: dict[str, Path]) -> list[tuple[str, l
         ["method=eagle", "eagle.version=3", f"eagle.checkpoint={drafts['eagle3']}"],
         ["method=eagle", f"eagle.checkpoint={drafts['eagle']}"],
         ["method=medusa", f"medusa.checkpoint={drafts['medusa']}"],
+        ["method=dflash", f"dflash.checkpoint={drafts['dflash']}"],
+        ["method=dspark", f"dspark.checkpoint={drafts['dspark']}", "dspark.threshold=0.3"],
         ["method=leviathan", "draft=self_layers", "draft.layers=2"])]
     continuous = [_sweep(base, ["method=pld", "batching=continuous", big]),
                   _sweep(base, ["method=eagle", f"eagle.checkpoint={drafts['eagle']}", "batching=continuous",
@@ -244,7 +259,7 @@ def run(a) -> int:
                 "random_drafters(*sys.argv[1:5], Path(sys.argv[5]))")
         res = _run([sys.executable, "-c", code, a.shape, a.device, a.dtype, str(kit / "tokenizer"),
                     str(work / "drafts")], env, log, budget.left())
-        drafts = {k: work / "drafts" / k for k in ("eagle", "eagle3", "medusa")}
+        drafts = {k: work / "drafts" / k for k in KINDS}
         status["drafters"] = f"{res} ({time.monotonic() - t:.0f} s)"
         results_of["drafters"] = [res]
         for step, cmds in plan(a, kit, work, drafts):
