@@ -102,3 +102,33 @@ def greedy_cases(model, n_new: int) -> dict:
         ps = prompts_of(lengths)
         out[len(lengths)] = (ps, [reference_greedy(model, p, n_new) for p in ps])
     return out
+
+
+def copy_folder(src, dest_parent):
+    """A copy of the checkpoint folder ``src`` under ``dest_parent`` (to break it in a test)."""
+    import shutil
+
+    dest = dest_parent / src.name
+    shutil.copytree(src, dest)
+    return dest
+
+
+def edit_config(folder, **changes):
+    """Set keys of ``folder/config.json`` (None: remove the key)."""
+    import json
+
+    raw = json.loads((folder / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            raw.pop(k, None)
+        else:
+            raw[k] = v
+    (folder / "config.json").write_text(json.dumps(raw))
+
+
+def rekey(folder, fn):
+    """Rewrite ``folder/model.safetensors`` as ``fn(its state dict)``."""
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    save_file(fn(load_file(str(f))), str(f))

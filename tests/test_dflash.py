@@ -4,7 +4,6 @@ what a full recompute drafts, and the method is lossless (greedy identity at bs 
 rows joining; the sampling rule's chi-square test)."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -17,7 +16,8 @@ from specbench.drafters import formats
 from specbench.drafters.dflash import DFlashDrafter, default_layer_ids, exp_decay, layer_config, taps_of
 from specbench.errors import ConfigError
 from conftest import REPO
-from helpers import DEVICE, greedy_cases, reference_greedy, run_engine, serve_engine, tiny_llama
+from helpers import (DEVICE, copy_folder, edit_config, greedy_cases, reference_greedy, rekey, run_engine, serve_engine,
+                     tiny_llama)
 from test_feature_methods import feature_setup, frozen_target8, patch_eval_slice  # noqa: F401 - a fixture
 
 FIXTURES = REPO / "tests" / "fixtures"
@@ -186,46 +186,23 @@ def test_layer_ids_and_decay():
     assert exp_decay(4, 4.0, "next")[0] == 1
 
 
-def _copy(src, tmp_path):
-    dest = tmp_path / src.name
-    shutil.copytree(src, dest)
-    return dest
-
-
-def _edit(folder, **changes):
-    raw = json.loads((folder / "config.json").read_text())
-    for k, v in changes.items():
-        if v is None:
-            raw.pop(k, None)
-        else:
-            raw[k] = v
-    (folder / "config.json").write_text(json.dumps(raw))
-
-
-def _rekey(folder, fn):
-    from safetensors.torch import load_file, save_file
-
-    f = folder / "model.safetensors"
-    save_file(fn(load_file(str(f))), str(f))
-
-
 @pytest.mark.parametrize("change, match", [
-    (lambda f: _rekey(f, lambda s: {k: v for k, v in s.items() if k != "hidden_norm.weight"}),
+    (lambda f: rekey(f, lambda s: {k: v for k, v in s.items() if k != "hidden_norm.weight"}),
      r"not DFlash's layout \(2 draft layers, no DSpark heads\): missing \['hidden_norm.weight'\]"),
-    (lambda f: _rekey(f, lambda s: {**s, "layers.0.self_attn.qkv_proj.weight": s["layers.0.self_attn.q_proj.weight"].clone()}),
+    (lambda f: rekey(f, lambda s: {**s, "layers.0.self_attn.qkv_proj.weight": s["layers.0.self_attn.q_proj.weight"].clone()}),
      r"fused q\|k\|v projections"),
-    (lambda f: _rekey(f, lambda s: {**s, "layers.0.self_attn.sinks": torch.zeros(4)}), "attention sinks"),
-    (lambda f: _edit(f, layer_types=["sliding_attention", "full_attention"]), "sliding-window layers"),
+    (lambda f: rekey(f, lambda s: {**s, "layers.0.self_attn.sinks": torch.zeros(4)}), "attention sinks"),
+    (lambda f: edit_config(f, layer_types=["sliding_attention", "full_attention"]), "sliding-window layers"),
     (lambda f: (f / "mask_embedding.pt").write_bytes(b""), "a mask_embedding.pt sidecar"),
-    (lambda f: _edit(f, num_target_layers=36), "made for a target of 36 layers; the target has 4"),
-    (lambda f: _edit(f, dflash_config={"mask_token_id": 95, "target_layer_ids": [1, 7]}), "decoder layers 0..3"),
-    (lambda f: _edit(f, dflash_config={"target_layer_ids": [1, 3]}), "no mask_token_id"),
-    (lambda f: _edit(f, head_dim=8), r"layers.0.self_attn.q_proj.weight is \(64, 64\), config.json makes it \(32, 64\)"),
-    (lambda f: _edit(f, hidden_act="gelu"), "hidden_act=gelu"),
-    (lambda f: _edit(f, dflash_config={"mask_token_id": 500, "target_layer_ids": [1, 3]}), "outside the target's 96 tokens"),
+    (lambda f: edit_config(f, num_target_layers=36), "made for a target of 36 layers; the target has 4"),
+    (lambda f: edit_config(f, dflash_config={"mask_token_id": 95, "target_layer_ids": [1, 7]}), "decoder layers 0..3"),
+    (lambda f: edit_config(f, dflash_config={"target_layer_ids": [1, 3]}), "no mask_token_id"),
+    (lambda f: edit_config(f, head_dim=8), r"layers.0.self_attn.q_proj.weight is \(64, 64\), config.json makes it \(32, 64\)"),
+    (lambda f: edit_config(f, hidden_act="gelu"), "hidden_act=gelu"),
+    (lambda f: edit_config(f, dflash_config={"mask_token_id": 500, "target_layer_ids": [1, 3]}), "outside the target's 96 tokens"),
 ])
 def test_z_lab_refusals_in_one_line(target4, tmp_path, change, match):
-    folder = _copy(ZLAB, tmp_path)
+    folder = copy_folder(ZLAB, tmp_path)
     change(folder)
     with pytest.raises(ConfigError, match=match) as e:
         methods.get("dflash").check(cfg_of(folder), target4.config)
@@ -245,12 +222,12 @@ def test_a_drafter_for_another_target_is_refused(tmp_path):
 
 
 def test_speculators_refusals(target4, tmp_path):
-    folder = _copy(SPECULATORS, tmp_path)
-    _edit(folder, aux_hidden_state_layer_ids=[0, 4])
+    folder = copy_folder(SPECULATORS, tmp_path)
+    edit_config(folder, aux_hidden_state_layer_ids=[0, 4])
     with pytest.raises(ConfigError, match="read the embeddings"):
         methods.get("dflash").check(cfg_of(folder), target4.config)
-    folder = _copy(SPECULATORS, tmp_path / "b")
-    _rekey(folder, lambda s: {k: v for k, v in s.items() if k != "d2t"})
+    folder = copy_folder(SPECULATORS, tmp_path / "b")
+    rekey(folder, lambda s: {k: v for k, v in s.items() if k != "d2t"})
     with pytest.raises(ConfigError, match=r"missing \['d2t'\]"):
         methods.get("dflash").check(cfg_of(folder), target4.config)
 

@@ -4,7 +4,6 @@ the method is lossless (greedy identity at bs 1/4/32, with rows joining, and und
 trainer writes DeepSpec's layout, which loads back."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -18,7 +17,8 @@ from specbench.drafters.dflash import layer_config
 from specbench.drafters.dspark import DSparkDrafter
 from specbench.errors import ConfigError
 from conftest import REPO
-from helpers import DEVICE, greedy_cases, reference_greedy, run_engine, serve_engine, tiny_llama
+from helpers import (DEVICE, copy_folder, edit_config, greedy_cases, reference_greedy, rekey, run_engine, serve_engine,
+                     tiny_llama)
 from test_feature_methods import feature_setup, frozen_target8, patch_eval_slice  # noqa: F401 - a fixture
 
 FIXTURES = REPO / "tests" / "fixtures"
@@ -179,37 +179,18 @@ def test_sampling_follows_the_target_distribution(tmp_path):
     assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V), m3) > 1e-3
 
 
-def _copy(src, tmp_path):
-    dest = tmp_path / src.name
-    shutil.copytree(src, dest)
-    return dest
-
-
-def _edit(folder, **changes):
-    raw = json.loads((folder / "config.json").read_text())
-    raw.update(changes)
-    (folder / "config.json").write_text(json.dumps(raw))
-
-
-def _rekey(folder, fn):
-    from safetensors.torch import load_file, save_file
-
-    f = folder / "model.safetensors"
-    save_file(fn(load_file(str(f))), str(f))
-
-
 @pytest.mark.parametrize("change, match", [
-    (lambda f: _rekey(f, lambda s: {k: v for k, v in s.items() if k != "markov_head.markov_w2.weight"}),
+    (lambda f: rekey(f, lambda s: {k: v for k, v in s.items() if k != "markov_head.markov_w2.weight"}),
      r"a vanilla Markov head of rank 8, a confidence head over the Markov embedding\): missing \['markov_head.markov_w2"),
-    (lambda f: _edit(f, markov_head_type="gated"), r"missing \['markov_head.gate_proj.bias'"),
-    (lambda f: _edit(f, markov_rank=4), r"markov_head.markov_w1.weight is \(96, 8\); config.json and the target make it \(96, 4\)"),
-    (lambda f: _edit(f, markov_head_type="lstm"), "head types vanilla, gated, rnn"),
-    (lambda f: _edit(f, target_layer_ids=[-1, 3]), r"read the embeddings \(-1\)"),
-    (lambda f: _edit(f, architectures=["Gemma4DSparkModel"]), "reads its Qwen3 layers"),
-    (lambda f: _rekey(f, lambda s: {k: v for k, v in s.items() if k != "lm_head.weight"}), r"missing \['lm_head.weight'\]"),
+    (lambda f: edit_config(f, markov_head_type="gated"), r"missing \['markov_head.gate_proj.bias'"),
+    (lambda f: edit_config(f, markov_rank=4), r"markov_head.markov_w1.weight is \(96, 8\); config.json and the target make it \(96, 4\)"),
+    (lambda f: edit_config(f, markov_head_type="lstm"), "head types vanilla, gated, rnn"),
+    (lambda f: edit_config(f, target_layer_ids=[-1, 3]), r"read the embeddings \(-1\)"),
+    (lambda f: edit_config(f, architectures=["Gemma4DSparkModel"]), "reads its Qwen3 layers"),
+    (lambda f: rekey(f, lambda s: {k: v for k, v in s.items() if k != "lm_head.weight"}), r"missing \['lm_head.weight'\]"),
 ])
 def test_deepspec_refusals_in_one_line(target4, tmp_path, change, match):
-    folder = _copy(DEEPSPEC["vanilla"], tmp_path)
+    folder = copy_folder(DEEPSPEC["vanilla"], tmp_path)
     change(folder)
     with pytest.raises(ConfigError, match=match) as e:
         methods.get("dspark").check(cfg_of(folder), target4.config)

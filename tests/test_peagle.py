@@ -3,8 +3,6 @@ entries: verified positions and mask-slot chains); the incremental drafter (entr
 mask slots run each step) drafts what a full recompute drafts; the method is lossless (greedy
 identity at bs 1/4/32, with rows joining, and under sampling)."""
 
-import json
-import shutil
 
 import pytest
 import torch
@@ -18,7 +16,8 @@ from specbench.drafters.eagle3 import layer_config
 from specbench.drafters.peagle import PEagleDrafter
 from specbench.errors import ConfigError
 from conftest import REPO
-from helpers import DEVICE, greedy_cases, reference_greedy, run_engine, serve_engine, tiny_llama
+from helpers import (DEVICE, copy_folder, edit_config, greedy_cases, reference_greedy, rekey, run_engine, serve_engine,
+                     tiny_llama)
 
 FIXTURE = REPO / "tests" / "fixtures" / "speculators-peagle"
 CPU = torch.device("cpu")
@@ -147,37 +146,18 @@ def test_sampling_follows_the_target_distribution(tmp_path):
     assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V), m3) > 1e-3
 
 
-def _copy(tmp_path):
-    dest = tmp_path / FIXTURE.name
-    shutil.copytree(FIXTURE, dest)
-    return dest
-
-
-def _edit(folder, **changes):
-    raw = json.loads((folder / "config.json").read_text())
-    raw.update(changes)
-    (folder / "config.json").write_text(json.dumps(raw))
-
-
-def _rekey(folder, fn):
-    from safetensors.torch import load_file, save_file
-
-    f = folder / "model.safetensors"
-    save_file(fn(load_file(str(f))), str(f))
-
-
 @pytest.mark.parametrize("change, match", [
-    (lambda f: _rekey(f, lambda s: {k: v for k, v in s.items() if k != "mask_hidden"}),
+    (lambda f: rekey(f, lambda s: {k: v for k, v in s.items() if k != "mask_hidden"}),
      r"not P-EAGLE's layout \(2 layers, draft_vocab_size=48\): missing \['mask_hidden'\]"),
-    (lambda f: _rekey(f, lambda s: {k: v for k, v in s.items() if not k.startswith("layers.1.")}),
+    (lambda f: rekey(f, lambda s: {k: v for k, v in s.items() if not k.startswith("layers.1.")}),
      r"missing \['layers.1.input_layernorm.weight'"),
-    (lambda f: _edit(f, norm_before_fc=True), r"\(norm_before_fc=true\)"),
-    (lambda f: _edit(f, mask_token_id=None), "no mask_token_id"),
-    (lambda f: _edit(f, mask_token_id=700), "outside the target's 96 tokens"),
-    (lambda f: _edit(f, eagle_aux_hidden_state_layer_ids=[2, 4, 9]), "inputs of layers"),
+    (lambda f: edit_config(f, norm_before_fc=True), r"\(norm_before_fc=true\)"),
+    (lambda f: edit_config(f, mask_token_id=None), "no mask_token_id"),
+    (lambda f: edit_config(f, mask_token_id=700), "outside the target's 96 tokens"),
+    (lambda f: edit_config(f, eagle_aux_hidden_state_layer_ids=[2, 4, 9]), "inputs of layers"),
 ])
 def test_refusals_in_one_line(target8, tmp_path, change, match):
-    folder = _copy(tmp_path)
+    folder = copy_folder(FIXTURE, tmp_path)
     change(folder)
     with pytest.raises(ConfigError, match=match) as e:
         methods.get("peagle").check(cfg_of(folder), target8.config)

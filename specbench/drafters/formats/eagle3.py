@@ -160,6 +160,17 @@ EAGLE3_NAMES = {"input_layernorm": "input_layernorm", "hidden_norm": "hidden_nor
                 "mlp.up_proj": "up", "mlp.down_proj": "down"}
 
 
+def vocab_maps(drafter) -> dict:
+    """``d2t`` (draft id -> target id offset) and ``t2d`` (target ids in the draft vocabulary) of a
+    drafter whose head is narrower than its target's vocabulary; none where the two are equal."""
+    dv, V = drafter.d2t.numel(), drafter.vocab_size
+    if dv == V:
+        return {}
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[drafter.vocab_ids.cpu()] = True
+    return {"d2t": drafter.d2t.detach().long().cpu().contiguous(), "t2d": t2d}
+
+
 def save(folder, drafter, dtype=torch.bfloat16) -> None:
     """Write an ``Eagle3Drafter`` in SafeAILab's EAGLE-3 layout (config.json + model.safetensors):
     what the trainer writes, so the authors' code and engines reading that layout run it too."""
@@ -168,12 +179,8 @@ def save(folder, drafter, dtype=torch.bfloat16) -> None:
     state |= {f"midlayer.{theirs}.weight": own[f"block.{ours}.weight"] for theirs, ours in EAGLE3_NAMES.items()}
     state |= {k: v for k, v in own.items() if k.startswith("fc_norm.")}
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
-    dv, V = drafter.d2t.numel(), drafter.vocab_size
-    if dv != V:
-        state["d2t"] = drafter.d2t.detach().long().cpu().contiguous()
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[drafter.vocab_ids.cpu()] = True
-        state["t2d"] = t2d
+    state |= vocab_maps(drafter)
+    dv = drafter.d2t.numel()
     raw = drafter.config.to_dict()
     raw.update({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": int(dv), "num_hidden_layers": 1})
     raw.update({"fc_norm": True} if drafter.fc_norm is not None else {})

@@ -137,12 +137,8 @@ def save(folder, drafter, dtype=torch.bfloat16) -> None:
     for i, _ in enumerate(drafter.more, start=1):
         state |= {f"layers.{i}.{theirs}.weight": own[f"more.{i - 1}.{ours}.weight"] for theirs, ours in LAYER.items()}
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
-    dv, V = drafter.d2t.numel(), drafter.vocab_size
-    if dv != V:
-        state["d2t"] = drafter.d2t.detach().long().cpu().contiguous()
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[drafter.vocab_ids.cpu()] = True
-        state["t2d"] = t2d
+    state |= eagle3.vocab_maps(drafter)
+    dv = drafter.d2t.numel()
     layer = drafter.config.to_dict()
     layer.update({"model_type": "llama", "num_hidden_layers": 1 + len(drafter.more)})
     raw = {"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle", "transformer_layer_config": layer,
