@@ -142,6 +142,34 @@ def test_the_confidence_cut_verifies_the_prefix_before_the_first_doubt(tmp_path)
     assert prop.drafts(h, first).tokens.shape == (3, 6)
 
 
+def test_a_bonus_anchor_rnn_head_runs_its_state_through_the_anchor_slot():
+    """speculators' ``sample_from_anchor: false``: slot 0 drafts nothing, but the rnn head's
+    recurrence starts there (previous token: the anchor's), so slot k's previous tokens are
+    [x_p, x_p, d_1, ...] as its training forward reads them: the biases drafting used are those."""
+    target = tiny_llama(seed=1, layers=4, device=CPU)
+    tc = target.config
+    d = DSparkDrafter(target, layer_config(tc, 1, 95, 5, [3]), [3], 5, 95, "bonus", markov_rank=8, markov_type="rnn")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    biases, step = [], d.markov_head.step
+
+    def spy(prev, h, state=None):
+        out = step(prev, h, state)
+        biases.append(out[0])
+        return out
+
+    d.markov_head.step = spy
+    with torch.no_grad():
+        h, first = torch.randn(2, 5, tc.hidden_size, generator=g), torch.tensor([3, 4])
+        ids, conf = d.draft(h, first)
+        d.markov_head.step = step
+        want = d.markov_head.teacher_forced(torch.cat([first[:, None], first[:, None], ids[:, :-1]], 1), h)
+    assert ids.shape == (2, 4) and len(biases) == 5  # the anchor slot's step, then one per draft
+    torch.testing.assert_close(torch.stack(biases[1:], 1), want[:, 1:])
+
+
 @pytest.mark.parametrize("bs", [1, 4, 32])
 def test_greedy_identity_at_any_batch_size(tmp_path, bs):
     target = tiny_llama(seed=2, layers=4, scale=4.0)

@@ -107,12 +107,18 @@ class DSparkDrafter(DFlashDrafter):
         return self.confidence_head(h)
 
     def draft(self, h, first):
-        """Greedy drafts of the drafting slots' normed states ``h`` [B, n, d], ``first`` [B] the
-        token before slot 0 (the anchor token). Returns target ids [B, n] and the confidence
-        logits [B, n] (None without a confidence head)."""
+        """Greedy drafts of a block's normed states ``h`` [B, B_slots, d], ``first`` [B] the anchor
+        token. Returns target ids [B, drafts] and the confidence logits [B, drafts] (None without a
+        confidence head). With the ``bonus`` anchor slot 0 drafts nothing, but an rnn head's state
+        runs through it (prev = the anchor token), as speculators trains it."""
+        state = None
+        if self.anchor == "bonus":
+            if self.markov_head is not None and self.markov_head.kind == "rnn":
+                state = self.markov_head.step(first, h[:, 0])[1]
+            h = h[:, 1:]
         base = self.logits(h)  # [B, n, V'] (the head's vocabulary)
         vocab = self.vocab_ids if self.lm_head is not None else None
-        prev, state, ids, conf = first, None, [], []
+        prev, ids, conf = first, [], []
         for k in range(h.shape[1]):
             logits = base[:, k]
             if self.markov_head is not None:
@@ -127,7 +133,8 @@ class DSparkDrafter(DFlashDrafter):
 
     def train_logits(self, h, prev):
         """Training: logits [..., n, V'] and confidence logits [..., n] (or None) of slots with
-        states ``h`` [..., n, d] whose previous tokens ``prev`` [..., n] are the data's."""
+        states ``h`` [..., n, d] whose previous tokens ``prev`` [..., n] are the data's (slot 0
+        first: with the ``bonus`` anchor, pass the anchor slot too; its outputs draft nothing)."""
         logits = self.logits(h)
         if self.markov_head is not None:
             logits = logits + self.markov_head.teacher_forced(prev, h).to(logits.dtype)

@@ -255,7 +255,8 @@ def _dflash_body(meta: dict) -> list[str]:
         f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}; held-out loss {s['eval_loss']:.3f} "
         f"({s['eval_sequences']} sequences)",
         f"- held-out top-1 agreement with the target's greedy token, per block slot: {agree}; expected accepted "
-        f"drafts a block (chain product): {s['eval_expected_accepted']:.2f}",
+        f"drafts a block (chain product): {s['eval_expected_accepted']:.2f}"
+        + (" (teacher-forced: the Markov head reads the data's previous tokens, not its own drafts)" if dspark else ""),
     ]
 
 

@@ -117,9 +117,14 @@ def build(dr, tc, target, ids: list[int], block: int, mask: int) -> DFlashDrafte
     """The untrained drafter ``drafter=`` names: DFlash's (bonus anchor) or DSpark's (next anchor, heads)."""
     cfg = layer_config(tc, int(dr.layers), mask, block, ids)
     if dr.kind == "dspark":
-        return DSparkDrafter(target, cfg, ids, block, mask, "next", markov_rank=int(dr.markov_rank),
-                             markov_type=str(dr.markov_type), confidence=bool(dr.confidence),
-                             confidence_with_markov=bool(dr.confidence_with_markov))
+        d = DSparkDrafter(target, cfg, ids, block, mask, "next", markov_rank=int(dr.markov_rank),
+                          markov_type=str(dr.markov_type), confidence=bool(dr.confidence),
+                          confidence_with_markov=bool(dr.confidence_with_markov))
+        with torch.no_grad():  # the heads start small (std 0.02, zero biases), as DeepSpec's do
+            for head in (d.markov_head, d.confidence_head):
+                for p in (head.parameters() if head is not None else ()):
+                    p.normal_(0.0, 0.02) if p.dim() > 1 else p.zero_()
+        return d
     return DFlashDrafter(target, cfg, ids, block, mask)
 
 

@@ -21,8 +21,9 @@ BY_NAME = {name: mod for mod in FORMATS for name in mod.NAMES}
 
 def detect(folder) -> str | None:
     """The published format of ``folder``: ``medusa1``, ``medusa2``, ``eagle1`` (EAGLE-1 and EAGLE-2
-    ship one layout), ``eagle3``, ``dflash`` (Z Lab's), ``speculators-<algorithm>`` (vLLM's format;
-    ``speculators-eagle3`` and ``speculators-dflash`` are read); None: not a published drafter."""
+    ship one layout), ``eagle3``, ``dflash`` (Z Lab's), ``deepspec`` (DeepSeek's DFlash and DSpark),
+    ``speculators-<algorithm>`` (vLLM's format; ``speculators-eagle3``, ``-dflash``, ``-dspark`` and
+    ``-peagle`` are read); None: not a published drafter."""
     return next((f for f in (mod.detect(folder) for mod in FORMATS) if f is not None), None)
 
 

@@ -291,6 +291,14 @@ def check(folder, target_config, state: dict | None = None) -> dict:
     return s
 
 
+def _the_targets(state: dict, target) -> bool:
+    """Whether a checkpoint's ``embed_tokens`` and ``lm_head`` equal the target's (DeepSpec's
+    frozen copies)."""
+    pairs = ((state["embed_tokens.weight"], target.get_input_embeddings().weight),
+             (state["lm_head.weight"], target.get_output_embeddings().weight))
+    return all(a.shape == b.shape and torch.equal(a.to(b.dtype), b.detach().cpu()) for a, b in pairs)
+
+
 def load(folder, target, device, dtype):
     """A ``DFlashDrafter``, or a ``DSparkDrafter`` where the checkpoint has DSpark's heads."""
     from specbench.drafters.dflash import DFlashDrafter
@@ -298,6 +306,9 @@ def load(folder, target, device, dtype):
 
     state = read_state(folder)
     s = check(folder, target.config, state)
+    if detect(folder) == "deepspec" and "lm_head.weight" in state and _the_targets(state, target):
+        state = {k: v for k, v in state.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+        s["draft_vocab"] = None  # its frozen copies are the target's: drafted with the target's (no second copy)
     own_emb = "embed_tokens.weight" in state and s["draft_vocab"] is not None
     args = (target, s["cfg"], s["layer_ids"], int(s["block_size"]), int(s["mask_token_id"]), s["anchor"])
     h = s["heads"]
