@@ -31,6 +31,7 @@ from torch import nn
 from specbench import backends
 from specbench.drafters import Drafter, borrow, layer_shape
 from specbench.drafters.eagle import rotate_half
+from specbench.drafters.layers import LlamaLayer
 from specbench.hf import text_config
 
 ANCHORS = ("bonus", "next")
@@ -60,23 +61,15 @@ def taps_of(layer_ids, num_target_layers: int) -> tuple:
     return tuple(out)
 
 
-class DFlashLayer(nn.Module):
-    """One draft layer (Qwen3's, with q_norm/k_norm per head) over explicit context keys/values."""
+class DFlashLayer(LlamaLayer):
+    """One draft layer (Qwen3's: a Llama layer with q_norm/k_norm per head) over explicit context
+    keys/values."""
 
     def __init__(self, cfg):
-        super().__init__()
-        d, self.H, self.Hk, self.Dh, bias, eps = layer_shape(cfg)
-        self.input_layernorm = nn.RMSNorm(d, eps=eps)
-        self.q_proj = nn.Linear(d, self.H * self.Dh, bias=bias)
-        self.k_proj = nn.Linear(d, self.Hk * self.Dh, bias=bias)
-        self.v_proj = nn.Linear(d, self.Hk * self.Dh, bias=bias)
-        self.o_proj = nn.Linear(self.H * self.Dh, d, bias=bias)
+        super().__init__(cfg)
+        eps = layer_shape(cfg)[5]
         self.q_norm = nn.RMSNorm(self.Dh, eps=eps)
         self.k_norm = nn.RMSNorm(self.Dh, eps=eps)
-        self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
-        self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
 
     def keys_values(self, x, cos, sin):
         """x [B, n, d] (context features, or the normed block) -> k, v [B, Hk, n, Dh], RoPE on k."""
