@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specbench.decode.draft import Draft, pad_rows
-from specbench.drafters import formats
+from specbench.drafters import formats, randomize
 from specbench.drafters.dflash import ContextCache
 from specbench.errors import ConfigError
 from specbench.methods.base import BatchState, Proposer
@@ -104,10 +104,7 @@ class DFlash(Proposer):
         tc = text_config(target.config)
         ids = default_layer_ids(int(tc.num_hidden_layers), 1)
         d = DFlashDrafter(target, layer_config(tc, 1, int(tc.vocab_size) - 1, 4, ids), ids, 4, int(tc.vocab_size) - 1)
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in d.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+        randomize(d)
         formats.dflash.save(folder / "dflash", d, dtype=torch.float32)
         return {"method": {"checkpoint": str(folder / "dflash")}}
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 import torch
 
 from specbench.decode.draft import Draft
+from specbench.drafters import formats, randomize
 from specbench.errors import ConfigError
 from specbench.methods.dflash import DFlash
+from specbench.paths import resolve_path
 
 
 class DSpark(DFlash):
@@ -47,9 +49,6 @@ class DSpark(DFlash):
             raise ConfigError("backend=vllm: specbench does not map dspark.threshold to vLLM's dspark; run with "
                               "dspark.threshold=0 or backend=specbench")
         b, anchor = cls.block(cfg)
-        from specbench.drafters import formats
-        from specbench.paths import resolve_path
-
         folder = resolve_path(cfg.method.checkpoint)
         if b != int(formats.dflash.declared(folder)["block_size"]):
             raise ConfigError("vLLM's dspark drafts the checkpoint's block; with backend=vllm leave dspark.block_size=null")
@@ -57,7 +56,6 @@ class DSpark(DFlash):
 
     @classmethod
     def tiny(cls, target, tokenizer, folder) -> dict:
-        from specbench.drafters import formats
         from specbench.drafters.dflash import default_layer_ids, layer_config
         from specbench.drafters.dspark import DSparkDrafter
         from specbench.hf import text_config
@@ -67,10 +65,7 @@ class DSpark(DFlash):
         mask = int(tc.vocab_size) - 1
         d = DSparkDrafter(target, layer_config(tc, 1, mask, 4, ids), ids, 4, mask, "next", markov_rank=8,
                           markov_type="rnn")
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in d.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+        randomize(d)
         formats.dflash.save(folder / "dspark", d, dtype=torch.float32)
         return {"method": {"checkpoint": str(folder / "dspark"), "threshold": 0.3}}
 
@@ -87,7 +82,6 @@ class DSpark(DFlash):
         return Draft.chain(ids[:, :n], keep[:, :n])
 
     def describe(self) -> dict:
-        from specbench.drafters import formats
 
         d = self.drafter
         heads = {"markov_rank": d.markov_head.rank if d.markov_head is not None else 0,

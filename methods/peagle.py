@@ -19,19 +19,11 @@ from pathlib import Path
 import torch
 
 from specbench.decode.draft import Draft, pad_rows
-from specbench.drafters import formats
+from specbench.drafters import formats, randomize
 from specbench.drafters.dflash import ContextCache
 from specbench.errors import ConfigError
 from specbench.methods.base import BatchState, Proposer
 from specbench.paths import resolve_path
-
-
-def _depths(folder) -> int:
-    import json
-
-    raw = json.loads((Path(folder) / "config.json").read_text())
-    methods = (raw.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    return int(methods[0].get("speculative_tokens") or 8)
 
 
 class PEagle(Proposer):
@@ -57,7 +49,7 @@ class PEagle(Proposer):
 
     @classmethod
     def spec_len(cls, cfg, device) -> int:
-        return int(cfg.method.get("K") or _depths(resolve_path(cfg.method.checkpoint)))
+        return int(cfg.method.get("K") or formats.peagle.depths(resolve_path(cfg.method.checkpoint)))
 
     @classmethod
     def tune_space(cls, cfg, device) -> list[dict]:
@@ -79,10 +71,7 @@ class PEagle(Proposer):
         lc.num_hidden_layers = 2
         n = int(tc.num_hidden_layers)
         d = PEagleDrafter(target, lc, V, V - 1, 3, layers=tuple(range(1, min(n, 4))))
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in d.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+        randomize(d)
         formats.peagle.save(folder / "peagle", d, dtype=torch.float32)
         return {"method": {"checkpoint": str(folder / "peagle")}}
 

@@ -132,3 +132,17 @@ def rekey(folder, fn):
 
     f = folder / "model.safetensors"
     save_file(fn(load_file(str(f))), str(f))
+
+
+def assert_sampling_follows_the_target(target, prop, prompt=(3, 5, 7, 9), n=2000, seed=5):
+    """Seeded rows of one prompt at T=1 through ``prop``: drafts were accepted from, and the 2nd and
+    3rd tokens follow the target's exact marginals (chi-square)."""
+    from test_verify import exact_marginals
+
+    s = Sampling(1.0)
+    res = run_engine(target, prop, [list(prompt)] * n, 3, sampling=s, gen=torch.Generator().manual_seed(seed))
+    m2, m3 = exact_marginals(target, list(prompt), s)
+    assert sum(sum(r.accept_lens) for r in res) > n // 50  # drafts were really accepted from
+    V = target.config.vocab_size
+    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[1] for r in res]), minlength=V), m2) > 1e-3
+    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V), m3) > 1e-3

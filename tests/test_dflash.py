@@ -12,12 +12,12 @@ from omegaconf import OmegaConf
 from specbench import methods
 from specbench.decode.hidden import Tap
 from specbench.decode.verify import Sampling, Synthetic
-from specbench.drafters import formats
+from specbench.drafters import formats, randomize
 from specbench.drafters.dflash import DFlashDrafter, default_layer_ids, exp_decay, layer_config, taps_of
 from specbench.errors import ConfigError
 from conftest import REPO
-from helpers import (DEVICE, copy_folder, edit_config, greedy_cases, reference_greedy, rekey, run_engine, serve_engine,
-                     tiny_llama)
+from helpers import (DEVICE, assert_sampling_follows_the_target, copy_folder, edit_config, greedy_cases,
+                     reference_greedy, rekey, run_engine, serve_engine, tiny_llama)
 from test_feature_methods import feature_setup, frozen_target8, patch_eval_slice  # noqa: F401 - a fixture
 
 FIXTURES = REPO / "tests" / "fixtures"
@@ -96,10 +96,7 @@ def random_dflash(target, folder, block=4, layers=2, seed=0):
     tc = target.config
     ids = list(range(1, tc.num_hidden_layers))[-layers:]  # the last is the target's normed final state
     d = DFlashDrafter(target, layer_config(tc, layers, tc.vocab_size - 1, block, ids), ids, block, tc.vocab_size - 1)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    randomize(d, seed)
     formats.dflash.save(folder, d, dtype=torch.float32)
     return folder
 
@@ -162,18 +159,9 @@ def test_greedy_identity_with_rows_joining(tmp_path):
 def test_sampling_follows_the_target_distribution(tmp_path):
     """Seeded rows of one prompt at T=1: the 2nd and 3rd tokens (drafted by the block's argmax,
     verified by the lossless rule) follow the target's exact marginals (chi-square)."""
-    from helpers import chi2_pvalue
-    from test_verify import exact_marginals
-
     target = tiny_llama(seed=0, layers=4, vocab=12, device=CPU)  # a small vocabulary: random drafts pass often
     prop = proposer(target, random_dflash(target, tmp_path / "d", block=4, layers=1))
-    prompt, n, s = [3, 5, 7, 9], 2000, Sampling(1.0)
-    res = run_engine(target, prop, [prompt] * n, 3, sampling=s, gen=torch.Generator().manual_seed(5))
-    m2, m3 = exact_marginals(target, prompt, s)
-    assert sum(sum(r.accept_lens) for r in res) > n // 50  # drafts were really accepted from
-    V = target.config.vocab_size
-    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[1] for r in res]), minlength=V), m2) > 1e-3
-    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V), m3) > 1e-3
+    assert_sampling_follows_the_target(target, prop)
 
 
 def test_layer_ids_and_decay():

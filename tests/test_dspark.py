@@ -11,18 +11,17 @@ from omegaconf import OmegaConf
 
 from specbench import methods
 from specbench.decode.hidden import Tap
-from specbench.decode.verify import Sampling
-from specbench.drafters import formats
+from specbench.drafters import formats, randomize
 from specbench.drafters.dflash import layer_config
 from specbench.drafters.dspark import DSparkDrafter
 from specbench.errors import ConfigError
 from conftest import REPO
-from helpers import (DEVICE, copy_folder, edit_config, greedy_cases, reference_greedy, rekey, run_engine, serve_engine,
-                     tiny_llama)
+from helpers import (DEVICE, assert_sampling_follows_the_target, copy_folder, edit_config, greedy_cases,
+                     reference_greedy, rekey, run_engine, serve_engine, tiny_llama)
 from test_feature_methods import feature_setup, frozen_target8, patch_eval_slice  # noqa: F401 - a fixture
 
 FIXTURES = REPO / "tests" / "fixtures"
-DEEPSPEC = {k: FIXTURES / f"deepspec-dspark-{k}" for k in ("vanilla", "gated")}
+DEEPSPEC = {"gated": FIXTURES / "deepspec-dspark-gated"}  # W2 (gate * W1[prev]): vanilla's head with a gate
 SPECULATORS = FIXTURES / "speculators-dspark"
 CPU = torch.device("cpu")
 
@@ -50,7 +49,7 @@ def taps_of_tokens(target, d, tokens):
     return torch.cat([got[t] for t in d.taps], dim=-1)
 
 
-@pytest.mark.parametrize("kind", ["vanilla", "gated"])
+@pytest.mark.parametrize("kind", ["gated"])
 def test_deepspecs_layout_drafts_what_its_evaluator_drafted(target4, kind):
     """DeepSpec's first block after a prompt: its drafts (B of them: slot k drafts x_{p+k+1}), the
     Markov-corrected logits and the confidence logits, from our cache-and-block path."""
@@ -115,10 +114,7 @@ def random_dspark(target, folder, block=4, layers=2, kind="vanilla", rank=8, see
     ids = list(range(1, tc.num_hidden_layers))[-layers:]
     d = DSparkDrafter(target, layer_config(tc, layers, tc.vocab_size - 1, block, ids), ids, block, tc.vocab_size - 1,
                       anchor, markov_rank=rank, markov_type=kind)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    randomize(d, seed)
     formats.dflash.save(folder, d, dtype=torch.float32)
     return folder
 
@@ -149,10 +145,7 @@ def test_a_bonus_anchor_rnn_head_runs_its_state_through_the_anchor_slot():
     target = tiny_llama(seed=1, layers=4, device=CPU)
     tc = target.config
     d = DSparkDrafter(target, layer_config(tc, 1, 95, 5, [3]), [3], 5, 95, "bonus", markov_rank=8, markov_type="rnn")
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    randomize(d)
     biases, step = [], d.markov_head.step
 
     def spy(prev, h, state=None):
@@ -162,7 +155,7 @@ def test_a_bonus_anchor_rnn_head_runs_its_state_through_the_anchor_slot():
 
     d.markov_head.step = spy
     with torch.no_grad():
-        h, first = torch.randn(2, 5, tc.hidden_size, generator=g), torch.tensor([3, 4])
+        h, first = torch.randn(2, 5, tc.hidden_size, generator=torch.Generator().manual_seed(1)), torch.tensor([3, 4])
         ids, conf = d.draft(h, first)
         d.markov_head.step = step
         want = d.markov_head.teacher_forced(torch.cat([first[:, None], first[:, None], ids[:, :-1]], 1), h)
@@ -193,24 +186,15 @@ def test_greedy_identity_with_rows_joining(tmp_path):
 def test_sampling_follows_the_target_distribution(tmp_path):
     """Seeded rows of one prompt at T=1, drafts cut by confidence: the 2nd and 3rd tokens follow
     the target's exact marginals (chi-square)."""
-    from helpers import chi2_pvalue
-    from test_verify import exact_marginals
-
     target = tiny_llama(seed=0, layers=4, vocab=12, device=CPU)
     prop = proposer(target, random_dspark(target, tmp_path / "d", block=4, layers=1), threshold=0.2)
-    prompt, n, s = [3, 5, 7, 9], 2000, Sampling(1.0)
-    res = run_engine(target, prop, [prompt] * n, 3, sampling=s, gen=torch.Generator().manual_seed(5))
-    m2, m3 = exact_marginals(target, prompt, s)
-    assert sum(sum(r.accept_lens) for r in res) > n // 50
-    V = target.config.vocab_size
-    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[1] for r in res]), minlength=V), m2) > 1e-3
-    assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V), m3) > 1e-3
+    assert_sampling_follows_the_target(target, prop)
 
 
 @pytest.mark.parametrize("change, match", [
     (lambda f: rekey(f, lambda s: {k: v for k, v in s.items() if k != "markov_head.markov_w2.weight"}),
-     r"a vanilla Markov head of rank 8, a confidence head over the Markov embedding\): missing \['markov_head.markov_w2"),
-    (lambda f: edit_config(f, markov_head_type="gated"), r"missing \['markov_head.gate_proj.bias'"),
+     r"a gated Markov head of rank 8, a confidence head over the Markov embedding\): missing \['markov_head.markov_w2"),
+    (lambda f: edit_config(f, markov_head_type="vanilla"), r"unexpected \['markov_head.gate_proj.bias'"),
     (lambda f: edit_config(f, markov_rank=4), r"markov_head.markov_w1.weight is \(96, 8\); config.json and the target make it \(96, 4\)"),
     (lambda f: edit_config(f, markov_head_type="lstm"), "head types vanilla, gated, rnn"),
     (lambda f: edit_config(f, target_layer_ids=[-1, 3]), r"read the embeddings \(-1\)"),
@@ -218,7 +202,7 @@ def test_sampling_follows_the_target_distribution(tmp_path):
     (lambda f: rekey(f, lambda s: {k: v for k, v in s.items() if k != "lm_head.weight"}), r"missing \['lm_head.weight'\]"),
 ])
 def test_deepspec_refusals_in_one_line(target4, tmp_path, change, match):
-    folder = copy_folder(DEEPSPEC["vanilla"], tmp_path)
+    folder = copy_folder(DEEPSPEC["gated"], tmp_path)
     change(folder)
     with pytest.raises(ConfigError, match=match) as e:
         methods.get("dspark").check(cfg_of(folder), target4.config)
@@ -227,7 +211,7 @@ def test_deepspec_refusals_in_one_line(target4, tmp_path, change, match):
 
 def test_each_method_refuses_the_others_checkpoints(target4):
     with pytest.raises(ConfigError, match="is a dspark drafter .*: run it with method=dspark"):
-        methods.get("dflash").check(cfg_of(DEEPSPEC["vanilla"], "dflash"), target4.config)
+        methods.get("dflash").check(cfg_of(DEEPSPEC["gated"], "dflash"), target4.config)
     with pytest.raises(ConfigError, match="is a dflash drafter \\(no DSpark heads\\): run it with method=dflash"):
         methods.get("dspark").check(cfg_of(FIXTURES / "dflash"), target4.config)
     with pytest.raises(ConfigError, match="dspark.threshold must be a number in"):

@@ -130,6 +130,16 @@ def layer_shape(cfg) -> tuple[int, int, int, int, bool, float]:
             float(getattr(cfg, "rms_norm_eps", 1e-6)))
 
 
+def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random weights that make a difference, for the tiny drafters of tests and ``Proposer.tiny``:
+    vectors (norms, biases) N(1, 0.3^2), matrices N(0, 0.3^2), in parameter order from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    return module
+
+
 class Drafter(torch.nn.Module):
     """Base of every drafter: a checkpoint stores its own weights, i.e. its state minus the
     parts it shares with the target (``shared_prefixes``)."""

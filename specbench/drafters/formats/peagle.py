@@ -40,6 +40,12 @@ def detect(folder) -> str | None:
     return "speculators-peagle" if _raw(p).get("speculators_model_type") == "peagle" else None
 
 
+def depths(folder) -> int:
+    """The drafts a step it was trained for (speculators' ``speculative_tokens``; its default 8)."""
+    methods = (_raw(folder).get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return int(methods[0].get("speculative_tokens") or 8)
+
+
 def settings(folder) -> dict:
     """The layers' config, draft vocabulary, target hidden size, tap layers, mask token, depths and
     EAGLE 3.1 flags the config declares."""
@@ -55,11 +61,9 @@ def settings(folder) -> dict:
     if raw.get("mask_token_id") is None:
         raise FormatError(f"{folder}: no mask_token_id in config.json")
     cfg = LlamaConfig(**{k: v for k, v in tl.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")})
-    methods = ((raw.get("speculators_config") or {}).get("proposal_methods") or [{}])
-    depths = int(methods[0].get("speculative_tokens") or 8)  # speculators' default num_depths
     layers = raw.get("eagle_aux_hidden_state_layer_ids")
     return {"cfg": cfg, "draft_vocab": int(raw["draft_vocab_size"]), "target_hidden": raw.get("target_hidden_size"),
-            "layers": tuple(layers) if layers else None, "mask_token_id": int(raw["mask_token_id"]), "depths": depths,
+            "layers": tuple(layers) if layers else None, "mask_token_id": int(raw["mask_token_id"]), "depths": depths(folder),
             "flags": {f: bool(raw.get(f)) for f in eagle3.EAGLE31_FLAGS}}
 
 
