@@ -33,6 +33,21 @@ def tiny_llama(seed: int = 0, vocab: int = 96, layers: int = 2, hidden: int = 64
     return m.to(device)
 
 
+def tiny_qwen3(seed: int = 0, vocab: int = 96, layers: int = 2, hidden: int = 32, device: torch.device = DEVICE):
+    """A tiny random Qwen3 (q/k norms; the speculators MTP fixture's layer kind), its weights drawn by
+    ``specbench.drafters.randomize`` (the same on every transformers version)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from specbench.drafters import randomize
+
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    m = randomize(Qwen3ForCausalLM(cfg), seed).eval()
+    m.generation_config.eos_token_id = None
+    return m.to(device)
+
+
 @torch.no_grad()
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     """Greedy decoding by full recomputation, no cache: the ground truth."""

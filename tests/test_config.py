@@ -58,7 +58,7 @@ def test_default_sweep_and_multirun_mode():
 
 
 def test_preprocess_rejects_unknown_choices_and_rewrites_draft():
-    with pytest.raises(ConfigError, match="unknown method 'eagle2'; choices: ar, combo, dflash, dspark, eagle, leviathan, lookahead, medusa, peagle, pld, recycle, reject, rest, sam, specdec, suffix"):
+    with pytest.raises(ConfigError, match="unknown method 'eagle2'; choices: ar, combo, dflash, dspark, eagle, leviathan, lookahead, medusa, mtp, peagle, pld, recycle, reject, rest, sam, specdec, suffix"):
         preprocess(["method=pld,eagle2"])
     # a method's own keys: eagle.depth=... is method.depth=...
     assert preprocess(["method=eagle", "eagle.depth=4,6", "eagle.top_k=3"]) == \
@@ -611,7 +611,7 @@ def test_cli_sweep_end_to_end(tiny_dirs, tmp_path):
                          text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip() == ("specbench: error: unknown method 'medusa9'; choices: ar, combo, dflash, dspark, eagle, leviathan, lookahead, medusa, "
-                                   "peagle, pld, recycle, reject, rest, sam, specdec, suffix, or module:Class (a proposer from "
+                                   "mtp, peagle, pld, recycle, reject, rest, sam, specdec, suffix, or module:Class (a proposer from "
                                    "your own package)")
 
 

@@ -15,7 +15,7 @@ cases = test_serving.cases
 N_NEW = 12
 LENGTHS = [7, 3, 12, 5, 9]
 NAMES = ["ar", "pld", "leviathan_self", "leviathan_other", "eagle", "eagle_small_vocab", "medusa", "medusa_chain",
-         "lookahead", "specdec", "sam", "sam_recycle", "suffix", "recycle", "combo", "rest", "dflash", "dspark", "peagle"]
+         "lookahead", "specdec", "sam", "sam_recycle", "suffix", "recycle", "combo", "rest", "dflash", "dspark", "peagle", "mtp"]
 
 
 @pytest.fixture(scope="module")

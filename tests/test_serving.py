@@ -30,16 +30,19 @@ def refs(model):
 
 
 def block_drafter(name, model):
-    """A random one-layer DFlash / DSpark drafter (rnn Markov head, confidence cut 0.3), or a
-    two-layer P-EAGLE one, for ``model``."""
+    """A random one-layer DFlash / DSpark drafter (rnn Markov head, confidence cut 0.3), a
+    two-layer P-EAGLE one, or an MTP module (speculators' layout), for ``model``."""
     import tempfile
     from pathlib import Path
 
     import test_dflash
     import test_dspark
+    import test_mtp
     import test_peagle
 
     folder = Path(tempfile.mkdtemp(prefix="specbench-")) / name
+    if name == "mtp":
+        return test_mtp.proposer(model, test_mtp.random_mtp(model, folder), DEVICE, K=3)
     if name == "peagle":
         return test_peagle.proposer(model, test_peagle.random_peagle(model, folder, depths=3), DEVICE)
     if name == "dflash":
@@ -49,7 +52,7 @@ def block_drafter(name, model):
 
 
 def make(name, model, truth, datastore):
-    if name in ("dflash", "dspark", "peagle"):
+    if name in ("dflash", "dspark", "peagle", "mtp"):
         return block_drafter(name, model)
     if name in ("ar", "pld", "leviathan_self", "leviathan_other", "oracle_tree", "reject"):
         return test_engine.make(name, model, truth)
@@ -74,7 +77,7 @@ def cut(ref, eos):
 @pytest.mark.parametrize("name", ["ar", "pld", "leviathan_self", "leviathan_other", "oracle_tree", "reject", "eagle",
                                   "eagle_small_vocab", "medusa", "medusa_chain", "lookahead", "lookahead_n2", "rest",
                                   "specdec", "sam", "sam_recycle", "suffix", "suffix_own", "recycle", "combo",
-                                  "dflash", "dspark", "peagle"])
+                                  "dflash", "dspark", "peagle", "mtp"])
 def test_greedy_identity_with_rows_joining(model, refs, datastore, name, early_eos):
     prompts, want = refs
     truth = {tuple(p): r + [0] * 8 for p, r in zip(prompts, want)}

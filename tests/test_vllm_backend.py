@@ -89,7 +89,7 @@ def test_a_continuous_vllm_stream_serves_every_turn(tiny_dirs, tmp_path, fake_vl
 
 @pytest.mark.parametrize("over,msg", [
     ({"method": {"name": "lookahead", "W": 5, "N": 3, "G": 3}},
-     "method lookahead has no counterpart in vLLM; with backend=vllm run one of: ar, dflash, dspark, eagle, leviathan, medusa, pld"),
+     "method lookahead has no counterpart in vLLM; with backend=vllm run one of: ar, dflash, dspark, eagle, leviathan, medusa, mtp, pld"),
     ({"method": {"name": "medusa", "checkpoint": "checkpoints/smollm2-135m/medusa", "tree": "default",
                  "tree_size": "auto", "accept": "exact", "eps": 0.09, "delta": 0.3}},
      "vLLM's medusa drafts a chain (each head's top-1), not medusa.tree=default: with backend=vllm set medusa.tree=chain"),

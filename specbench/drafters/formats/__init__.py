@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specbench.drafters.formats import dflash, eagle1, eagle3, medusa, peagle
+from specbench.drafters.formats import dflash, eagle1, eagle3, medusa, mtp, peagle
 from specbench.drafters.formats.common import FormatError
 
-FORMATS = (medusa, dflash, peagle, eagle3, eagle1)  # detection order: a speculators folder also has eagle1's keys
+FORMATS = (medusa, dflash, peagle, mtp, eagle3, eagle1)  # detection order: a speculators folder also has eagle1's keys
 BY_NAME = {name: mod for mod in FORMATS for name in mod.NAMES}
 
 
@@ -23,7 +23,7 @@ def detect(folder) -> str | None:
     """The published format of ``folder``: ``medusa1``, ``medusa2``, ``eagle1`` (EAGLE-1 and EAGLE-2
     ship one layout), ``eagle3``, ``dflash`` (Z Lab's), ``deepspec`` (DeepSeek's DFlash and DSpark),
     ``speculators-<algorithm>`` (vLLM's format; ``speculators-eagle3``, ``-dflash``, ``-dspark`` and
-    ``-peagle`` are read); None: not a published drafter."""
+    ``-peagle`` and ``-mtp`` are read), ``native-mtp`` (a target checkpoint with its MTP module); None: not a published drafter."""
     return next((f for f in (mod.detect(folder) for mod in FORMATS) if f is not None), None)
 
 

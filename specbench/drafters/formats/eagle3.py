@@ -90,7 +90,7 @@ def speculators_config(folder, raw):
     kind = raw["speculators_model_type"]
     if kind != "eagle3":
         other = {"dflash": " and dflash (method=dflash)", "dspark": " and dspark (method=dspark)",
-                 "peagle": " and peagle (method=peagle)"}.get(kind, "")
+                 "peagle": " and peagle (method=peagle)", "mtp": " and mtp (method=mtp)"}.get(kind, "")
         raise FormatError(f"{folder}: a speculators '{kind}' checkpoint; specbench reads speculators' eagle3 "
                           f"(method=eagle eagle.version=3){other}")
     on = [f for f in SPECULATORS_FLAGS if raw.get(f)]
