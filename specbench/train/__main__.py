@@ -32,7 +32,7 @@ def main() -> int:
 
         try:
             mcfg = model_cfg(str(cfg.target), "sdpa")
-            kinds = [*drafters.KINDS, "eagle3", "dflash", "dspark"]  # written in their authors' layouts (drafters.formats)
+            kinds = [*drafters.KINDS, "eagle3", "dflash", "dspark", "mtp"]  # written in their authors' layouts (drafters.formats)
             if cfg.drafter.kind not in kinds:
                 raise ConfigError(f"unknown drafter kind '{cfg.drafter.kind}'; choices: {', '.join(kinds)}")
             device = resolve_device(cfg.device)
@@ -53,7 +53,7 @@ def main() -> int:
             out = REPO / out
         out.mkdir(parents=True, exist_ok=True)
         command = "python -m specbench.train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        if cfg.drafter.kind in ("eagle", "medusa", "eagle3", "dflash", "dspark"):  # feature-level drafters train on the feature set
+        if cfg.drafter.kind in ("eagle", "medusa", "eagle3", "dflash", "dspark", "mtp"):  # feature-level drafters train on the feature set
             from specbench.train import features, heads
 
             if cfg.drafter.kind == "eagle3":  # the states at the inputs of layers 2, L//2, L-3, and the teacher's
@@ -72,6 +72,15 @@ def main() -> int:
             items = features.load(root)
             meta = json.loads((root / "meta.json").read_text())
             dmeta = {**features.stats(items), "dropped": meta["dropped"], "key": meta["key"]}
+            if cfg.drafter.kind == "mtp":
+                from specbench.train import mtp
+
+                res = mtp.train(cfg, target, items, out, device, progress=bool(cfg.progress))
+                mtp.finish(cfg, res, out, name, dmeta, command)
+                s = res["summary"]
+                print(f"[train] wrote {out}: held-out top-1 agreement per step "
+                      f"{[round(x, 3) for x in s['eval_top1_agreement']]}, expected accepted {s['eval_expected_accepted']:.2f}")
+                return
             if cfg.drafter.kind in ("dflash", "dspark"):
                 from specbench.train import dflash
 

@@ -91,6 +91,9 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
                   f"Drafts with the block it was trained with; `{kind}.block_size=<B>` drafts with another."]
         if kind == "dspark":
             lines += ["`dspark.threshold=<c>` verifies a row's drafts up to the first slot whose confidence is below c."]
+    elif kind == "mtp":
+        lines += ["```bash", f"python -m specbench method=mtp mtp.checkpoint={where} K={meta['drafter']['steps']}", "```", "",
+                  "`K` drafts that many tokens a step (one forward of the module each)."]
     if kind == "eagle":
         from specbench.methods.eagle import AUTO
 
@@ -260,7 +263,33 @@ def _dflash_body(meta: dict) -> list[str]:
     ]
 
 
-BODIES = {"dflash": _dflash_body, "dspark": _dflash_body, "eagle": _heads_body, "eagle3": _heads_body, "medusa": _heads_body, "draft_lm": _draft_lm_body, "specdec": _specdec_body}
+def _mtp_body(meta: dict) -> list[str]:
+    """The description, data and training sections of an MTP card."""
+    s, d, fs, ts, dr = meta["train_summary"], meta["data"], meta["feature_settings"], meta["train_settings"], meta["drafter"]
+    agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
+    return [
+        f"# {meta['name']}: MTP module for {meta['target']}", "",
+        "A multi-token-prediction module for `method=mtp` (vLLM's speculators `mtp` layout): the embedding of the next "
+        "token and the previous state, each normed, fused by `input_proj`, one decoder layer of the target's kind, a final "
+        f"norm, the target's output layer; its normed output is fed back for the next draft. Only its own weights are "
+        f"stored ({s['trainable_params']:,} parameters, bf16).",
+        "", "## Data",
+        f"- {d['sequences']} sequences of the ShareGPT training slice ({d['tokens']:,} token positions): "
+        f"{d['answered']} first turns answered by the target itself (greedy, up to {fs['max_new_tokens']} tokens) "
+        f"and {d['sequences'] - d['answered']} whole conversations (up to {fs['max_tokens']} tokens); "
+        f"dropped: {d['dropped']}; feature set key {d['key']}",
+        "", "## Training",
+        f"- FastMTP's recipe: {dr['steps']} recursive steps, loss weights beta^k normalised (beta {dr['beta']}), soft "
+        f"cross-entropy towards the target's distribution; {s['steps']} steps, batch {ts['batch_size']} x up to "
+        f"{ts['seq_len']} tokens, AdamW lr {ts['lr']}, initialised from the {dr.get('init')}, seed {meta['seed']}",
+        f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}; held-out loss {s['eval_loss']:.3f} "
+        f"({s['eval_sequences']} sequences)",
+        f"- held-out top-1 agreement with the target's greedy token, per step (teacher-forced): {agree}; expected "
+        f"accepted drafts a chain (product): {s['eval_expected_accepted']:.2f}",
+    ]
+
+
+BODIES = {"mtp": _mtp_body, "dflash": _dflash_body, "dspark": _dflash_body, "eagle": _heads_body, "eagle3": _heads_body, "medusa": _heads_body, "draft_lm": _draft_lm_body, "specdec": _specdec_body}
 
 
 def render(meta: dict, folder: Path) -> str:

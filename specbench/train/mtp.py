@@ -1,0 +1,126 @@
+"""Training an MTP module (``specbench/drafters/mtp.py``) for a target that ships none, with
+FastMTP's recipe (arXiv 2509.18362): one shared block trained over ``steps`` recursive steps on
+self-distilled data, the steps' losses weighted beta^k / sum_j beta^j (its Equation 2, beta 0.6).
+
+Step k's entry i reads the token x_{i+k+1} and, as its state, the target's final state h_i (k = 0)
+or step k-1's fed-back output at i; it predicts x_{i+k+2} (``MTPDrafter.train_logits``, the
+teacher-forced recursion speculators trains too). The loss of a prediction is the soft
+cross-entropy towards the target's own distribution of that token (its output layer on the stored
+final state before it): the feature set is the target's own answers, so this is FastMTP's
+self-distillation with the whole distribution instead of the sampled token. The block is
+speculators' ``mtp`` kind (the embedding first in the fusion, the normed state fed back); its
+decoder layer starts from the target's last layer, its fusion ``proj`` from passing the state
+through (``[0 | I]``), its norms at one (``init: target``; ``random``: std 0.02).
+
+Held-out sequences give the summary: the top-1 agreement with the target's greedy token per step
+and the expected accepted drafts of a chain (the product of agreements, summed).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specbench.drafters.mtp import MTPDrafter
+from specbench.train.heads import collate
+from specbench.train.loop import batches, fit
+
+
+def step_weights(beta: float, steps: int) -> torch.Tensor:
+    """FastMTP's normalised exponential decay: beta^k / sum_j beta^j, k = 0..steps-1."""
+    w = torch.tensor([beta ** k for k in range(steps)])
+    return w / w.sum()
+
+
+def build(target, init: str) -> MTPDrafter:
+    d = MTPDrafter(target, "speculators")
+    with torch.no_grad():
+        for p in d.parameters():
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+        if init == "target":
+            d.layer.load_state_dict(target.model.layers[-1].state_dict())
+            n = d.proj.out_features
+            d.proj.weight.zero_()
+            d.proj.weight[:, n:] = torch.eye(n)
+    return d
+
+
+def mtp_loss(model: MTPDrafter, tok, fin, valid, weights, head, steps: int):
+    """The weighted soft cross-entropy over every step, and each step's top-1 agreement."""
+    T = tok.shape[1]
+    n = T - steps - 1
+    logits = model.train_logits(tok, fin, steps)  # per step [B, n, V]
+    with torch.no_grad():  # the target's distribution of every token x_{j+1} (from its final state at j), once
+        teacher = torch.softmax(F.linear(fin[:, :T - 1].float(), head.weight.float()), -1)  # [B, T-1, V]
+    loss, agree = 0.0, []
+    for k, lg in enumerate(logits):
+        p = teacher[:, k + 1:k + 1 + n]  # entry i of step k predicts x_{i+k+2}: the state at i+k+1 predicts it
+        ok = valid[:, k + 2:k + 2 + n]
+        ce = -(p * torch.log_softmax(lg.float(), -1)).sum(-1)
+        den = ok.sum().clamp(min=1)
+        loss = loss + weights[k] * (ce * ok).sum() / den
+        agree.append((((lg.argmax(-1) == p.argmax(-1)) & ok).sum() / den).detach())
+    return (loss, *agree)
+
+
+def train(cfg, target, items: list[dict], out: Path, device, progress: bool = True) -> dict:
+    tcfg, dr = cfg.train, cfg.drafter
+    torch.manual_seed(int(cfg.seed))
+    rng = random.Random(int(cfg.seed))
+    steps = int(dr.steps)
+    model = build(target, str(dr.get("init", "target"))).to(device)
+    head = target.get_output_embeddings()
+    weights = step_weights(float(dr.beta), steps).to(device)
+    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
+    evals, trains = items[:n_eval], items[n_eval:]
+    params = [p for p in model.parameters() if p.requires_grad]
+    bs, L = int(tcfg.batch_size), int(tcfg.seq_len)
+    it = batches(trains, bs, L, rng)
+
+    def loss_of(batch):
+        tok, fin, valid = collate(batch, L, device)
+        return mtp_loss(model, tok, fin, valid, weights, head, steps)
+
+    def step(skip=False):
+        b = next(it)
+        return None if skip else loss_of(b)
+
+    t0 = time.time()
+    history = fit(model, params, step, tcfg, out / "_train_state.pt", bool(cfg.resume), f"train {dr.name}", progress)
+    train_s = time.time() - t0
+    sums, n = None, 0
+    model.eval()
+    with torch.no_grad():
+        for s in range(0, len(evals), bs):
+            v = torch.tensor([float(x) for x in loss_of(evals[s:s + bs])])
+            sums = v if sums is None else sums + v
+            n += 1
+    ev = (sums / max(1, n)).tolist()
+    last = history[-min(20, len(history)):] if history else [(math.nan,)]
+    summary = {"steps": int(tcfg.steps), "train_loss_last20": sum(h[0] for h in last) / len(last),
+               "eval_loss": ev[0], "eval_top1_agreement": ev[1:],
+               "eval_expected_accepted": sum(math.prod(ev[1:k + 1]) for k in range(1, len(ev))),
+               "trained_positions": int(tcfg.steps) * bs * L * steps, "train_seconds_this_run": train_s,
+               "eval_sequences": len(evals), "train_sequences": len(trains), "step_weights": weights.tolist(),
+               "trainable_params": sum(p.numel() for p in params)}
+    return {"draft": model, "summary": summary, "loss_curve": [round(h[0], 4) for h in history[::10]]}
+
+
+def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, command: str) -> None:
+    """Write the checkpoint in speculators' ``mtp`` layout (bf16), its drafter.json and card."""
+    from specbench.drafters.formats.mtp import save
+    from specbench.train import card
+
+    model, dr, s = result["draft"], cfg.drafter, result["summary"]
+    meta = {"kind": "mtp", "name": dr.name, "target": target_name, "target_vocab_size": int(model.config.vocab_size),
+            "draft_vocab": int(model.config.vocab_size), "seed": int(cfg.seed), "drafter": {k: dr[k] for k in dr},
+            "data": data_meta, "feature_settings": {k: cfg.features[k] for k in cfg.features},
+            "train_settings": {k: cfg.train[k] for k in cfg.train}, "train_summary": s,
+            "loss_curve_every_10_steps": result["loss_curve"], "command": command}
+    save(out, model, steps=int(dr.steps))
+    card.write(out, meta)
