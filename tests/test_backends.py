@@ -406,7 +406,8 @@ def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
     through tree and chain forwards, rejected nodes and buffer growth past its first 64 slots."""
     from specbench.decode.draft import tree_geometry
     from specbench.decode.hidden import Tap
-    from specbench.decode.kv import RaggedCache, SlabLayer
+    from specbench.decode.kv import RaggedCache
+    from specbench.decode.slab import SlabLayer
 
     m = tiny_llama(seed=4)
     backends.apply(m, "native")

@@ -177,7 +177,7 @@ def test_slab_layer_keeps_what_a_concatenating_cache_keeps():
     """The engine's cache layer appends in place; under the RaggedCache's own edits (crop to a
     slice, drop left padding, select rows, move slots in place) it must hold exactly what
     torch.cat would."""
-    from specbench.decode.kv import SlabLayer, _narrow
+    from specbench.decode.slab import SlabLayer, narrow as _narrow
 
     g = torch.Generator().manual_seed(0)
     layer, keys, vals = SlabLayer(), None, None

@@ -73,9 +73,9 @@ def test_greedy_tree_walk():
 
 def test_greedy_tree_list_walk_gives_the_tensor_walks_verdict(monkeypatch):
     """Small trees on the DEVICE are walked on lists; the vectorised walk (taken beyond
-    ``_LIST_WALK`` nodes) must give the same greedy verdict: random trees, rows and invalid nodes,
+    ``LIST_WALK`` nodes) must give the same greedy verdict: random trees, rows and invalid nodes,
     a small vocabulary so that many nodes match and ties in depth occur."""
-    import specbench.decode.verify as V
+    import specbench.decode.walk as W
 
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 6, 15, 40):
@@ -87,9 +87,9 @@ def test_greedy_tree_list_walk_gives_the_tensor_walks_verdict(monkeypatch):
             d = Draft(tokens=torch.randint(0, 3, (B, n), generator=g), parents=par,
                       valid=torch.rand(B, n, generator=g) < 0.9)
             logits = torch.randn(B, n + 1, 3, generator=g)
-            monkeypatch.setattr(V, "_LIST_WALK", 10**9)
+            monkeypatch.setattr(W, "LIST_WALK", 10**9)
             a = verify(logits, d, Sampling(), None)
-            monkeypatch.setattr(V, "_LIST_WALK", 0)
+            monkeypatch.setattr(W, "LIST_WALK", 0)
             b = verify(logits, d, Sampling(), None)
             assert torch.equal(a.counts, b.counts) and a.accepted == b.accepted and torch.equal(a.extra, b.extra)
             for r in range(B):
@@ -116,14 +116,14 @@ def test_tree_commit_matches_recompute(mover, monkeypatch):
     from specbench.backends import extension
 
     if mover == "torch":
-        monkeypatch.setattr(kv, "_slot_mover", lambda tensors: None)
+        monkeypatch.setattr(kv, "slot_mover", lambda tensors: None)
     elif extension.unavailable() is not None:
         pytest.skip(f"native extension: {extension.unavailable()}")
     else:
         extension.load()  # loaded: the cache's commit takes move_slots
         used = []
-        real = kv._slot_mover
-        monkeypatch.setattr(kv, "_slot_mover", lambda tensors: used.append(1) or real(tensors))
+        real = kv.slot_mover
+        monkeypatch.setattr(kv, "slot_mover", lambda tensors: used.append(1) or real(tensors))
     m = tiny_llama(seed=2)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     c = RaggedCache(m, DEVICE, torch.float32)

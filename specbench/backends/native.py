@@ -24,7 +24,7 @@ from specbench.backends import gqa
 from specbench.backends.extension import few_rows_linear, load, pack
 from specbench.backends.packing import PACKED, as_loaded, cached_packing, route
 from specbench.hf import cache_kwarg, output_cache_field
-from specbench.decode.kv import SlabLayer
+from specbench.decode.slab import SlabLayer
 
 NAME = "native"
 

@@ -22,6 +22,7 @@ import torch
 
 from specbench import accel
 from specbench.decode.draft import Draft
+from specbench.decode.walk import Verdict, chain_keep, path_tensors, verdict, walk
 
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
@@ -124,15 +125,6 @@ def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
-@dataclass
-class Verdict:
-    keep: torch.Tensor  # [B, m] forward node indices to keep (root first), padded
-    counts: torch.Tensor  # [B] number of kept nodes = accepted drafts + 1 (the root)
-    accepted: list[list[int]]  # per row, accepted draft tokens
-    extra: torch.Tensor  # [B] the correction / bonus token
-    depth_of_kept: list[list[int]] | None = None
-
-
 def verify(logits: torch.Tensor, draft: Draft | None, s: Sampling, gen: torch.Generator | None) -> Verdict:
     """logits: [B, N, V] target logits at the N = n+1 forward nodes (root first)."""
     B, N, _ = logits.shape
@@ -165,12 +157,12 @@ def _greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
         match = (draft.tokens == amax[:, :-1]) & draft.accept_mask()
         n_acc = match.long().cumprod(dim=1).sum(dim=1)  # accepted drafts per row
         best = n_acc
-        keep, counts = _chain_keep(n_acc)
+        keep, counts = chain_keep(n_acc)
     else:
         ok = (draft.tokens == amax.gather(1, draft.parents)) & draft.accept_mask()
-        keep, counts, best = _walk(ok, draft)
+        keep, counts, best = walk(ok, draft)
         n_acc = counts - 1
-    return _verdict(draft, keep, counts, n_acc, amax[rows, best])
+    return verdict(draft, keep, counts, n_acc, amax[rows, best])
 
 
 def _relaxed(logits: torch.Tensor, draft: Draft, beta: int, tol: float) -> Verdict:
@@ -187,80 +179,8 @@ def _relaxed(logits: torch.Tensor, draft: Draft, beta: int, tol: float) -> Verdi
     in_top = (at_par == draft.tokens[..., None]).any(-1)
     lp = logp[rows[:, None], par, draft.tokens]
     close = lp >= top.values[..., 0].gather(1, par) - tol
-    keep, counts, best = _walk(in_top & close & draft.accept_mask(), draft)
-    return _verdict(draft, keep, counts, counts - 1, top.indices[rows, best, 0])
-
-
-def _chain_keep(n_acc: torch.Tensor):
-    """A chain keeps its root and the first n_acc[b] drafts: keep [B, m] (padded), counts [B]."""
-    m = int(n_acc.max()) + 1
-    keep = torch.arange(m, device=n_acc.device)[None].expand(n_acc.shape[0], m).clone()
-    return keep, n_acc + 1
-
-
-# Trees of up to this many forward nodes in all (rows x nodes) on the CPU are walked on lists:
-# the vectorised walk's ~25 small tensor ops cost more right after a forward (the weight stream
-# leaves the caches cold) than a walk over a few dozen nodes in Python (docs/cpu-backend.md).
-_LIST_WALK = 256
-
-
-def _walk(ok: torch.Tensor, draft: Draft):
-    """The deepest node (lowest index on ties) of ``draft``'s tree whose whole path passes ``ok``
-    [B, n]. Returns keep [B, m] (the path, root first, padded), counts [B], best node [B]."""
-    B, n = ok.shape
-    if ok.device.type == "cpu" and B * (n + 1) <= _LIST_WALK:
-        return _walk_lists(ok, draft)
-    N = n + 1
-    dev = ok.device
-    rows = torch.arange(B, device=dev)
-    depth, anc = draft.geometry()
-    passed = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev), ok], dim=1)
-    acc = ~(anc & ~passed[:, None, :]).any(-1)  # every node on the path from the root passes
-    idx = torch.arange(N, device=dev)
-    score = torch.where(acc, depth * (N + 1) - idx[None], torch.full_like(depth, -1))
-    best = score.argmax(1)
-    on_path = anc[rows, best]  # [B, N]
-    counts = on_path.sum(1)
-    order = torch.where(on_path, idx[None], idx[None] + N).sort(dim=1).values
-    keep = order[:, :int(counts.max())] % N  # entries past counts[b] are padding
-    return keep, counts, best
-
-
-def _walk_lists(ok: torch.Tensor, draft: Draft):
-    """``_walk`` on Python lists (a parent comes before its children: Draft.check)."""
-    B, n = ok.shape
-    passes, par = ok.tolist(), draft.parents.tolist()
-    paths = []
-    for b in range(B):
-        good, depth, best = [True] + [False] * n, [0] * (n + 1), 0
-        for i in range(1, n + 1):
-            p = par[b][i - 1]
-            depth[i] = depth[p] + 1
-            good[i] = good[p] and passes[b][i - 1]
-            if good[i] and depth[i] > depth[best]:
-                best = i
-        path = [best]
-        while path[-1]:
-            path.append(par[b][path[-1] - 1])
-        paths.append(path[::-1])
-    keep, counts = _path_tensors(paths, ok.device)
-    return keep, counts, torch.tensor([x[-1] for x in paths], dtype=torch.long, device=ok.device)
-
-
-def _path_tensors(paths: list[list[int]], dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept paths (node indices, root first) as ``keep`` [B, m] padded with 0, and ``counts`` [B]."""
-    m = max(len(x) for x in paths)
-    keep = torch.tensor([x + [0] * (m - len(x)) for x in paths], dtype=torch.long, device=dev)
-    return keep, torch.tensor([len(x) for x in paths], dtype=torch.long, device=dev)
-
-
-def _verdict(draft: Draft, keep, counts, n_acc, extra) -> Verdict:
-    B = keep.shape[0]
-    tok_all = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=keep.device), draft.tokens], dim=1)
-    acc_lists = tok_all.gather(1, keep).tolist()
-    n_list = n_acc.tolist()
-    accepted = [acc_lists[b][1 : 1 + n_list[b]] for b in range(B)]
-    return Verdict(keep=keep, counts=counts, accepted=accepted, extra=extra)
+    keep, counts, best = walk(in_top & close & draft.accept_mask(), draft)
+    return verdict(draft, keep, counts, counts - 1, top.indices[rows, best, 0])
 
 
 def _synthetic(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
@@ -275,7 +195,7 @@ def _synthetic(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Gener
     if draft.is_chain:
         u, rate = s.synthetic.draws(B, n, dev)
         n_acc = ((u < rate[None]) & ok).long().cumprod(1).sum(1)  # [B]
-        keep, counts = _chain_keep(n_acc)
+        keep, counts = chain_keep(n_acc)
         best = n_acc
     else:
         depth, _ = draft.geometry()
@@ -293,11 +213,11 @@ def _synthetic(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Gener
             alive = alive & (child < N) & (u[:, d] < rate[d])
             cur = torch.where(alive, child, cur)
             on[rows, torch.where(alive, child, 0)] = True
-        keep, counts, best = _walk(on[:, 1:], draft)
+        keep, counts, best = walk(on[:, 1:], draft)
         n_acc = counts - 1
     last = logits[rows, best]  # [B, V] the target at the last accepted node
     extra = greedy_pick(last) if s.greedy else sample(warp(last, s), gen)
-    return _verdict(draft, keep, counts, n_acc, extra)
+    return verdict(draft, keep, counts, n_acc, extra)
 
 
 def _typical(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
@@ -312,8 +232,8 @@ def _typical(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generat
     rows = torch.arange(p.shape[0], device=p.device)
     px = p[rows[:, None], par, draft.tokens]
     ok = (px > thr.gather(1, par)) & draft.accept_mask()
-    keep, counts, best = _walk(ok, draft)
-    return _verdict(draft, keep, counts, counts - 1, sample(p[rows, best], gen))
+    keep, counts, best = walk(ok, draft)
+    return verdict(draft, keep, counts, counts - 1, sample(p[rows, best], gen))
 
 
 def _sampled_chain(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | None) -> Verdict:
@@ -342,8 +262,8 @@ def _sampled_chain(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | Non
         resid = (p_end - q[rows, at]).clamp(min=0.0)
     tot = resid.sum(1, keepdim=True)
     resid = torch.where(rejected[:, None] & (tot > 0), resid / tot.clamp(min=1e-30), p_end)
-    keep, counts = _chain_keep(n_acc)
-    return _verdict(draft, keep, counts, n_acc, sample(resid, gen))
+    keep, counts = chain_keep(n_acc)
+    return verdict(draft, keep, counts, n_acc, sample(resid, gen))
 
 
 def _sampled_tree(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | None) -> Verdict:
@@ -399,7 +319,7 @@ def _sampled_tree(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | None
         resid[torch.tensor(zero_r, device=dev), torch.tensor(zero_t, device=dev)] = 0.0
         tot = resid.sum(1, keepdim=True)
         resid = torch.where(tot > 0, resid / tot.clamp(min=1e-30), p_end)  # p == rejected mass: cannot happen
-    keep, counts = _path_tensors(keeps, dev)
+    keep, counts = path_tensors(keeps, dev)
     return Verdict(keep=keep, counts=counts, accepted=accepted, extra=sample(resid, gen))
 
 
@@ -458,5 +378,5 @@ def _sampled(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generat
         keeps.append(path)
         accepted.append(acc)
         extras.append(extra)
-    keep, counts = _path_tensors(keeps, dev)
+    keep, counts = path_tensors(keeps, dev)
     return Verdict(keep=keep, counts=counts, accepted=accepted, extra=torch.stack(extras).to(dev))
