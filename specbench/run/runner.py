@@ -72,36 +72,64 @@ def _kernel_isa(cfg, device) -> str | None:
         return None
 
 
-def _record_base(cfg, method_name, device, dtype, sweep_id, resolve_kernel: bool = True) -> dict:
-    """The record's settings and environment. ``resolve_kernel=False`` (a refused job's record)
-    keeps the kernel setting as given: resolving ``auto`` can build the native extension."""
-    on_vllm = vllm_engine.wanted(cfg)
-    resolve_kernel = resolve_kernel and not on_vllm  # vLLM runs its own kernels
+def _record_base(cfg, method_name, device, dtype, sweep_id, refused: bool = False) -> dict:
+    """The record's settings and environment: one builder for every job. A refused job's record
+    (``refused``) keeps the kernel setting as given (resolving ``auto`` can build the native
+    extension), and a setting that does not convert (K='x', a missing path: what refused it) as
+    given (``???`` where one is missing)."""
+
+    def of(make, key: str | None = None):
+        if not refused:
+            return make()
+        try:
+            return make()
+        except Exception:  # noqa: BLE001 - the settings that refused the job may not convert
+            return _raw(cfg, key) if key else None
+
+    on_vllm = of(lambda: vllm_engine.wanted(cfg)) or False
+    resolve_kernel = not refused and not on_vllm  # vLLM runs its own kernels
+    accept = of(lambda: accept_of(cfg))
+    serving = of(lambda: serving_of(cfg))
     return {
         "schema": R.SCHEMA, "sweep_id": sweep_id, "job_id": uuid.uuid4().hex[:16], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "status": "ok", "error": None, "method": method_name,
-        "model": cfg.model.path or cfg.model.name,
-        "draft": _draft_label(cfg, method_name),
-        "K": _spec_len(cfg, method_name, device), "bs": int(cfg.bs), "ctx": cfg.ctx,
-        "dataset": cfg.dataset.name if cfg.dataset.name != "jsonl" else f"jsonl:{cfg.dataset.path}",
-        "limit": cfg.limit, "temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
-        "max_new_tokens": int(cfg.max_new_tokens), "dtype": str(dtype).replace("torch.", ""), "device": device.type,
-        "kernel": None if on_vllm else _kernel_of(cfg, device) if resolve_kernel else cfg.get("kernel"),
+        "model": of(lambda: cfg.model.path or cfg.model.name, "model.path") or _raw(cfg, "model.name"),
+        "draft": of(lambda: _draft_label(cfg, method_name)),
+        "K": of(lambda: _spec_len(cfg, method_name, device), "K"), "bs": of(lambda: int(cfg.bs), "bs"),
+        "ctx": of(lambda: cfg.ctx, "ctx"),
+        "dataset": of(lambda: cfg.dataset.name if cfg.dataset.name != "jsonl" else f"jsonl:{cfg.dataset.path}",
+                      "dataset.name"),
+        "limit": of(lambda: cfg.limit, "limit"), "temperature": of(lambda: float(cfg.temperature), "temperature"),
+        "top_k": of(lambda: int(cfg.top_k), "top_k"), "top_p": of(lambda: float(cfg.top_p), "top_p"),
+        "max_new_tokens": of(lambda: int(cfg.max_new_tokens), "max_new_tokens"),
+        "dtype": str(dtype).replace("torch.", ""), "device": device.type,
+        "kernel": None if on_vllm else _kernel_of(cfg, device) if resolve_kernel else _raw(cfg, "kernel"),
         "kernel_isa": _kernel_isa(cfg, device) if resolve_kernel else None,
-        **({"compile": True} if cfg.get("compile") else {}),  # only when true: older records pair as eager
+        **({"compile": True} if of(lambda: cfg.get("compile")) else {}),  # only when true: older records pair as eager
         # accept=synthetic: only for a method that drafts (AR decodes the same either way, and pairs)
-        **({"accept": accept_of(cfg)} if accept_of(cfg) and method_name != "ar" else {}),
+        **({"accept": accept} if accept and method_name != "ar" else {}),
         **(_vllm_fields(cfg) if on_vllm else {}),  # only for backend=vllm: older records are our engine's
-        "method_opts": OmegaConf.to_container(cfg.method, resolve=True) if method_name == cfg.method.name
-        else {"name": method_name},
-        "seed": int(cfg.seed), "dataset_cfg": OmegaConf.to_container(cfg.dataset, resolve=True),
-        "model_cfg": OmegaConf.to_container(cfg.model, resolve=True), "lossless": True, "method_cfg": {},
-        **({"repeats": int(cfg.repeats)} if int(cfg.get("repeats") or 1) > 1 else {}),
-        **({"serving": serving_of(cfg)} if serving_of(cfg) else {}),
+        "method_opts": of(lambda: OmegaConf.to_container(cfg.method, resolve=True), "method")
+        if method_name == _raw(cfg, "method.name") else {"name": method_name},
+        "seed": of(lambda: int(cfg.seed), "seed"), "dataset_cfg": of(lambda: OmegaConf.to_container(cfg.dataset, resolve=True),
+                                                                     "dataset"),
+        "model_cfg": of(lambda: OmegaConf.to_container(cfg.model, resolve=True), "model"), "lossless": True,
+        "method_cfg": {},
+        **({"repeats": int(cfg.repeats)} if int(of(lambda: cfg.get("repeats")) or 1) > 1 else {}),
+        **({"serving": serving} if serving else {}),
         **({"K_auto": True, "tuned": OmegaConf.to_container(cfg.tuned)}  # K=auto: what was chosen, and why
-           if cfg.get("K_auto") and method_name == cfg.method.name and method_name != "ar" else {}),
+           if not refused and cfg.get("K_auto") and method_name == cfg.method.name and method_name != "ar" else {}),
         "env": R.env_info(device), "metrics": None, "requests": [],
     }
+
+
+def _raw(cfg, key: str):
+    """A setting as given, unresolved (None where it cannot be read)."""
+    try:
+        v = OmegaConf.select(cfg, key, throw_on_missing=False, throw_on_resolution_failure=False)
+    except Exception:  # noqa: BLE001
+        return None
+    return OmegaConf.to_container(v, resolve=False) if isinstance(v, DictConfig) else v
 
 
 def _vllm_fields(cfg) -> dict:
@@ -385,33 +413,9 @@ def _fail(cfg, method_name, device, dtype, sweep_id, status, msg) -> dict:
     print(f"specbench: {status}: {msg}", file=sys.stderr, flush=True)
     FAILED.append(msg)
     dev = device or torch.device("cpu")
-    try:
-        rec = _record_base(cfg, method_name, dev, dtype or torch.float32, sweep_id, resolve_kernel=False)
-    except Exception:  # noqa: BLE001 - settings that failed validation may not convert (K='x', a missing path)
-        rec = _raw_record(cfg, method_name, dev, sweep_id)
+    rec = _record_base(cfg, method_name, dev, dtype or torch.float32, sweep_id, refused=True)
     rec["status"], rec["error"] = status, msg
     _append(cfg, rec)
-    return rec
-
-
-def _raw_record(cfg, method_name, device, sweep_id) -> dict:
-    """A refused job's record whose settings are kept as given (``???`` where one is missing)."""
-    def raw(key):
-        try:
-            v = OmegaConf.select(cfg, key, throw_on_missing=False, throw_on_resolution_failure=False)
-        except Exception:  # noqa: BLE001
-            return None
-        return OmegaConf.to_container(v, resolve=False) if isinstance(v, DictConfig) else v
-
-    rec = {"schema": R.SCHEMA, "sweep_id": sweep_id, "job_id": uuid.uuid4().hex[:16],
-           "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "status": "error", "error": None, "method": method_name,
-           "model": raw("model.path") or raw("model.name"), "draft": None}
-    for key in ("K", "bs", "ctx", "limit", "temperature", "top_k", "top_p", "max_new_tokens", "dtype", "seed",
-                "kernel"):
-        rec[key] = raw(key)
-    rec.update({"dataset": raw("dataset.name"), "device": device.type, "dataset_cfg": raw("dataset"),
-                "model_cfg": raw("model"), "method_opts": raw("method"), "lossless": None,
-                "env": R.env_info(device), "metrics": None, "requests": []})
     return rec
 
 
