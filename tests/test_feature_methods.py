@@ -439,11 +439,13 @@ def test_feature_trainer_resumes(feature_setup, monkeypatch):
             assert torch.allclose(a[k], b[k], atol=1e-5), k
 
 
-def test_eagle3_trainer_end_to_end(feature_setup, monkeypatch):
+@pytest.mark.parametrize("version", [3, 3.1])
+def test_eagle3_trainer_end_to_end(feature_setup, monkeypatch, version):
     """`drafter=eagle3` on an 8-layer target: features at the inputs of layers 2, 4 and 5 (and the
     final state for the teacher), training lowers the held-out loss, the checkpoint is written in
     SafeAILab's EAGLE-3 layout with its card, loads through eagle.version=3, and decoding with it
-    is token-identical to plain greedy with drafts accepted."""
+    is token-identical to plain greedy with drafts accepted. ``drafter.version=3.1`` trains and
+    writes EAGLE 3.1 (its fc norms and fed-back post-norm state), read by eagle.version=3.1."""
     from specbench.drafters import formats
     from specbench.drafters.eagle3 import tap_layers
     from specbench.train import features, heads
@@ -451,13 +453,14 @@ def test_eagle3_trainer_end_to_end(feature_setup, monkeypatch):
     _, tok, convs, cfg, root = feature_setup
     target = frozen_target8()
     patch_eval_slice(monkeypatch, convs)
-    c = OmegaConf.merge(cfg, {"drafter": {"kind": "eagle3", "name": "tiny_eagle3", "draft_vocab": 64, "ttt_steps": 2},
+    c = OmegaConf.merge(cfg, {"drafter": {"kind": "eagle3", "name": "tiny_eagle3", "draft_vocab": 64, "ttt_steps": 2,
+                                          "version": version},
                               "features": {"layers": [*tap_layers(8), "final"], "dir": str(root / "features3")},
                               "train": {"steps": 60}})
     fs = features.build(target, tok, "tiny8", c.features, DEVICE, torch.float32, progress=False, convs=convs)
     items = features.load(fs)
     assert set(items[0]["hidden"]) == {"1", "3", "4", "final"}
-    out0, out = root / "eagle3_0", root / "eagle3"
+    out0, out = root / f"eagle{version}_0", root / f"eagle{version}"
     out0.mkdir()
     out.mkdir()
     before = heads.train(OmegaConf.merge(c, {"train": {"steps": 1, "lr": 1e-9}}), target, items, out0, {2}, DEVICE,
@@ -467,7 +470,8 @@ def test_eagle3_trainer_end_to_end(feature_setup, monkeypatch):
     assert len(res["summary"]["eval_top1_agreement"]) == 4  # per unrolled step
     heads.finish(c, res, out, "tiny8", {**features.stats(items), "dropped": {}, "key": "k"}, "python -m specbench.train")
     assert formats.detect(out) == "eagle3" and (out / "README.md").read_text().startswith("# tiny_eagle3")
-    cfg3 = eagle_cfg(version=3, checkpoint=str(out))
+    assert formats.eagle3.version(out) == version and f"eagle.version={version} " in (out / "README.md").read_text()
+    cfg3 = eagle_cfg(version=version, checkpoint=str(out))
     cfg3.model = {"name": "tiny8", "path": "tiny8"}
     Eagle.check(cfg3, target.config)
     prop = Eagle(cfg3, target, None, DEVICE, torch.float32)

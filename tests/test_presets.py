@@ -27,8 +27,10 @@ def sweeps(name):
 
 
 @pytest.fixture(autouse=True)
-def _eagle3(monkeypatch):
+def _needs(monkeypatch):
+    """What presets ask for in ``needs``: a folder each (composing reads no weights)."""
     monkeypatch.setenv("EAGLE3", "checkpoints/smollm2-135m/eagle")
+    monkeypatch.setenv("MTP", "checkpoints/smollm2-135m/mtp")
 
 
 @pytest.mark.parametrize("name", bench.names())

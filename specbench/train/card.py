@@ -84,7 +84,8 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
         pick = f"method={kind}" + ("" if mconf.get("checkpoint") == where else f" {kind}.checkpoint={where}")
         lines += ["```bash", f"python -m specbench {pick}", "```", ""]
     elif kind == "eagle3":
-        lines += ["```bash", f"python -m specbench method=eagle eagle.version=3 eagle.checkpoint={where}", "```", ""]
+        v = meta.get("drafter", {}).get("version", 3)
+        lines += ["```bash", f"python -m specbench method=eagle eagle.version={v} eagle.checkpoint={where}", "```", ""]
     elif kind in ("dflash", "dspark"):
         pick = "" if _conf("method", kind).get("checkpoint") == where else f" {kind}.checkpoint={where}"
         lines += ["```bash", f"python -m specbench method={kind}{pick}", "```", "",

@@ -80,6 +80,17 @@ def eagle_loss(model: EagleDrafter, tok, f, valid, steps: int, cls_weight: float
     return (total, *agrees)
 
 
+def eagle31(dr) -> bool:
+    """Whether ``drafter=eagle3`` trains EAGLE 3.1 (``drafter.version=3.1``: a norm per tap before
+    ``fc``, the post-norm state fed back) rather than EAGLE-3 (``3``)."""
+    from specbench.errors import ConfigError
+
+    v = float(dr.get("version", 3))
+    if v not in (3.0, 3.1):
+        raise ConfigError(f"drafter.version must be 3 or 3.1 (EAGLE 3.1's fc_norm and norm_output), got {dr.get('version')!r}")
+    return v == 3.1
+
+
 def eagle3_loss(model: Eagle3Drafter, tok, f3, fin, valid, steps: int, head_rows: torch.Tensor):
     """``f3`` [B, T, 3H] the concatenated taps, ``fin`` [B, T, H] the target's final states,
     ``head_rows`` [V', H] the target's output rows of the draft vocabulary (the teacher)."""
@@ -133,7 +144,9 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], device, prog
         if dr.get("init") == "target":
             model.block.load_from(target.model.layers[-1])
     elif dr.kind == "eagle3":
-        model = Eagle3Drafter(target, layer_config(target.config, len(vocab_ids)), len(vocab_ids))
+        v31 = eagle31(dr)
+        model = Eagle3Drafter(target, layer_config(target.config, len(vocab_ids)), len(vocab_ids), fc_norm=v31,
+                              norm_output=v31)
         with torch.no_grad():
             model.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
         head_rows = target.get_output_embeddings().weight.detach()[vocab_ids.to(device)].float()
