@@ -301,3 +301,26 @@ def test_mtp_trainer_end_to_end(feature_setup, monkeypatch):
     got = run_engine(target, prop, ps, 16)
     assert [r.tokens for r in got] == [reference_greedy(target, p, 16) for p in ps]
     assert sum(sum(r.accept_lens) for r in got) > 0
+
+
+def test_the_trainers_step_k_learns_the_targets_distribution_of_the_token_k_plus_2_ahead():
+    """Step k's entry i (x_{i+k+1}, its state) is held to the target's distribution of x_{i+k+2}: its
+    output layer on the final state at i+k+1, written out here; a padded position is not taught."""
+    from specbench.train.mtp import mtp_loss, step_weights
+
+    target = tiny_llama(seed=4, layers=2, device=CPU)
+    d = randomize(MTPDrafter(target, "speculators"), 3)
+    tok = torch.tensor([[1, 17, 33, 5, 60, 12, 9, 41, 77, 3], [4, 8, 15, 16, 23, 42, 7, 0, 0, 0]])
+    valid = tok != 0
+    fin = final_states(target, tok)
+    w = step_weights(0.6, 3)
+    got = mtp_loss(d, tok, fin, valid, w, target.lm_head, 3)
+    n, want = 10 - 3 - 1, 0.0
+    with torch.no_grad():
+        logits = d.train_logits(tok, fin, 3)
+        for k in range(3):
+            p = torch.softmax(target.lm_head(fin[:, k + 1:k + 1 + n]), -1)
+            ce = -(p * torch.log_softmax(logits[k], -1)).sum(-1)
+            ok = valid[:, k + 2:k + 2 + n]
+            want = want + w[k] * ce[ok].mean()
+    torch.testing.assert_close(got[0], want)

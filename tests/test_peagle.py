@@ -18,6 +18,7 @@ from specbench.errors import ConfigError
 from conftest import REPO
 from helpers import (DEVICE, assert_sampling_follows_the_target, copy_folder, edit_config, greedy_cases,
                      reference_greedy, rekey, run_engine, serve_engine, tiny_llama)
+from test_feature_methods import feature_setup, frozen_target8, patch_eval_slice  # noqa: F401 - a fixture
 
 FIXTURE = REPO / "tests" / "fixtures" / "speculators-peagle"
 CPU = torch.device("cpu")
@@ -173,3 +174,77 @@ def test_our_layout_round_trips(tmp_path):
     assert formats.detect(folder) == "speculators-peagle"
     d = formats.peagle.load(folder, target, CPU, torch.float32)
     assert len(d.layers) == 3 and d.depths == 5 and d.taps == (0, 1, 2)
+
+
+def test_cod_sampling_thins_the_chains_depth_by_depth():
+    from specbench.train.peagle import cod_entries
+
+    anchor, depth = cod_entries(40, 4, 0.7, 0.2, torch.Generator().manual_seed(0))
+    counts = torch.bincount(depth).tolist()
+    assert counts[0] == 40 and counts == [40, int(39 * 0.7), int(38 * 0.49), int(37 * 0.343)]
+    assert int((anchor + depth).max()) < 40  # every slot has a teacher
+    for d in range(1, 4):  # a chain at depth d went on from one kept at depth d-1
+        assert set(anchor[depth == d].tolist()) <= set(anchor[depth == d - 1].tolist())
+
+
+def test_peagle_trainer_end_to_end(feature_setup, monkeypatch):
+    """`drafter=peagle` on an 8-layer target: COD training lowers the held-out loss, the checkpoint
+    is written in speculators' layout with its card, resumes, loads through method=peagle, and
+    decoding with it is token-identical to greedy with drafts accepted."""
+    from specbench.drafters.eagle3 import tap_layers
+    from specbench.train import features, peagle as train_peagle
+
+    _, tok, convs, cfg, root = feature_setup
+    target = frozen_target8()
+    patch_eval_slice(monkeypatch, convs)
+    dr = {"kind": "peagle", "name": "tiny_peagle", "layers": 2, "depths": 3, "draft_vocab": 64, "mask_token_id": 95,
+          "down_sample": 0.7, "down_sample_min": 0.2}
+    c = OmegaConf.merge(cfg, {"drafter": dr, "features": {"layers": [*tap_layers(8), "final"],
+                                                          "dir": str(root / "features-pe")}, "train": {"steps": 60}})
+    items = features.load(features.build(target, tok, "tiny8", c.features, CPU, torch.float32, progress=False,
+                                         convs=convs))
+    out0, out = root / "peagle_0", root / "peagle"
+    out0.mkdir()
+    out.mkdir()
+    before = train_peagle.train(OmegaConf.merge(c, {"train": {"steps": 1, "lr": 1e-9}}), target, tok, items, out0, {2},
+                                CPU, progress=False)["summary"]
+    res = train_peagle.train(c, target, tok, items, out, {2}, CPU, progress=False)
+    s = res["summary"]
+    assert s["eval_loss"] < before["eval_loss"] and len(s["eval_top1_agreement"]) == 3  # per depth
+    train_peagle.finish(c, res, out, "tiny8", {**features.stats(items), "dropped": {}, "key": "k"}, "python -m x")
+    assert formats.detect(out) == "speculators-peagle" and formats.peagle.depths(out) == 3
+    assert (out / "README.md").read_text().startswith("# tiny_peagle")
+    again = train_peagle.train(c, target, tok, items, out, {2}, CPU, progress=False)  # resumed at its last step
+    assert again["summary"]["train_seconds_this_run"] < s["train_seconds_this_run"]
+    prop = proposer(target, out)
+    ps = [it["tokens"][:it["prompt_len"]].tolist() for it in items if it["answered"]][:3]  # answers it trained on
+    got = run_engine(target, prop, ps, 16)
+    assert [r.tokens for r in got] == [reference_greedy(target, p, 16) for p in ps]
+    assert sum(sum(r.accept_lens) for r in got) > 0
+
+
+def test_the_trainer_holds_each_entry_to_the_targets_distribution_two_ahead():
+    """The entry at position a + d (anchor a, depth d) drafts x_{a+d+2}: it is held to the target's
+    distribution of that token (its output rows of the draft vocabulary on the final state at
+    a + d + 1), written out here over the same COD draw."""
+    from specbench.train.peagle import cod_entries, peagle_loss
+
+    target = tiny_llama(seed=4, layers=6, device=CPU)
+    V = target.config.vocab_size
+    lc = layer_config(target.config, V)
+    lc.num_hidden_layers = 2
+    d = randomize(PEagleDrafter(target, lc, V, V - 1, 3, layers=(2, 3, 4)), 1)
+    tok = torch.tensor([[1, 17, 33, 5, 60, 12, 9, 41, 77, 3, 28, 50]])
+    valid = torch.ones_like(tok, dtype=torch.bool)
+    with Tap(target, (*d.taps, "final")) as tap, torch.no_grad():
+        target(tok)
+        got = tap.take()
+    taps, fin = torch.cat([got[t] for t in d.taps], -1), got["final"]
+    dr = OmegaConf.create({"depths": 3, "down_sample": 0.7, "down_sample_min": 0.2})
+    head = target.lm_head.weight
+    loss = peagle_loss(d, tok, taps, fin, valid, head, dr, torch.Generator().manual_seed(7))[0]
+    anchor, depth = cod_entries(10, 3, 0.7, 0.2, torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = d.logits(d.train_forward(taps[:, :11], tok[:, 1:], anchor, depth))[0]
+        p = torch.softmax(fin[0, anchor + depth + 1] @ head.T, -1)
+    torch.testing.assert_close(loss, -(p * torch.log_softmax(logits, -1)).sum(-1).mean())

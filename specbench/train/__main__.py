@@ -32,7 +32,7 @@ def main() -> int:
 
         try:
             mcfg = model_cfg(str(cfg.target), "sdpa")
-            kinds = [*drafters.KINDS, "eagle3", "dflash", "dspark", "mtp"]  # written in their authors' layouts (drafters.formats)
+            kinds = [*drafters.KINDS, "eagle3", "dflash", "dspark", "mtp", "peagle"]  # written in their authors' layouts (drafters.formats)
             if cfg.drafter.kind not in kinds:
                 raise ConfigError(f"unknown drafter kind '{cfg.drafter.kind}'; choices: {', '.join(kinds)}")
             device = resolve_device(cfg.device)
@@ -53,10 +53,10 @@ def main() -> int:
             out = REPO / out
         out.mkdir(parents=True, exist_ok=True)
         command = "python -m specbench.train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        if cfg.drafter.kind in ("eagle", "medusa", "eagle3", "dflash", "dspark", "mtp"):  # feature-level drafters train on the feature set
+        if cfg.drafter.kind in ("eagle", "medusa", "eagle3", "dflash", "dspark", "mtp", "peagle"):  # feature-level drafters train on the feature set
             from specbench.train import features, heads
 
-            if cfg.drafter.kind == "eagle3":  # the states at the inputs of layers 2, L//2, L-3, and the teacher's
+            if cfg.drafter.kind in ("eagle3", "peagle"):  # the states at the inputs of layers 2, L//2, L-3, and the teacher's
                 from specbench.drafters.eagle3 import tap_layers
 
                 cfg.features.layers = [*tap_layers(int(target.config.get_text_config().num_hidden_layers)), "final"]
@@ -72,6 +72,14 @@ def main() -> int:
             items = features.load(root)
             meta = json.loads((root / "meta.json").read_text())
             dmeta = {**features.stats(items), "dropped": meta["dropped"], "key": meta["key"]}
+            if cfg.drafter.kind == "peagle":
+                from specbench.train import peagle
+
+                res = peagle.train(cfg, target, tok, items, out, eos_ids(target, tok), device, progress=bool(cfg.progress))
+                peagle.finish(cfg, res, out, name, dmeta, command)
+                print(f"[train] wrote {out}: held-out top-1 agreement per depth "
+                      f"{[round(x, 3) for x in res['summary']['eval_top1_agreement']]}")
+                return
             if cfg.drafter.kind == "mtp":
                 from specbench.train import mtp
 

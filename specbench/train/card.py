@@ -92,6 +92,9 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
                   f"Drafts with the block it was trained with; `{kind}.block_size=<B>` drafts with another."]
         if kind == "dspark":
             lines += ["`dspark.threshold=<c>` verifies a row's drafts up to the first slot whose confidence is below c."]
+    elif kind == "peagle":
+        lines += ["```bash", f"python -m specbench method=peagle peagle.checkpoint={where}", "```", "",
+                  f"Drafts the {meta['drafter']['depths']} tokens a step it was trained for; `peagle.K=<k>` drafts k."]
     elif kind == "mtp":
         lines += ["```bash", f"python -m specbench method=mtp mtp.checkpoint={where} K={meta['drafter']['steps']}", "```", "",
                   "`K` drafts that many tokens a step (one forward of the module each)."]
@@ -290,7 +293,34 @@ def _mtp_body(meta: dict) -> list[str]:
     ]
 
 
-BODIES = {"mtp": _mtp_body, "dflash": _dflash_body, "dspark": _dflash_body, "eagle": _heads_body, "eagle3": _heads_body, "medusa": _heads_body, "draft_lm": _draft_lm_body, "specdec": _specdec_body}
+def _peagle_body(meta: dict) -> list[str]:
+    """The description, data and training sections of a P-EAGLE card."""
+    s, d, fs, ts, dr = meta["train_summary"], meta["data"], meta["feature_settings"], meta["train_settings"], meta["drafter"]
+    agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
+    return [
+        f"# {meta['name']}: P-EAGLE drafter for {meta['target']}", "",
+        "A parallel EAGLE-3 drafter for `method=peagle` (vLLM's speculators `peagle` layout): fc([the target's states "
+        f"at the inputs of layers 2, L//2, L-3]) -> {dr['layers']} layers (EAGLE-3's first) over [embedding; feature], "
+        f"mask slots (token {s['mask_token_id']}, a learned `mask_hidden` feature) drafting a step's {dr['depths']} "
+        f"tokens in one forward -> its own head over {meta['draft_vocab']} draft tokens. Only its own weights are "
+        f"stored ({s['trainable_params']:,} parameters, bf16); the embedding is the target's.",
+        "", "## Data",
+        f"- {d['sequences']} sequences of the ShareGPT training slice ({d['tokens']:,} token positions): "
+        f"{d['answered']} first turns answered by the target itself (greedy, up to {fs['max_new_tokens']} tokens) "
+        f"and {d['sequences'] - d['answered']} whole conversations (up to {fs['max_tokens']} tokens); "
+        f"dropped: {d['dropped']}; feature set key {d['key']}",
+        "", "## Training",
+        f"- COD sampling (depth d keeps max({dr['down_sample']}^d, {dr['down_sample_min']}) of the chains), soft "
+        f"cross-entropy towards the target's distribution; {s['steps']} steps, batch {ts['batch_size']} x up to "
+        f"{ts['seq_len']} tokens, AdamW lr {ts['lr']}, seed {meta['seed']}",
+        f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}; held-out loss {s['eval_loss']:.3f} "
+        f"({s['eval_sequences']} sequences)",
+        f"- held-out top-1 agreement with the target's greedy token, per depth (teacher-forced): {agree}; expected "
+        f"accepted drafts a step (product): {s['eval_expected_accepted']:.2f}",
+    ]
+
+
+BODIES = {"peagle": _peagle_body, "mtp": _mtp_body, "dflash": _dflash_body, "dspark": _dflash_body, "eagle": _heads_body, "eagle3": _heads_body, "medusa": _heads_body, "draft_lm": _draft_lm_body, "specdec": _specdec_body}
 
 
 def render(meta: dict, folder: Path) -> str:

@@ -1,0 +1,150 @@
+"""Training a P-EAGLE drafter (``specbench/drafters/peagle.py``) on the feature set, as the paper
+(AWS, arXiv 2602.01469) and speculators train it: every position is a verified entry, and
+chains of mask slots hang off sampled anchors, fewer the deeper (COD sampling).
+
+A sequence's entries: position i (the target's fused taps h_i, the token x_{i+1}) at depth 0 for
+every i; then depth d = 1..``depths``-1 keeps a random share max(r^d, r_min) of the anchors that
+reached depth d-1 (r ``down_sample``, r_min ``down_sample_min``; speculators' defaults 0.7 and
+0.2), a mask slot at a + d for each kept anchor a. ``PEagleDrafter.train_forward`` runs them
+in one forward (entry j sees the verified entries up to its anchor and its chain's slots up to
+its depth). The entry at position a + d drafts x_{a+d+2}; its loss is the soft cross-entropy
+towards the target's distribution of that token over the draft vocabulary (the target's output
+rows of it, on the stored final state at a + d + 1), every entry weighted alike.
+
+Held-out sequences give the summary: the top-1 agreement with the target's greedy token per
+depth (teacher-forced: each slot's anchor chain is the data's).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specbench.drafters import vocab_by_frequency
+from specbench.drafters.eagle3 import layer_config
+from specbench.drafters.peagle import PEagleDrafter
+from specbench.errors import ConfigError
+from specbench.train.dflash import mask_token
+from specbench.train.heads import collate
+from specbench.train.loop import batches, fit
+
+
+def cod_entries(n: int, depths: int, ratio: float, ratio_min: float, gen: torch.Generator) -> tuple:
+    """(anchor, depth) of a sequence whose positions 0..n-1 have a teacher: every position at depth
+    0, then per depth d a random share max(ratio^d, ratio_min) of the n - d positions whose chain
+    can reach it, drawn from the anchors kept at depth d-1 (the slot at a + d must be below n)."""
+    anchors, depth = [torch.arange(n)], [torch.zeros(n, dtype=torch.long)]
+    pool = torch.arange(n)
+    for d in range(1, depths):
+        pool = pool[pool + d < n]
+        k = min(len(pool), int((n - d) * max(ratio ** d, ratio_min)))
+        if k <= 0:
+            break
+        pool = pool[torch.randperm(len(pool), generator=gen)[:k]].sort().values
+        anchors.append(pool)
+        depth.append(torch.full((k,), d, dtype=torch.long))
+    return torch.cat(anchors), torch.cat(depth)
+
+
+def peagle_loss(model: PEagleDrafter, tok, taps, fin, valid, head_rows, dr, gen):
+    """The batch's mean soft cross-entropy over its sequences' entries, and top-1 agreement per depth."""
+    depths = int(dr.depths)
+    total, hits, counts = 0.0, torch.zeros(depths), torch.zeros(depths)
+    for b in range(tok.shape[0]):
+        T = int(valid[b].sum())
+        n = T - 2  # entry i reads (h_i, x_{i+1}); the teacher of x_{i+2} is the final state at i + 1
+        if n < 1:
+            continue
+        anchor, depth = cod_entries(n, depths, float(dr.down_sample), float(dr.down_sample_min), gen)
+        anchor, depth = anchor.to(tok.device), depth.to(tok.device)
+        out = model.train_forward(taps[b:b + 1, :T - 1], tok[b:b + 1, 1:T], anchor, depth)
+        logits = model.logits(out)[0].float()
+        with torch.no_grad():
+            p = torch.softmax(F.linear(fin[b, anchor + depth + 1].float(), head_rows), -1)
+        ce = -(p * torch.log_softmax(logits, -1)).sum(-1)
+        total = total + ce.mean()
+        right = (logits.argmax(-1) == p.argmax(-1)).float().cpu()
+        dcpu = depth.cpu()
+        hits += torch.zeros(depths).index_add_(0, dcpu, right)
+        counts += torch.bincount(dcpu, minlength=depths)[:depths].float()
+    agree = (hits / counts.clamp(min=1)).tolist()
+    return (total / tok.shape[0], *agree)
+
+
+def train(cfg, target, tokenizer, items: list[dict], out: Path, eos: set[int], device, progress: bool = True) -> dict:
+    tcfg, dr = cfg.train, cfg.drafter
+    torch.manual_seed(int(cfg.seed))
+    rng = random.Random(int(cfg.seed))
+    gen = torch.Generator().manual_seed(int(cfg.seed))
+    tc = target.config.get_text_config()
+    V = int(tc.vocab_size)
+    if int(dr.depths) < 1 or int(dr.layers) < 1:
+        raise ConfigError(f"drafter.depths and drafter.layers must be >= 1, got {dr.depths} and {dr.layers}")
+    mask = mask_token(dr, tokenizer, items)
+    vocab_ids = vocab_by_frequency([it["tokens"] for it in items], dr.draft_vocab, V, eos)
+    lc = layer_config(target.config, len(vocab_ids))
+    lc.num_hidden_layers = int(dr.layers)
+    model = PEagleDrafter(target, lc, len(vocab_ids), mask, int(dr.depths))
+    with torch.no_grad():
+        model.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
+    model.to(device)
+    head_rows = target.get_output_embeddings().weight.detach()[vocab_ids.to(device)].float()
+    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
+    evals, trains = items[:n_eval], items[n_eval:]
+    params = [p for p in model.parameters() if p.requires_grad]
+    bs, L = int(tcfg.batch_size), int(tcfg.seq_len)
+    it = batches(trains, bs, L, rng)
+
+    def loss_of(batch):
+        tok, taps, valid = collate(batch, L, device, layers=model.taps)
+        fin = collate(batch, L, device)[1]
+        return peagle_loss(model, tok, taps, fin, valid, head_rows, dr, gen)
+
+    def step(skip=False):
+        b = next(it)
+        if skip:  # the COD draws replay too
+            for v in collate(b, L, "cpu")[2]:
+                n = int(v.sum()) - 2
+                if n >= 1:
+                    cod_entries(n, int(dr.depths), float(dr.down_sample), float(dr.down_sample_min), gen)
+            return None
+        return loss_of(b)
+
+    t0 = time.time()
+    history = fit(model, params, step, tcfg, out / "_train_state.pt", bool(cfg.resume), f"train {dr.name}", progress)
+    train_s = time.time() - t0
+    sums, n = None, 0
+    model.eval()
+    with torch.no_grad():
+        for s in range(0, len(evals), bs):
+            v = torch.tensor([float(x) for x in loss_of(evals[s:s + bs])])
+            sums = v if sums is None else sums + v
+            n += 1
+    ev = (sums / max(1, n)).tolist()
+    last = history[-min(20, len(history)):] if history else [(math.nan,)]
+    summary = {"steps": int(tcfg.steps), "train_loss_last20": sum(h[0] for h in last) / len(last),
+               "eval_loss": ev[0], "eval_top1_agreement": ev[1:],
+               "eval_expected_accepted": sum(math.prod(ev[1:k + 1]) for k in range(1, len(ev))),
+               "train_seconds_this_run": train_s, "eval_sequences": len(evals), "train_sequences": len(trains),
+               "trainable_params": sum(p.numel() for p in params), "draft_vocab": len(vocab_ids), "mask_token_id": mask}
+    return {"draft": model, "summary": summary, "loss_curve": [round(h[0], 4) for h in history[::10]]}
+
+
+def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, command: str) -> None:
+    """Write the checkpoint in speculators' ``peagle`` layout (bf16), its drafter.json and card."""
+    from specbench.drafters.formats.peagle import save
+    from specbench.train import card
+
+    model, dr, s = result["draft"], cfg.drafter, result["summary"]
+    meta = {"kind": "peagle", "name": dr.name, "target": target_name, "target_vocab_size": int(model.vocab_size),
+            "draft_vocab": int(model.d2t.numel()), "seed": int(cfg.seed), "drafter": {k: dr[k] for k in dr},
+            "data": data_meta, "feature_settings": {k: cfg.features[k] for k in cfg.features},
+            "train_settings": {k: cfg.train[k] for k in cfg.train}, "train_summary": s,
+            "loss_curve_every_10_steps": result["loss_curve"], "command": command}
+    save(out, model)
+    card.write(out, meta)
