@@ -133,12 +133,13 @@ class MTP(Proposer):
         """The committed tokens' entries (h_i, x_{i+1}) join the cache; the last drafts anew."""
         d, dev = self.drafter, self.device
         counts = hidden.counts
+        lens = counts.tolist()  # the step's one read of the device
         h = hidden.layers["final"].to(next(d.parameters()).dtype)
         B, m = h.shape[:2]
-        toks = pad_rows([s[len(s) - c:] for s, c in zip(state.seqs, counts.tolist())], dev, width=m)
+        toks = pad_rows([s[len(s) - c:] for s, c in zip(state.seqs, lens)], dev, width=m)
         depth = torch.arange(m, device=dev)[None].expand(B, m)
         y = self.kv.forward(toks, depth, None, hidden=h).out
-        self.kv.commit(depth, counts)
+        self.kv.commit([list(range(m))] * B, lens)
         self.first, self.state = self._draft(y[torch.arange(B, device=dev), counts - 1])
 
     def propose(self, state: BatchState) -> Draft:

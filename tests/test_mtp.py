@@ -95,12 +95,13 @@ def native_folder(target, folder: Path, family: str, own_head=False, seed=1, per
     d = randomize(MTPDrafter(target, "speculators"), seed)  # any family: the same parameters
     prefix, names = formats.mtp.FUSE[family]
     prefix = prefix.format(L=target.config.num_hidden_layers)
+    layer = formats.mtp.LAYER_PREFIX.get(family, prefix)
     ours = {v: k for k, v in names.items()}
     extra = {}
     for k, v in d.state_dict().items():
         part, _, rest = k.partition(".")
         if part == "layer":
-            extra[prefix + rest] = v
+            extra[layer + rest] = v
         else:
             extra[f"{prefix}{ours[part]}.{rest}"] = v
     if family == "deepseek":
@@ -324,3 +325,54 @@ def test_the_trainers_step_k_learns_the_targets_distribution_of_the_token_k_plus
             ok = valid[:, k + 2:k + 2 + n]
             want = want + w[k] * ce[ok].mean()
     torch.testing.assert_close(got[0], want)
+
+
+def test_glm_checkpoints_without_a_head_of_their_own_use_the_targets(tmp_path):
+    """GLM-4.6/4.7 ship no ``shared_head.head`` (nor an embedding copy): the target's are used."""
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_deepseek()
+    folder = native_folder(target, tmp_path / "t", "deepseek")
+    f = folder / "model.safetensors"
+    L = target.config.num_hidden_layers
+    save_file({k: v for k, v in load_file(str(f)).items()
+               if k not in (f"model.layers.{L}.shared_head.head.weight", f"model.layers.{L}.embed_tokens.weight")}, str(f))
+    d = proposer(target, path=folder).drafter
+    assert d.head is None and d.embedding is None
+
+
+def test_the_moe_router_stays_fp32_in_a_bf16_run(tmp_path):
+    target = tiny_deepseek().to(torch.bfloat16)
+    d = formats.mtp.load(native_folder(target, tmp_path / "t", "deepseek"), target, CPU, torch.bfloat16)
+    assert d.proj.weight.dtype == torch.bfloat16
+    assert d.layer.mlp.gate.weight.dtype == torch.float32 and d.layer.mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+
+def test_qwen3_next_norms_scale_by_one_plus_their_weight(tmp_path):
+    """Qwen3-Next's (and Qwen3.5's) RMSNorms scale by 1 + w: the fusion's and final norms are read so."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                          shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                          layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+                          linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                          max_position_embeddings=512, tie_word_embeddings=False)
+    target = randomize(Qwen3NextForCausalLM(cfg), 0).eval()
+    folder = native_folder(target, tmp_path / "t", "qwen3_next")
+    edit_config(folder, num_nextn_predict_layers=None, mtp_num_hidden_layers=1)
+    from safetensors.torch import load_file
+
+    raw = load_file(str(folder / "model.safetensors"))
+    d = formats.mtp.load(folder, target, CPU, torch.float32)
+    assert d.family == "qwen3_next" and type(d.layer).__name__ == "Qwen3NextDecoderLayer"
+    torch.testing.assert_close(d.enorm.weight, raw["mtp.pre_fc_norm_embedding.weight"] + 1)
+    torch.testing.assert_close(d.norm.weight, raw["mtp.norm.weight"] + 1)
+
+
+def test_keys_outside_the_speculators_layout_are_refused(tmp_path):
+    target = tiny_qwen3(seed=0, device=CPU)
+    folder = copy_folder(FIXTURE, tmp_path)
+    rekey(folder, lambda s: s | {"mtp_layers.1.input_proj.weight": torch.zeros(32, 64)})
+    with pytest.raises(ConfigError, match=r"keys outside the speculators MTP layout: \['mtp_layers.1.input_proj.weight'\]"):
+        methods.get("mtp").check(cfg_of(folder), target.config)

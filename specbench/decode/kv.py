@@ -164,11 +164,11 @@ class RaggedCache:
         """Keep, for row b, the new nodes ``keep[b, :counts[b]]`` (indices into the last
         forward's nodes, in order) right after its prefix; drop every other new slot.
 
-        keep: [B, m] long (entries past counts[b] are ignored); counts: [B] long.
+        keep: [B, m] long (entries past counts[b] are ignored); counts: [B] long (either may be host lists).
         """
-        counts = counts.tolist()
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
         if any(counts):
-            keep, ends = keep.tolist(), self._ends()
+            keep, ends = keep.tolist() if isinstance(keep, torch.Tensor) else keep, self._ends()
             rows, src, dst = [], [], []
             for b, (k, c) in enumerate(zip(keep, counts)):
                 rows += [b] * c
@@ -199,8 +199,7 @@ class RaggedCache:
             self.C += n_new
             return
         B = self.batch_size
-        keep = torch.arange(n_new, device=self.device)[None].expand(B, n_new)
-        self.commit(keep, torch.full((B,), n_new, dtype=torch.long, device=self.device))
+        self.commit([list(range(n_new))] * B, [n_new] * B)  # host lists: nothing read back from the device
 
     def rollback(self, new_length) -> None:
         """Shorten rows to ``new_length`` (a tensor or a list; never longer than now); the freed

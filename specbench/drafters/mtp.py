@@ -117,7 +117,8 @@ class MTPDrafter(Drafter):
 
     def logits(self, y: torch.Tensor) -> torch.Tensor:
         """The decoder layer's output ``y`` -> logits over the target's vocabulary."""
-        return (self.head if self.head is not None else self.target_head)(self.norm(y))
+        head = self.head if self.head is not None else self.target_head
+        return head(self.norm(y).to(head.weight.dtype))
 
     def fed_back(self, y: torch.Tensor) -> torch.Tensor:
         """What the next draft's entry reads as its state (``y`` or ``norm(y)``, by family)."""

@@ -115,10 +115,10 @@ def _record_base(cfg, method_name, device, dtype, sweep_id, refused: bool = Fals
                                                                      "dataset"),
         "model_cfg": of(lambda: OmegaConf.to_container(cfg.model, resolve=True), "model"), "lossless": True,
         "method_cfg": {},
-        **({"repeats": int(cfg.repeats)} if int(of(lambda: cfg.get("repeats")) or 1) > 1 else {}),
+        **({"repeats": repeats} if (repeats := of(lambda: int(cfg.get("repeats") or 1)) or 1) > 1 else {}),
         **({"serving": serving} if serving else {}),
-        **({"K_auto": True, "tuned": OmegaConf.to_container(cfg.tuned)}  # K=auto: what was chosen, and why
-           if not refused and cfg.get("K_auto") and method_name == cfg.method.name and method_name != "ar" else {}),
+        **({"K_auto": True, "tuned": of(lambda: OmegaConf.to_container(cfg.tuned))}  # K=auto: what was chosen, and why
+           if of(lambda: cfg.get("K_auto")) and method_name == _raw(cfg, "method.name") and method_name != "ar" else {}),
         "env": R.env_info(device), "metrics": None, "requests": [],
     }
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specbench.drafters.mtp import MTPDrafter
+from specbench.errors import ConfigError
 from specbench.train.heads import collate
 from specbench.train.loop import batches, fit
 
@@ -39,9 +40,12 @@ def step_weights(beta: float, steps: int) -> torch.Tensor:
 
 def build(target, init: str) -> MTPDrafter:
     d = MTPDrafter(target, "speculators")
+    if any(".experts." in k for k in d.state_dict()):
+        raise ConfigError("an MoE target's MTP block has no speculators layout specbench writes: drafter=mtp trains "
+                          "for dense targets")
     with torch.no_grad():
-        for p in d.parameters():
-            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+        for name, p in d.named_parameters():
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.zero_() if name.endswith("bias") else p.fill_(1.0)
         if init == "target":
             d.layer.load_state_dict(target.model.layers[-1].state_dict())
             n = d.proj.out_features

@@ -89,6 +89,8 @@ def train(cfg, target, tokenizer, items: list[dict], out: Path, eos: set[int], d
     vocab_ids = vocab_by_frequency([it["tokens"] for it in items], dr.draft_vocab, V, eos)
     lc = layer_config(target.config, len(vocab_ids))
     lc.num_hidden_layers = int(dr.layers)
+    if getattr(lc, "layer_types", None):  # one type a layer, as the config checks
+        lc.layer_types = ["full_attention"] * int(dr.layers)
     model = PEagleDrafter(target, lc, len(vocab_ids), mask, int(dr.depths))
     with torch.no_grad():
         model.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))

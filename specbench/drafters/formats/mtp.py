@@ -37,6 +37,10 @@ FUSE = {  # family -> (prefix of its block, {its name: ours} for the parts outsi
                                       "final_layernorm": "norm"}),
 }
 LAYER_PREFIX = {"qwen3_next": "mtp.layers.0."}  # where the decoder layer sits, where not under the block's prefix
+# Model types whose RMSNorm scales by 1 + w (Gemma's convention; transformers' Qwen3NextRMSNorm): the
+# fusion's and the final norm's weights are read as 1 + w into our plain RMSNorms
+OFFSET_NORMS = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
+SPECULATORS_EXTRA = {"verifier_lm_head.weight"}  # the verifier's head, saved beside the module: not the module's
 EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -108,11 +112,17 @@ def _settings(folder, target_config) -> dict:
                               "an MTP module for another target")
     block, layer = _prefixes(fam, raw)
     want = {f"{block}{theirs}.weight" for theirs, ours in FUSE[fam][1].items() if ours not in ("head", "embedding")}
-    if fam == "deepseek":
-        want.add(f"{block}shared_head.head.weight")
     if not want <= keys:
         raise FormatError(f"{folder}: not the {fam} MTP layout: missing {sorted(want - keys)[:4]}")
-    return {"family": fam, "prefixes": (block, layer), "keys": {k for k in keys if k.startswith((block, layer))}}
+    if fam == "speculators":
+        other = sorted(k for k in keys if not k.startswith(block) and k not in SPECULATORS_EXTRA | {"lm_head.weight", "embed_tokens.weight"})
+        if other:
+            raise FormatError(f"{folder}: keys outside the speculators MTP layout: {other[:4]}")
+        block_keys = {k for k in keys if k.startswith(block)} | ({"lm_head.weight", "embed_tokens.weight"} & keys)
+    else:
+        block_keys = {k for k in keys if k.startswith((block, layer))}
+    mtype = str(tl.get("model_type") or getattr(tc, "model_type", ""))
+    return {"family": fam, "prefixes": (block, layer), "keys": block_keys, "offset_norms": mtype in OFFSET_NORMS}
 
 
 def _ours(folder, fam: str, prefixes: tuple, items: dict, stack) -> dict:
@@ -120,6 +130,8 @@ def _ours(folder, fam: str, prefixes: tuple, items: dict, stack) -> dict:
     one stacked by ``stack(gates, ups, downs)`` as transformers holds them."""
     block, layer = prefixes
     outside = {f"{block}{theirs}.weight": f"{ours}.weight" for theirs, ours in FUSE[fam][1].items()}
+    if fam == "speculators":  # copies of the verifier's head and embedding, where a folder keeps them
+        outside |= {"lm_head.weight": "head.weight", "embed_tokens.weight": "embedding.weight"}
     mine, experts = {}, {}
     for k, v in items.items():
         m = EXPERT.match(k)
@@ -172,7 +184,11 @@ def check(folder, target_config) -> str:
     s = _settings(folder, target_config)
     fam = s["family"]
     mine = _ours(folder, fam, s["prefixes"], _read(folder, s["keys"], shapes=True), _shape_stack)
-    expected = expected_state(target_config)
+    try:
+        expected = expected_state(target_config)
+    except (KeyError, ValueError) as e:
+        raise FormatError(f"{folder}: no MTP block can be built of this target's layers ({e}); transformers must "
+                          "know its architecture") from None
     want, have = set(expected), set(mine) - {"head.weight", "embedding.weight"}
     if want != have:
         name = layer_class(text_config(target_config)).__name__
@@ -188,20 +204,34 @@ def check(folder, target_config) -> str:
 
 
 def load(folder, target, device, dtype):
+    """The module, built without weights and given the checkpoint's tensors (a DeepSeek-V3 module is
+    ~11B parameters: no second copy of it), on ``device`` in ``dtype``; the parameters transformers
+    keeps in fp32 (the MoE router's) stay fp32."""
     from specbench.drafters.mtp import MTPDrafter
 
     fam = check(folder, target.config)
     s = _settings(folder, target.config)
     mine = _ours(folder, fam, s["prefixes"], _read(folder, s["keys"], shapes=False), _tensor_stack)
+    if s["offset_norms"]:
+        mine |= {k: mine[k].float() + 1.0 for k in ("enorm.weight", "hnorm.weight", "norm.weight")}
     own = {}
     for part, theirs in (("head", target.get_output_embeddings()), ("embedding", target.get_input_embeddings())):
         w = mine.pop(f"{part}.weight", None)
         if w is not None and not torch.equal(w.to(theirs.weight), theirs.weight.detach()):
             own[f"{part}.weight"] = w
-    d = MTPDrafter(target, fam, own_head="head.weight" in own, own_embedding="embedding.weight" in own)
-    expected = d.state_dict()
-    d.load_state_dict({k: v.to(expected[k].dtype) for k, v in (mine | own).items()}, strict=True)
-    return ready(d, target, device, dtype)
+    with torch.device("meta"):
+        d = MTPDrafter(target, fam, own_head="head.weight" in own, own_embedding="embedding.weight" in own)
+    state = mine | own
+    d.load_state_dict(state, strict=True, assign=True)
+    left = [n for n, t in [*d.named_parameters(), *d.named_buffers()] if t.is_meta]
+    if left:  # a buffer the layer makes for itself and does not save: nothing to assign it from
+        raise FormatError(f"{folder}: the {fam} MTP block holds unsaved buffers specbench cannot fill: {left[:3]}")
+    d = ready(d, target, device, dtype)
+    keep = tuple(getattr(type(target), "_keep_in_fp32_modules_strict", None) or ())
+    for name, t in [*d.named_parameters(), *d.named_buffers()]:
+        if keep and any(k in name for k in keep):
+            t.data = state[name].to(device=device, dtype=torch.float32)
+    return d
 
 
 def save(folder, drafter, steps: int = 3, dtype=torch.bfloat16) -> None:
