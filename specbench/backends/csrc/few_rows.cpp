@@ -97,13 +97,15 @@ struct Zmm {
 // is left to the hardware prefetcher (software prefetch there: 1.05-1.08x the time at 4 rows).
 // Up to 9 rows take one pass (27 accumulators, 3 weight vectors, x broadcast from memory: no
 // spill): 9 rows in 0.77-0.83x the time of two passes (5 + 4), 8 and 10 rows unchanged.
+// No single pass prefetches in software, 2-3 rows included: on an Intel Xeon the non-temporal
+// prefetch doubled a whole forward's time at 2-3 rows (docs/benchmarks/2026-11-27-methods-2026-cpu.md).
 namespace zmm {
 using V = Zmm;
 constexpr int kOneC = 3;
 constexpr int kFewC = 3;
 constexpr int kManyC = 3;
 constexpr int kManyRmax = 9;
-constexpr int64_t kNoAheadFrom = 4;
+constexpr int64_t kNoAheadFrom = 2;
 #include "linear_tiles.h"
 }  // namespace zmm
 #pragma GCC pop_options
