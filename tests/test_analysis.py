@@ -412,7 +412,7 @@ def test_per_category_keeps_each_data_set_apart():
     from specbench.analysis.load import load
     from specbench.analysis import report
 
-    path = Path(__file__).resolve().parent.parent / "results/baselines/bench-training-free-cpu-2026-11-26.jsonl"
+    path = Path(__file__).resolve().parent.parent / "results/baselines/bench-training-free-cpu-2026-11-26.jsonl.gz"
     df = load(path)
     cat = tables.per_category(df)
     for ds in ("mt_bench", "humaneval", "gsm8k"):

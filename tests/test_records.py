@@ -154,3 +154,21 @@ def test_a_torn_index_line_hides_no_record(tmp_path):
     R.append(p, _rec("pld", "j4"))
     assert [e["job_id"] for e in R.index(p)] == [r["job_id"] for r in R.read(p)] == [f"j{i}" for i in range(5)]
     assert [e["job_id"] for e in R.index(p)] == [f"j{i}" for i in range(5)]  # and stays mended
+
+
+def test_a_gzipped_records_file_reads_as_the_plain_one(tmp_path):
+    """Kept baselines are stored gzipped (results/baselines/*.jsonl.gz): a file or a folder of them reads alike."""
+    import gzip
+    import json
+
+    from specbench.run import records as R
+
+    recs = [{"schema": R.SCHEMA, "method": "ar", "status": "ok", "n": i} for i in range(3)]
+    text = "".join(json.dumps(r) + "\n" for r in recs)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "records.jsonl").write_text(text)
+    (tmp_path / "b").mkdir()
+    with gzip.open(tmp_path / "b" / "records.jsonl.gz", "wt") as f:
+        f.write(text)
+    assert R.read(tmp_path / "b" / "records.jsonl.gz") == R.read(tmp_path / "a" / "records.jsonl") == recs
+    assert R.read(tmp_path / "b") == recs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import gzip
 import hashlib
 import json
 import os
@@ -151,9 +152,9 @@ def parse_line(line: bytes | str, skipped: Skipped, f, where: str) -> dict | Non
 
 
 def parse_lines(f: Path, skipped: Skipped) -> list[dict]:
-    """The JSON objects of a JSON-lines file, one per line (``parse_line``)."""
+    """The JSON objects of a JSON-lines file (``.jsonl``, or gzipped ``.jsonl.gz``), one per line (``parse_line``)."""
     out = []
-    with f.open("rb") as fh:
+    with (gzip.open(f, "rb") if f.suffix == ".gz" else f.open("rb")) as fh:  # a kept baseline may be gzipped
         for n, raw in enumerate(fh, 1):
             line = raw.strip()
             if line:
@@ -164,7 +165,7 @@ def parse_lines(f: Path, skipped: Skipped) -> list[dict]:
 
 
 def _files(p: Path) -> list[Path]:
-    return sorted(p.rglob("records*.jsonl")) if p.is_dir() else [p]
+    return sorted([*p.rglob("records*.jsonl"), *p.rglob("records*.jsonl.gz")]) if p.is_dir() else [p]
 
 
 def read(path: str | Path, report: bool = True) -> list[dict]:
