@@ -23,7 +23,6 @@ and the expected accepted drafts a block (the chain's product of agreements, sum
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from specbench.drafters.dflash import DFlashDrafter, default_layer_ids, exp_deca
 from specbench.drafters.dspark import DSparkDrafter
 from specbench.errors import ConfigError
 from specbench.train.heads import collate
-from specbench.train.loop import batches, fit
+from specbench.train.loop import batches, fit, held_out
 
 
 def layer_ids(dr, num_target_layers: int) -> list[int]:
@@ -172,19 +171,9 @@ def train(cfg, target, tokenizer, items: list[dict], out: Path, device, progress
     t0 = time.time()
     history = fit(model, params, step, tcfg, out / "_train_state.pt", bool(cfg.resume), f"train {dr.name}", progress)
     train_s = time.time() - t0
-    sums, n = None, 0
-    model.eval()
-    with torch.no_grad():
-        for s in range(0, len(evals), bs):
-            v = torch.tensor([float(x) for x in loss_of(evals[s:s + bs])])
-            sums = v if sums is None else sums + v
-            n += 1
-    ev = (sums / max(1, n)).tolist()
-    last = history[-min(20, len(history)):] if history else [(math.nan,)]
+    ev = held_out(model, loss_of, evals, bs, history)
     positions = int(tcfg.steps) * bs * A * model.drafts
-    summary = {"steps": int(tcfg.steps), "train_loss_last20": sum(h[0] for h in last) / len(last),
-               "eval_loss": ev[0], "eval_top1_agreement": ev[1:],
-               "eval_expected_accepted": sum(math.prod(ev[1:k + 1]) for k in range(1, len(ev))),
+    summary = {"steps": int(tcfg.steps), **ev,
                "trained_block_positions": positions, "train_seconds_this_run": train_s,
                "eval_sequences": len(evals), "train_sequences": len(trains),
                "trainable_params": sum(p.numel() for p in params), "mask_token_id": mask, "target_layer_ids": ids}

@@ -191,3 +191,21 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
     }
     save_draft(draft, out, meta)
     card.write(out, meta)
+
+
+def held_out(model, loss_of, evals: list, batch_size: int, history: list) -> dict:
+    """The summary fields every feature-drafter trainer reports: the mean of ``loss_of``'s values
+    (loss, then a top-1 agreement per draft position) over the held-out sequences in batches, the
+    expected accepted drafts of a chain (the agreements' running products, summed) and the train
+    loss of the last 20 steps of ``history``."""
+    sums, n = None, 0
+    model.eval()
+    with torch.no_grad():
+        for s in range(0, len(evals), batch_size):
+            v = torch.tensor([float(x) for x in loss_of(evals[s:s + batch_size])])
+            sums = v if sums is None else sums + v
+            n += 1
+    ev = (sums / max(1, n)).tolist()
+    last = history[-min(20, len(history)):] if history else [(math.nan,)]
+    return {"train_loss_last20": sum(h[0] for h in last) / len(last), "eval_loss": ev[0], "eval_top1_agreement": ev[1:],
+            "eval_expected_accepted": sum(math.prod(ev[1:k + 1]) for k in range(1, len(ev)))}

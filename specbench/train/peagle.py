@@ -17,7 +17,6 @@ depth (teacher-forced: each slot's anchor chain is the data's).
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from specbench.drafters.peagle import PEagleDrafter
 from specbench.errors import ConfigError
 from specbench.train.dflash import mask_token
 from specbench.train.heads import collate
-from specbench.train.loop import batches, fit
+from specbench.train.loop import batches, fit, held_out
 
 
 def cod_entries(n: int, depths: int, ratio: float, ratio_min: float, gen: torch.Generator) -> tuple:
@@ -120,18 +119,8 @@ def train(cfg, target, tokenizer, items: list[dict], out: Path, eos: set[int], d
     t0 = time.time()
     history = fit(model, params, step, tcfg, out / "_train_state.pt", bool(cfg.resume), f"train {dr.name}", progress)
     train_s = time.time() - t0
-    sums, n = None, 0
-    model.eval()
-    with torch.no_grad():
-        for s in range(0, len(evals), bs):
-            v = torch.tensor([float(x) for x in loss_of(evals[s:s + bs])])
-            sums = v if sums is None else sums + v
-            n += 1
-    ev = (sums / max(1, n)).tolist()
-    last = history[-min(20, len(history)):] if history else [(math.nan,)]
-    summary = {"steps": int(tcfg.steps), "train_loss_last20": sum(h[0] for h in last) / len(last),
-               "eval_loss": ev[0], "eval_top1_agreement": ev[1:],
-               "eval_expected_accepted": sum(math.prod(ev[1:k + 1]) for k in range(1, len(ev))),
+    ev = held_out(model, loss_of, evals, bs, history)
+    summary = {"steps": int(tcfg.steps), **ev,
                "train_seconds_this_run": train_s, "eval_sequences": len(evals), "train_sequences": len(trains),
                "trainable_params": sum(p.numel() for p in params), "draft_vocab": len(vocab_ids), "mask_token_id": mask}
     return {"draft": model, "summary": summary, "loss_curve": [round(h[0], 4) for h in history[::10]]}
