@@ -71,11 +71,15 @@ def loaded():
 
 @functools.cache
 def pack_cols() -> int:
-    """Columns per panel of ``pack``: 48 where the CPU has AVX-512F (the kernel's AVX-512 tiles:
-    three 16-column vectors per k side by side, one pass for up to 9 rows), else 8 (AVX2).
-    ``SPECBENCH_AVX512=0`` keeps 8 (the AVX2 tiles) for an A/B on such a CPU. Either width gives
-    the same bits."""
-    return 48 if os.environ.get("SPECBENCH_AVX512", "1") != "0" and load().has_avx512() else 8
+    """Columns per panel of ``pack``: 48 where an AMD CPU has AVX-512F (the kernel's AVX-512 tiles:
+    three 16-column vectors per k side by side, one pass for up to 9 rows; tuned on a Zen 4), else
+    8 (AVX2; on an Intel Xeon with AVX-512 the AVX2 tiles took 0.79-0.92x their time:
+    docs/benchmarks/2026-11-27-methods-2026-cpu.md). ``SPECBENCH_AVX512=1`` takes the AVX-512 tiles
+    on any CPU that has them, ``0`` never, for an A/B. Either width gives the same bits."""
+    want = os.environ.get("SPECBENCH_AVX512")
+    if want == "0" or not load().has_avx512():
+        return 8
+    return 48 if want == "1" or not load().is_intel() else 8
 
 
 def isa() -> str:

@@ -47,6 +47,20 @@ inline void prefetch_nta(const float* p, int64_t floats) {
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + floats * sizeof(float)), _MM_HINT_NTA);
 }
 
+// Whether the tiles prefetch the weights in software at all: not on an Intel CPU. There (a 2-core
+// Xeon) the non-temporal prefetches doubled a whole forward at 2-8 rows, with either tile width;
+// without them, and on the AMD cores the scheme was tuned on, as below
+// (docs/benchmarks/2026-11-27-methods-2026-cpu.md).
+bool cpu_is_intel() {
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return intel;
+}
+
+inline bool software_prefetch() { return !cpu_is_intel(); }
+
 // The tiles, for AVX2 (blocks of 8 columns, each its own stream) and for AVX-512 (panels of 48
 // columns: three 16-column vectors per k, side by side), from linear_tiles.h. A packing's width
 // says which runs (kernels.pack makes 48-column panels where the CPU has AVX-512F). Both compute
@@ -97,15 +111,13 @@ struct Zmm {
 // is left to the hardware prefetcher (software prefetch there: 1.05-1.08x the time at 4 rows).
 // Up to 9 rows take one pass (27 accumulators, 3 weight vectors, x broadcast from memory: no
 // spill): 9 rows in 0.77-0.83x the time of two passes (5 + 4), 8 and 10 rows unchanged.
-// No single pass prefetches in software, 2-3 rows included: on an Intel Xeon the non-temporal
-// prefetch doubled a whole forward's time at 2-3 rows (docs/benchmarks/2026-11-27-methods-2026-cpu.md).
 namespace zmm {
 using V = Zmm;
 constexpr int kOneC = 3;
 constexpr int kFewC = 3;
 constexpr int kManyC = 3;
 constexpr int kManyRmax = 9;
-constexpr int64_t kNoAheadFrom = 2;
+constexpr int64_t kNoAheadFrom = 4;
 #include "linear_tiles.h"
 }  // namespace zmm
 #pragma GCC pop_options
@@ -759,6 +771,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "decode/verify attention over a KV cache, GQA without repeating it");
   m.def("few_rows_linear", &few_rows_linear, "y = x @ W^T for a few rows, W packed in 8- or 48-column panels");
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the 48-column (AVX-512F) tiles");
+  m.def("is_intel", &cpu_is_intel, "whether this CPU is Intel's (no software prefetch; AVX2 tiles by default)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (fp32)");
   m.def("argmax_rows", &argmax_rows, "argmax over the last dimension of fp32 rows (first index; NaN first)");
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of x [B, n, H, d]");

@@ -93,7 +93,7 @@ inline void rows_through(const float* x, int64_t n, int64_t I, const float* w, f
       r += sizes[passes];
     }
     const int64_t chunk = passes > 1 ? kChunk : I;
-    const bool ahead = gn > 1 && (passes > 1 || gn < kNoAheadFrom);
+    const bool ahead = gn > 1 && (passes > 1 || gn < kNoAheadFrom) && software_prefetch();
     for (int64_t k0 = 0; k0 < I; k0 += chunk)
       for (int64_t p = 0, r = 0; p < passes; r += sizes[p++]) {
         const float* xr = x + (g + r) * I;
