@@ -47,10 +47,9 @@ inline void prefetch_nta(const float* p, int64_t floats) {
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + floats * sizeof(float)), _MM_HINT_NTA);
 }
 
-// Whether the tiles prefetch the weights in software at all: not on an Intel CPU. There (a 2-core
-// Xeon) the non-temporal prefetches doubled a whole forward at 2-8 rows, with either tile width;
-// without them, and on the AMD cores the scheme was tuned on, as below
-// (docs/benchmarks/2026-11-27-methods-2026-cpu.md).
+// Whether the tiles prefetch the weights in software: on AMD cores (the scheme below was tuned on
+// them), not on an Intel CPU, where (a 2-core Xeon) the non-temporal prefetches doubled a whole
+// forward at 2-8 rows with either tile width (docs/benchmarks/2026-11-27-methods-2026-cpu.md).
 bool cpu_is_intel() {
   static const bool intel = [] {
     __builtin_cpu_init();
