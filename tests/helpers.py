@@ -119,6 +119,20 @@ def greedy_cases(model, n_new: int) -> dict:
     return out
 
 
+def record_drafts(prop) -> list:
+    """Wrap ``prop.propose``: the returned list gets, per step, (each row's sequence so far, the
+    step's draft tokens), for tests that redraft every step from scratch."""
+    steps, propose = [], prop.propose
+
+    def record(state):
+        draft = propose(state)
+        steps.append(([list(s) for s in state.seqs], draft.tokens.clone()))
+        return draft
+
+    prop.propose = record
+    return steps
+
+
 def copy_folder(src, dest_parent):
     """A copy of the checkpoint folder ``src`` under ``dest_parent`` (to break it in a test)."""
     import shutil

@@ -16,7 +16,7 @@ from specbench.drafters.dflash import layer_config
 from specbench.drafters.dspark import DSparkDrafter
 from specbench.errors import ConfigError
 from conftest import REPO
-from helpers import (DEVICE, assert_sampling_follows_the_target, copy_folder, edit_config, greedy_cases,
+from helpers import (DEVICE, record_drafts, assert_sampling_follows_the_target, copy_folder, edit_config, greedy_cases,
                      reference_greedy, rekey, run_engine, serve_engine, tiny_llama)
 from test_feature_methods import feature_setup, frozen_target8, patch_eval_slice  # noqa: F401 - a fixture
 
@@ -60,19 +60,11 @@ def test_deepspecs_layout_drafts_what_its_evaluator_drafted(target4, kind):
     d = prop.drafter
     assert isinstance(d, DSparkDrafter) and d.anchor == "next" and d.markov_head.kind == kind
     assert d.taps == (1, "final") and methods.get("dspark").spec_len(cfg_of(folder), CPU) == 5
-    drafts = []
-    propose = prop.propose
-
-    def record(state):
-        out = propose(state)
-        drafts.append(out.tokens[0].clone())
-        return out
-
-    prop.propose = record
+    steps = record_drafts(prop)
     tokens = ref["tokens"]
     got = run_engine(target4, prop, [tokens[:-1].tolist()], 3)[0].tokens
     assert got == reference_greedy(target4, tokens[:-1].tolist(), 3)
-    assert drafts[0].tolist() == ref["drafts"].tolist()
+    assert steps[0][1][0].tolist() == ref["drafts"].tolist()
     taps = taps_of_tokens(target4, d, tokens[None])
     with torch.no_grad():  # the block at the last token, teacher-forced on the reference's drafts
         h = d.train_forward(taps, tokens[None], torch.ones(1, len(tokens), dtype=torch.bool),

@@ -16,7 +16,7 @@ from specbench.drafters import formats, randomize
 from specbench.drafters.mtp import MTPDrafter
 from specbench.errors import ConfigError
 from conftest import REPO
-from helpers import (DEVICE, assert_sampling_follows_the_target, copy_folder, edit_config, greedy_cases,
+from helpers import (DEVICE, record_drafts, assert_sampling_follows_the_target, copy_folder, edit_config, greedy_cases,
                      reference_greedy, rekey, run_engine, serve_engine, tiny_llama, tiny_qwen3)
 from test_feature_methods import feature_setup, frozen_target8, patch_eval_slice  # noqa: F401 - a fixture
 
@@ -169,15 +169,7 @@ def test_the_kept_entries_draft_what_a_full_recompute_drafts(bs):
     the whole sequence so far: its verified entries, then each draft fed back."""
     target = tiny_qwen3(seed=0, device=CPU)
     prop = proposer(target, FIXTURE, K=4)
-    steps = []
-    propose = prop.propose
-
-    def record(state):
-        draft = propose(state)
-        steps.append(([list(s) for s in state.seqs], draft.tokens.clone()))
-        return draft
-
-    prop.propose = record
+    steps = record_drafts(prop)
     prompts = [[1, 5, 9, 3, 7, 11, 2][: 4 + b] for b in range(bs)]
     res = run_engine(target, prop, prompts, 18, sampling=Sampling(synthetic=Synthetic(0.8, seed=0)))
     assert sum(len(r.tokens) for r in res) >= 18 * bs

@@ -137,6 +137,12 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
     return lines + [""]
 
 
+def _losses(s: dict) -> str:
+    """The final train loss and the held-out loss of a training summary ``s``."""
+    return (f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}; held-out loss {s['eval_loss']:.3f} "
+            f"({s['eval_sequences']} sequences)")
+
+
 def _heads_body(meta: dict) -> list[str]:
     """The description, data and training sections of a card (``render`` adds the rest)."""
     s, d, fs, ts = meta["train_summary"], meta["data"], meta["feature_settings"], meta["train_settings"]
@@ -168,8 +174,7 @@ def _heads_body(meta: dict) -> list[str]:
         "", "## Training",
         f"- {s['steps']} steps, batch {ts['batch_size']} x up to {ts['seq_len']} tokens, AdamW lr {ts['lr']}, "
         f"seed {meta['seed']}, {s['train_seconds_this_run']:.0f} s",
-        f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}; held-out loss {s['eval_loss']:.3f} "
-        f"({s['eval_sequences']} sequences)",
+        _losses(s),
         f"- held-out top-1 agreement with the target's greedy token, per {per}: {agree}",
     ]
     if meta.get("acc"):
@@ -236,9 +241,30 @@ def _specdec_body(meta: dict) -> list[str]:
     return lines
 
 
+def _feature_data(meta: dict) -> list[str]:
+    """The Data section of a drafter trained on the feature set (DFlash, DSpark, MTP, P-EAGLE)."""
+    d, fs = meta["data"], meta["feature_settings"]
+    return ["", "## Data",
+            f"- {d['sequences']} sequences of the ShareGPT training slice ({d['tokens']:,} token positions): "
+            f"{d['answered']} first turns answered by the target itself (greedy, up to {fs['max_new_tokens']} tokens) "
+            f"and {d['sequences'] - d['answered']} whole conversations (up to {fs['max_tokens']} tokens); "
+            f"dropped: {d['dropped']}; feature set key {d['key']}"]
+
+
+def feature_meta(cfg, result: dict, target_name: str, data_meta: dict, command: str, **fields) -> dict:
+    """The drafter.json of a drafter trained on the feature set by the block, MTP and P-EAGLE
+    trainers: ``fields`` (its kind, vocabulary sizes), then its settings, data, training summary and
+    command."""
+    dr = cfg.drafter
+    return {**fields, "seed": int(cfg.seed), "drafter": {k: dr[k] for k in dr}, "data": data_meta,
+            "feature_settings": {k: cfg.features[k] for k in cfg.features},
+            "train_settings": {k: cfg.train[k] for k in cfg.train}, "train_summary": result["summary"],
+            "loss_curve_every_10_steps": result["loss_curve"], "command": command}
+
+
 def _dflash_body(meta: dict) -> list[str]:
     """The description, data and training sections of a DFlash card (``render`` adds the rest)."""
-    s, d, fs, ts, dr = meta["train_summary"], meta["data"], meta["feature_settings"], meta["train_settings"], meta["drafter"]
+    s, ts, dr = meta["train_summary"], meta["train_settings"], meta["drafter"]
     agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
     dspark = meta["kind"] == "dspark"
     heads = (f" + a {dr['markov_type']} Markov head of rank {dr['markov_rank']} and "
@@ -250,17 +276,12 @@ def _dflash_body(meta: dict) -> list[str]:
         f"layer(s) over [context ; block of {dr['block_size']}] -> the target's output layer{heads}; mask token "
         f"{s['mask_token_id']}. Only the drafter's own weights are stored ({s['trainable_params']:,} parameters, bf16); "
         "the embedding and output layer are the target's.",
-        "", "## Data",
-        f"- {d['sequences']} sequences of the ShareGPT training slice ({d['tokens']:,} token positions): "
-        f"{d['answered']} first turns answered by the target itself (greedy, up to {fs['max_new_tokens']} tokens) "
-        f"and {d['sequences'] - d['answered']} whole conversations (up to {fs['max_tokens']} tokens); "
-        f"dropped: {d['dropped']}; feature set key {d['key']}",
+        *_feature_data(meta),
         "", "## Training",
         f"- {s['steps']} steps, batch {ts['batch_size']} x up to {ts['seq_len']} tokens x {dr['anchors']} blocks, "
         f"AdamW lr {ts['lr']}, loss decay gamma {dr['gamma']}, layers initialised from the {dr.get('init')}, "
         f"seed {meta['seed']}; {s['trained_block_positions']:,} drafted positions seen",
-        f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}; held-out loss {s['eval_loss']:.3f} "
-        f"({s['eval_sequences']} sequences)",
+        _losses(s),
         f"- held-out top-1 agreement with the target's greedy token, per block slot: {agree}; expected accepted "
         f"drafts a block (chain product): {s['eval_expected_accepted']:.2f}"
         + (" (teacher-forced: the Markov head reads the data's previous tokens, not its own drafts)" if dspark else ""),
@@ -269,7 +290,7 @@ def _dflash_body(meta: dict) -> list[str]:
 
 def _mtp_body(meta: dict) -> list[str]:
     """The description, data and training sections of an MTP card."""
-    s, d, fs, ts, dr = meta["train_summary"], meta["data"], meta["feature_settings"], meta["train_settings"], meta["drafter"]
+    s, ts, dr = meta["train_summary"], meta["train_settings"], meta["drafter"]
     agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
     return [
         f"# {meta['name']}: MTP module for {meta['target']}", "",
@@ -277,17 +298,12 @@ def _mtp_body(meta: dict) -> list[str]:
         "token and the previous state, each normed, fused by `input_proj`, one decoder layer of the target's kind, a final "
         f"norm, the target's output layer; its normed output is fed back for the next draft. Only its own weights are "
         f"stored ({s['trainable_params']:,} parameters, bf16).",
-        "", "## Data",
-        f"- {d['sequences']} sequences of the ShareGPT training slice ({d['tokens']:,} token positions): "
-        f"{d['answered']} first turns answered by the target itself (greedy, up to {fs['max_new_tokens']} tokens) "
-        f"and {d['sequences'] - d['answered']} whole conversations (up to {fs['max_tokens']} tokens); "
-        f"dropped: {d['dropped']}; feature set key {d['key']}",
+        *_feature_data(meta),
         "", "## Training",
         f"- FastMTP's recipe: {dr['steps']} recursive steps, loss weights beta^k normalised (beta {dr['beta']}), soft "
         f"cross-entropy towards the target's distribution; {s['steps']} steps, batch {ts['batch_size']} x up to "
         f"{ts['seq_len']} tokens, AdamW lr {ts['lr']}, initialised from the {dr.get('init')}, seed {meta['seed']}",
-        f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}; held-out loss {s['eval_loss']:.3f} "
-        f"({s['eval_sequences']} sequences)",
+        _losses(s),
         f"- held-out top-1 agreement with the target's greedy token, per step (teacher-forced): {agree}; expected "
         f"accepted drafts a chain (product): {s['eval_expected_accepted']:.2f}",
     ]
@@ -295,7 +311,7 @@ def _mtp_body(meta: dict) -> list[str]:
 
 def _peagle_body(meta: dict) -> list[str]:
     """The description, data and training sections of a P-EAGLE card."""
-    s, d, fs, ts, dr = meta["train_summary"], meta["data"], meta["feature_settings"], meta["train_settings"], meta["drafter"]
+    s, ts, dr = meta["train_summary"], meta["train_settings"], meta["drafter"]
     agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
     return [
         f"# {meta['name']}: P-EAGLE drafter for {meta['target']}", "",
@@ -304,17 +320,12 @@ def _peagle_body(meta: dict) -> list[str]:
         f"mask slots (token {s['mask_token_id']}, a learned `mask_hidden` feature) drafting a step's {dr['depths']} "
         f"tokens in one forward -> its own head over {meta['draft_vocab']} draft tokens. Only its own weights are "
         f"stored ({s['trainable_params']:,} parameters, bf16); the embedding is the target's.",
-        "", "## Data",
-        f"- {d['sequences']} sequences of the ShareGPT training slice ({d['tokens']:,} token positions): "
-        f"{d['answered']} first turns answered by the target itself (greedy, up to {fs['max_new_tokens']} tokens) "
-        f"and {d['sequences'] - d['answered']} whole conversations (up to {fs['max_tokens']} tokens); "
-        f"dropped: {d['dropped']}; feature set key {d['key']}",
+        *_feature_data(meta),
         "", "## Training",
         f"- COD sampling (depth d keeps max({dr['down_sample']}^d, {dr['down_sample_min']}) of the chains), soft "
         f"cross-entropy towards the target's distribution; {s['steps']} steps, batch {ts['batch_size']} x up to "
         f"{ts['seq_len']} tokens, AdamW lr {ts['lr']}, seed {meta['seed']}",
-        f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}; held-out loss {s['eval_loss']:.3f} "
-        f"({s['eval_sequences']} sequences)",
+        _losses(s),
         f"- held-out top-1 agreement with the target's greedy token, per depth (teacher-forced): {agree}; expected "
         f"accepted drafts a step (product): {s['eval_expected_accepted']:.2f}",
     ]

@@ -109,11 +109,9 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
     from specbench.drafters.formats.mtp import save
     from specbench.train import card
 
-    model, dr, s = result["draft"], cfg.drafter, result["summary"]
-    meta = {"kind": "mtp", "name": dr.name, "target": target_name, "target_vocab_size": int(model.config.vocab_size),
-            "draft_vocab": int(model.config.vocab_size), "seed": int(cfg.seed), "drafter": {k: dr[k] for k in dr},
-            "data": data_meta, "feature_settings": {k: cfg.features[k] for k in cfg.features},
-            "train_settings": {k: cfg.train[k] for k in cfg.train}, "train_summary": s,
-            "loss_curve_every_10_steps": result["loss_curve"], "command": command}
+    model, dr = result["draft"], cfg.drafter
+    meta = card.feature_meta(cfg, result, target_name, data_meta, command,
+                             kind="mtp", name=dr.name, target=target_name,
+                             target_vocab_size=int(model.config.vocab_size), draft_vocab=int(model.config.vocab_size))
     save(out, model, steps=int(dr.steps))
     card.write(out, meta)
