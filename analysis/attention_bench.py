@@ -39,7 +39,7 @@ def _enable_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, sca
 
 def main(argv=None) -> int:
     from specbench import backends
-    from specbench.decode.draft import tree_geometry
+    from specbench.decode.tree import tree_geometry
     from specbench.decode.kv import RaggedCache
     from specbench.models import cached_model, model_cfg, resolve_device, resolve_dtype
     from specbench.decode.timing import sync

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.decode.verify import Sampling
 
 

@@ -27,7 +27,7 @@ from specbench import methods
 from specbench import backends
 from specbench.methods.base import BatchState, Proposer
 from specbench.methods import member_cfg
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.errors import ConfigError
 
 

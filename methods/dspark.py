@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.drafters import formats, randomize
 from specbench.errors import ConfigError
 from specbench.methods.dflash import DFlash

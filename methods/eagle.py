@@ -24,7 +24,7 @@ import torch
 from specbench.methods.base import BatchState, Proposer
 from specbench import drafters
 from specbench.drafters import formats
-from specbench.decode.draft import Draft, pad_rows
+from specbench.decode.tree import Draft, pad_rows
 from specbench.errors import ConfigError
 from specbench.paths import resolve_path
 

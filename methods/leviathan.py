@@ -16,7 +16,7 @@ from omegaconf import OmegaConf, open_dict
 from specbench.methods.base import BatchState, Proposer
 from specbench import backends, drafters
 from specbench.devices import to_device
-from specbench.decode.draft import Draft, pad_rows
+from specbench.decode.tree import Draft, pad_rows
 from specbench.decode.kv import RaggedCache
 from specbench.errors import ConfigError
 from specbench.hf import max_positions, text_config
@@ -25,24 +25,24 @@ from specbench.paths import CONF_DIR, resolve_path
 from specbench.decode.verify import greedy_pick, sample, warp
 
 
-# The drafts shipped for packaged targets (conf/draft/<name>.yaml), which draft=auto chooses.
+# The drafts shipped for packaged targets (conf/draft_model/<name>.yaml), which draft_model=auto chooses.
 SHIPPED = {"smollm2-135m": "smollm2-135m-draft"}
-SELF_LAYERS = 4  # draft=auto on any other target: its first 4 layers (at most all but one)
+SELF_LAYERS = 4  # draft_model=auto on any other target: its first 4 layers (at most all but one)
 
 
 def resolved(cfg):
-    """``cfg`` with ``draft=auto`` replaced by the draft it stands for: the shipped draft of a packaged
+    """``cfg`` with ``draft_model=auto`` replaced by the draft it stands for: the shipped draft of a packaged
     target, else the target's first layers. A draft setting the chosen draft does not take is refused
     in one line."""
-    d = cfg.draft
+    d = cfg.draft_model
     if d.name == "auto":
         shipped = None if cfg.model.get("path") or cfg.model.get("shape") else SHIPPED.get(str(cfg.model.name))
         if shipped is not None:
             if d.get("layers") is not None:
-                raise ConfigError(f"draft.layers={d.layers}: draft=auto runs the shipped draft {shipped} on "
-                                  f"{cfg.model.name}, which has its own layers; add draft=self_layers to draft with the "
+                raise ConfigError(f"draft_model.layers={d.layers}: draft_model=auto runs the shipped draft {shipped} on "
+                                  f"{cfg.model.name}, which has its own layers; add draft_model=self_layers to draft with the "
                                   f"target's first {d.layers} layers")
-            new = OmegaConf.load(CONF_DIR / "draft" / f"{shipped}.yaml")
+            new = OmegaConf.load(CONF_DIR / "draft_model" / f"{shipped}.yaml")
         else:
             n = d.get("layers")
             if n is None:
@@ -51,27 +51,27 @@ def resolved(cfg):
             new = OmegaConf.create({"name": "self_layers", "layers": n, "path": None})
         cfg = copy.deepcopy(cfg)
         with open_dict(cfg):
-            cfg.draft = new
+            cfg.draft_model = new
     elif d.name in ("trained", "hf") and d.get("layers") is not None:
-        raise ConfigError(f"draft.layers={d.layers} applies to draft=self_layers (the target's first layers); draft "
-                          f"{d.get('label') or d.path} has its own: drop draft.layers, or add draft=self_layers")
+        raise ConfigError(f"draft_model.layers={d.layers} applies to draft_model=self_layers (the target's first layers); draft "
+                          f"{d.get('label') or d.path} has its own: drop draft_model.layers, or add draft_model=self_layers")
     return cfg
 
 
 def trained_draft(cfg) -> str | None:
-    """The folder of a trained ``draft_lm`` checkpoint named by ``cfg.draft`` (or None)."""
-    if cfg.draft.name == "self_layers":
+    """The folder of a trained ``draft_lm`` checkpoint named by ``cfg.draft_model`` (or None)."""
+    if cfg.draft_model.name == "self_layers":
         return None
-    path = resolve_path(cfg.draft.path)
+    path = resolve_path(cfg.draft_model.path)
     return path if drafters.is_draft_checkpoint(path) else None
 
 
 def hf_draft_cfg(cfg):
     """The model config of the draft when it is a separate model (None for self_layers and
     trained drafter checkpoints)."""
-    if cfg.draft.name == "self_layers" or trained_draft(cfg):
+    if cfg.draft_model.name == "self_layers" or trained_draft(cfg):
         return None
-    return model_cfg(str(cfg.draft.path), cfg.model.get("attn_implementation"))
+    return model_cfg(str(cfg.draft_model.path), cfg.model.get("attn_implementation"))
 
 
 class Leviathan(Proposer):
@@ -86,15 +86,15 @@ class Leviathan(Proposer):
             drafters.check_fits(folder, cfg, target_config, "draft_lm", "draft")
         elif dm is None:
             n_layers = getattr(tc, "num_hidden_layers", None)
-            layers = cfg.draft.layers
+            layers = cfg.draft_model.layers
             if not isinstance(layers, int) or n_layers is not None and not 1 <= layers < n_layers:
-                raise ConfigError(f"draft.layers must be an integer in 1..{(n_layers or 2) - 1}, got {layers!r}")
+                raise ConfigError(f"draft_model.layers must be an integer in 1..{(n_layers or 2) - 1}, got {layers!r}")
         else:
             t_vocab = load_tokenizer(cfg.model).get_vocab()
             d_vocab = load_tokenizer(dm).get_vocab()
             if t_vocab != d_vocab:
                 diff = len(set(t_vocab.items()) ^ set(d_vocab.items()))
-                raise ConfigError(f"draft '{cfg.draft.path}' has another vocabulary than the target "
+                raise ConfigError(f"draft '{cfg.draft_model.path}' has another vocabulary than the target "
                                   f"({len(d_vocab)} vs {len(t_vocab)} tokens, {diff} entries differ)")
 
     @classmethod
@@ -107,9 +107,9 @@ class Leviathan(Proposer):
     @classmethod
     def draft_label(cls, cfg) -> str:
         cfg = resolved(cfg)
-        if cfg.draft.name == "self_layers":
-            return f"self_layers:{cfg.draft.layers}"
-        return str(cfg.draft.get("label") or cfg.draft.path)
+        if cfg.draft_model.name == "self_layers":
+            return f"self_layers:{cfg.draft_model.layers}"
+        return str(cfg.draft_model.get("label") or cfg.draft_model.path)
 
     @staticmethod
     def load_draft(cfg, target, device, dtype):
@@ -119,7 +119,7 @@ class Leviathan(Proposer):
             return drafters.load(folder, target, device, dtype, kind="draft_lm")
         dm = hf_draft_cfg(cfg)
         if dm is None:
-            return self_layers_draft(target, int(cfg.draft.layers))
+            return self_layers_draft(target, int(cfg.draft_model.layers))
         return cached_model(dm, device, dtype, backends.kernel_of(target))[0]  # on the target's kernel path
 
     @classmethod
@@ -143,7 +143,7 @@ class Leviathan(Proposer):
             return model_dir(dm)
         target = model_dir(cfg.model)
         folder = trained_draft(cfg)
-        src = folder or f"self_layers:{cfg.draft.layers}"
+        src = folder or f"self_layers:{cfg.draft_model.layers}"
         stamp = [str(p.stat().st_mtime_ns) for p in sorted(Path(folder or target).glob("*.safetensors"))]
         tag = hashlib.sha1(repr((target, src, stamp)).encode()).hexdigest()[:12]
         out = cache_dir() / "hf-drafts" / f"{Path(target).name}-{Path(src).name.replace(':', '')}-{tag}"
@@ -153,7 +153,7 @@ class Leviathan(Proposer):
 
                 own = load_file(str(Path(folder) / "model.safetensors"))
                 return hf_folder(target, out, int(drafters.read_meta(folder)["layers"]), own)
-            return hf_folder(target, out, int(cfg.draft.layers))
+            return hf_folder(target, out, int(cfg.draft_model.layers))
 
     def __init__(self, cfg, target, tokenizer, device, dtype, draft_model=None):
         super().__init__(cfg, target, tokenizer, device, dtype)

@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 
 from specbench.methods.base import BatchState, Proposer
-from specbench.decode.draft import Draft, prefix_tree
+from specbench.decode.tree import Draft, prefix_tree
 from specbench.errors import ConfigError
 from specbench.decode.verify import greedy_pick
 

@@ -26,7 +26,7 @@ import torch
 from specbench.methods.base import BatchState, Proposer
 from specbench import backends, drafters
 from specbench.drafters import formats
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.drafters.medusa import sparse_tree
 from specbench.errors import ConfigError
 from specbench.paths import resolve_path

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specbench.decode.draft import Draft, pad_rows
+from specbench.decode.tree import Draft, pad_rows
 from specbench.decode.kv import RaggedCache
 from specbench.drafters import formats, randomize
 from specbench.errors import ConfigError

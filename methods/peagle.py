@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specbench.decode.draft import Draft, pad_rows
+from specbench.decode.tree import Draft, pad_rows
 from specbench.drafters import formats, randomize
 from specbench.drafters.dflash import ContextCache
 from specbench.errors import ConfigError

@@ -9,7 +9,7 @@ costs O(new tokens x n-gram sizes) whatever the context length and batch size.""
 from __future__ import annotations
 
 from specbench.methods.base import BatchState, Proposer
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 
 
 def lookup(seq: list[int], K: int, max_ngram: int, min_ngram: int = 1, eos: set[int] = frozenset()) -> list[int]:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from specbench.methods.base import BatchState, Proposer
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.errors import ConfigError
 
 # nodes of the default tree: on the CPU's native kernel a verify takes its rows in passes of 4, so

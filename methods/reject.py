@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specbench.methods.base import BatchState, Proposer
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.errors import ConfigError
 
 

@@ -30,7 +30,7 @@ import torch
 
 from specbench.methods.base import BatchState, Proposer
 from specbench import suffix_index
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.errors import ConfigError
 from specbench.hf import text_config
 from specbench.paths import cache_dir, file_lock, resolve_path

@@ -27,7 +27,7 @@ import sys
 from specbench import methods
 from specbench.methods import member_cfg
 from specbench.methods.base import BatchState, Proposer
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.errors import ConfigError
 
 SEP = -1  # between corpus entries: no query holds it, so no match runs across two entries

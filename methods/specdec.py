@@ -15,7 +15,7 @@ import torch
 
 from specbench.methods.base import BatchState, Proposer
 from specbench import drafters
-from specbench.decode.draft import Draft, pad_rows
+from specbench.decode.tree import Draft, pad_rows
 from specbench.decode.kv import RaggedCache
 from specbench.errors import ConfigError
 from specbench.paths import resolve_path

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 
 from specbench.methods.base import BatchState, Proposer
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.errors import ConfigError
 
 

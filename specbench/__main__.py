@@ -1,16 +1,19 @@
 """`python -m specbench [key=value ...]`: a Hydra sweep over the product of comma lists.
 
 Before Hydra starts, config-group choices are checked (one-line error listing the
-choices), `draft=<hub id or folder>` is rewritten to `draft=hf draft.path=<...>`, and a method
-from another package (an entry point of ``specbench.methods``, or ``method=module:Class``) gets
-its settings into Hydra's config store as ``method/<name>``.
+choices), `draft_model=<hub id or folder>` is rewritten to `draft_model=hf draft_model.path=<...>`
+(`draft=`, its old name, still works and warns), and a method from another package (an entry
+point of ``specbench.methods``, or ``method=module:Class``) gets its settings into Hydra's config
+store as ``method/<name>``.
 """
 
 from __future__ import annotations
 
 import sys
 
-GROUPS = ("method", "model", "dataset", "draft", "logger")
+GROUPS = ("method", "model", "dataset", "draft_model", "logger")
+# Old config-group names -> today's: still read, with a warning, until the next release.
+RENAMED_GROUPS = {"draft": "draft_model"}
 
 
 def preprocess(argv: list[str]) -> list[str]:
@@ -26,6 +29,13 @@ def preprocess(argv: list[str]) -> list[str]:
     for arg in argv:
         key, eq, val = arg.partition("=")
         head, dot, rest = key.partition(".")
+        bare = head.lstrip("+~")
+        if eq and bare in RENAMED_GROUPS:
+            print(f"specbench: `{bare}` is now `{RENAMED_GROUPS[bare]}` (the old name goes in the next release)",
+                  file=sys.stderr)
+            head = head[:len(head) - len(bare)] + RENAMED_GROUPS[bare]
+            key = head + dot + rest
+            arg = f"{key}={val}"
         if eq and dot and head in known:  # eagle.depth=6 -> method.depth=6
             if swept != [head]:  # would reach the other methods' jobs too
                 raise ConfigError(f"{key}= needs method={head} alone (got method={','.join(swept or ['<default>'])}); "
@@ -35,11 +45,11 @@ def preprocess(argv: list[str]) -> list[str]:
         if eq and key in GROUPS:
             opts = methods.names() if key == "method" else group_options(key)
             vals = [v.strip() for v in val.split(",")]
-            if key == "draft" and any(v not in opts for v in vals):
+            if key == "draft_model" and any(v not in opts for v in vals):
                 if len(vals) > 1:
-                    raise ConfigError("draft= takes one hub id or folder at a time (or draft names: "
+                    raise ConfigError("draft_model= takes one hub id or folder at a time (or draft names: "
                                       f"{', '.join(opts)})")
-                out += ["draft=hf", f"draft.path={val}"]
+                out += ["draft_model=hf", f"draft_model.path={val}"]
                 continue
             bad = [v for v in vals if v not in opts and not (key == "method" and methods.is_target(v))]
             if bad:

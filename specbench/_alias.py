@@ -2,7 +2,8 @@
 the very module object of its new home (a plug-in's ``from methods.base import Proposer`` is
 specbench's ``Proposer``). The top-level ``methods`` and ``analysis`` (from a checkout: an install
 has only ``specbench.methods`` and ``specbench.analysis``), and the modules that moved into
-``specbench.decode``, ``specbench.run`` and ``specbench.engines.vllm`` (``MOVED``)."""
+``specbench.decode``, ``specbench.run`` and ``specbench.engines.vllm``, or were renamed there
+(``MOVED``)."""
 
 from __future__ import annotations
 
@@ -62,11 +63,11 @@ class _Alias(_Renamed):
 
 # specbench's modules before they were grouped into folders -> where they are now
 MOVED = {f"specbench.{old}": f"specbench.{new}" for old, new in {
-    "engine": "decode.engine", "kv": "decode.kv", "verify": "decode.verify", "draft": "decode.draft",
+    "engine": "decode.engine", "kv": "decode.kv", "verify": "decode.verify", "draft": "decode.tree",
     "hidden": "decode.hidden", "timing": "decode.timing", "runner": "run.runner", "measure": "run.measure",
     "validation": "run.validation", "schema": "run.schema", "records": "run.records", "summary": "run.summary",
     "tune": "run.tune", "quality": "run.quality", "data": "run.data", "monitor": "run.monitor",
-    "vllm_engine": "engines.vllm.engine"}.items()}
+    "vllm_engine": "engines.vllm.engine", "decode.draft": "decode.tree"}.items()}
 
 
 class _Moved(_Renamed):

@@ -10,7 +10,7 @@ engine shows a method each step, ``Draft`` what a method proposes (``Draft.chain
 """
 
 from specbench.methods.base import BatchState, MethodSpec, Proposer
-from specbench.decode.draft import Draft, prefix_tree
+from specbench.decode.tree import Draft, prefix_tree
 from specbench.errors import ConfigError
 from specbench.decode.verify import Sampling
 

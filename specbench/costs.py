@@ -42,7 +42,7 @@ def forward_times(model, bs: int, ns, ctx: int, device, dtype, reps: int, vocab:
         depth = torch.arange(n, device=device)[None].expand(bs, n)
         anc = None
         if tree and n > 2:  # node j's parent is (j - 1) // 2: two children a node
-            from specbench.decode.draft import tree_geometry
+            from specbench.decode.tree import tree_geometry
 
             parents = torch.tensor([(j - 1) // 2 for j in range(1, n)], device=device)[None].expand(bs, n - 1)
             depth, anc = tree_geometry(parents)

@@ -284,9 +284,9 @@ def self_layers_draft(target, n: int):
     base = getattr(target, "model", None)
     layers = getattr(base, "layers", None)
     if layers is None:
-        raise ConfigError(f"draft=self_layers needs a decoder with .model.layers; {type(target).__name__} has none")
+        raise ConfigError(f"draft_model=self_layers needs a decoder with .model.layers; {type(target).__name__} has none")
     if not 1 <= n < len(layers):
-        raise ConfigError(f"draft.layers must be in 1..{len(layers) - 1} (the target has {len(layers)} layers), got {n}")
+        raise ConfigError(f"draft_model.layers must be in 1..{len(layers) - 1} (the target has {len(layers)} layers), got {n}")
     cfg = copy.deepcopy(target.config)
     cfg.num_hidden_layers = n
     if getattr(cfg, "layer_types", None):
@@ -300,7 +300,7 @@ def self_layers_draft(target, n: int):
             setattr(draft, name, child)
     for name, buf in list(draft.named_buffers()) + list(draft.named_parameters()):
         if buf.device.type == "meta":
-            raise ConfigError(f"draft=self_layers: {name} could not be shared from the target")
+            raise ConfigError(f"draft_model=self_layers: {name} could not be shared from the target")
     draft.generation_config = copy.deepcopy(target.generation_config)
     backends.apply(draft, backends.kernel_of(target))  # the target's path; on native its own model loop over the fused layers
     return draft.eval()

@@ -135,7 +135,7 @@ def run(a, device, dtype, kernel: str) -> dict:
     qs = D.mt_bench()[: a.limit] + D.humaneval()[: a.limit]
     prompts = [D.render(tok, [], q.turns[0], chat) for q in qs]
     cfg = OmegaConf.create({"K": a.K, "method": {"name": "pld", "max_ngram": a.ngram, "min_ngram": 1},
-                            "draft": {"name": "self_layers", "layers": a.draft_layers}})
+                            "draft_model": {"name": "self_layers", "layers": a.draft_layers}})
     draft, draft_name = self_layers_draft(model, a.draft_layers), f"self_layers:{a.draft_layers}"
     print(f"[peers] {a.model} {dtype} ({kernel} linears) on {device}, {len(prompts)} prompts x {a.max_new} new tokens",
           file=sys.stderr)

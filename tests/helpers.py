@@ -59,7 +59,7 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def cfg_for(**kw):
-    base = {"K": 4, "method": {"name": "x", "max_ngram": 3, "min_ngram": 1}, "draft": {"name": "self_layers", "layers": 1}}
+    base = {"K": 4, "method": {"name": "x", "max_ngram": 3, "min_ngram": 1}, "draft_model": {"name": "self_layers", "layers": 1}}
     base.update(kw)
     return OmegaConf.create(base)
 

@@ -311,7 +311,7 @@ def test_gqa_attention_folds_queries_without_changing_the_forward(kernel, monkey
     pay no attention cost plain AR does not; logits as Hugging Face's."""
     import transformers.integrations.sdpa_attention as hf_sdpa
 
-    from specbench.decode.draft import tree_geometry
+    from specbench.decode.tree import tree_geometry
     from specbench.decode.kv import RaggedCache
 
     repeats = []
@@ -369,7 +369,7 @@ def test_llama_layers_take_the_fused_forward_and_keep_the_layer_semantics():
     a layer under autograd keeps Hugging Face's forward."""
     import copy
 
-    from specbench.decode.draft import tree_geometry
+    from specbench.decode.tree import tree_geometry
     from specbench.decode.kv import RaggedCache
 
     m, ref = tiny_llama(seed=2), tiny_llama(seed=2)
@@ -406,7 +406,7 @@ def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
     Hugging Face's loop (taken when the cache's layer gives no room), and as the blocks under
     Hugging Face's loop (taken when a layer has a hook: a tap on its output), on a ragged batch,
     through tree and chain forwards, rejected nodes and buffer growth past its first 64 slots."""
-    from specbench.decode.draft import tree_geometry
+    from specbench.decode.tree import tree_geometry
     from specbench.decode.hidden import Tap
     from specbench.decode.kv import RaggedCache
     from specbench.decode.slab import SlabLayer

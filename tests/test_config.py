@@ -23,7 +23,7 @@ from specbench.errors import ConfigError
 from conftest import REPO
 
 CONF = str(REPO / "conf")
-GROUPS = ["method", "model", "dataset", "draft", "logger", "accept"]
+GROUPS = ["method", "model", "dataset", "draft_model", "logger", "accept"]
 
 
 def composed(overrides=()):
@@ -37,8 +37,8 @@ def test_every_option_composes(group):
     assert opts
     for opt in opts:
         cfg = composed([f"{group}={opt}"])
-        if group == "draft":  # draft options name a kind: self_layers, hf, or a trained checkpoint
-            assert cfg.draft.name in ("auto", "self_layers", "hf", "trained")
+        if group == "draft_model":  # draft options name a kind: self_layers, hf, or a trained checkpoint
+            assert cfg.draft_model.name in ("auto", "self_layers", "hf", "trained")
         elif group == "model" and opt == "random":  # a random-weight model is named by its shape
             assert cfg.model.name == f"random-{cfg.model.shape}"
         else:
@@ -71,8 +71,18 @@ def test_preprocess_rejects_unknown_choices_and_rewrites_draft():
         preprocess(["model=llama9"])
     with pytest.raises(ConfigError, match="unknown dataset"):
         preprocess(["dataset=nope"])
-    assert preprocess(["draft=org/some-draft", "bs=1,2"]) == ["draft=hf", "draft.path=org/some-draft", "bs=1,2"]
-    assert preprocess(["draft=self_layers"]) == ["draft=self_layers"]
+    assert preprocess(["draft_model=org/some-draft", "bs=1,2"]) == ["draft_model=hf", "draft_model.path=org/some-draft", "bs=1,2"]
+    assert preprocess(["draft_model=self_layers"]) == ["draft_model=self_layers"]
+
+
+def test_the_old_draft_group_name_still_works_with_a_warning(capsys):
+    """``draft=`` was the draft model's group before it became ``draft_model=``: a command line
+    of the last release still runs, and says what to write instead."""
+    assert preprocess(["draft=org/some-draft"]) == ["draft_model=hf", "draft_model.path=org/some-draft"]
+    assert preprocess(["draft=self_layers", "draft.layers=2", "+draft.label=x"]) == [
+        "draft_model=self_layers", "draft_model.layers=2", "+draft_model.label=x"]
+    assert "`draft` is now `draft_model`" in capsys.readouterr().err
+    assert composed(preprocess(["draft=self_layers", "draft.layers=2"])).draft_model.layers == 2
 
 
 def register_fakes(monkeypatch, **classes):
@@ -85,7 +95,7 @@ def register_fakes(monkeypatch, **classes):
 
 def tiny_cfg(tiny_dirs, tmp_path, **over):
     # the sweep's AR run once (the default pairs every job with its own AR): tests ask for paired
-    cfg = composed(["model=hf", "dataset=jsonl", "draft=self_layers", "ar_baseline=sweep"])
+    cfg = composed(["model=hf", "dataset=jsonl", "draft_model=self_layers", "ar_baseline=sweep"])
     with open_dict(cfg):
         cfg.model.path = str(tiny_dirs["target"])
         cfg.dataset.path = str(tiny_dirs["questions"])
@@ -94,7 +104,7 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
         cfg.max_new_tokens = 12
         cfg.limit = 4
         cfg.progress = False
-        cfg.draft.layers = 1
+        cfg.draft_model.layers = 1
         for k, v in over.items():
             OmegaConf.update(cfg, k, v, force_add=True)
     return cfg
@@ -120,7 +130,7 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
     ({"limit": 0}, "limit must be an integer >= 1 or null, got 0"),
     ({"dataset.path": "???"}, "dataset=jsonl needs dataset.path=<...> (a .jsonl file of questions)"),
     ({"model.path": "???"}, "model=hf needs model.path=<...> (a hub id or a local folder)"),
-    ({"draft.layers": 0}, "draft.layers must be an integer >= 1 or null, got 0"),
+    ({"draft_model.layers": 0}, "draft_model.layers must be an integer >= 1 or null, got 0"),
     ({"dataset.path": "/no/such/file.jsonl"}, "does not exist"),
     ({"model.path": "/no/such/model"}, "model path '/no/such/model' does not exist"),
     ({"temperature": -1.0}, "temperature must be a number >= 0, got -1.0"),
@@ -130,7 +140,7 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
     ({"ar_baseline": "nearest"}, "unknown ar_baseline 'nearest'; choices: sweep, any, paired"),
     ({"top_p": 0.0}, "top_p must be a number in (0, 1]"),
     ({"method": {"name": "eagle9"}}, "unknown method 'eagle9'"),
-    ({"method": {"name": "leviathan"}, "draft.layers": 5}, "draft.layers must be an integer in 1..1"),
+    ({"method": {"name": "leviathan"}, "draft_model.layers": 5}, "draft_model.layers must be an integer in 1..1"),
     ({"method": {"name": "eagle", "version": 2, "top_k": "auto", "depth": 0, "total_tokens": "auto",
                  "checkpoint": "checkpoints/smollm2-135m/eagle"}}, "eagle.depth must be 'auto' or an integer >= 1"),
     ({"method": {"name": "eagle", "version": 3, "top_k": 4, "depth": 3, "total_tokens": 8,
@@ -210,7 +220,7 @@ def test_a_draft_model_with_fewer_positions_bounds_the_job(tiny_dirs, tmp_path):
     (short / "config.json").write_text(json.dumps(conf))
     cfg = tiny_cfg(tiny_dirs, tmp_path, ctx=40, method={"name": "leviathan"})
     with open_dict(cfg):
-        cfg.draft = {"name": "hf", "path": str(short), "layers": None}
+        cfg.draft_model = {"name": "hf", "path": str(short), "layers": None}
     runner.validate(cfg)  # 40 + 12 + 4 + 1 <= 64
     cfg.ctx = 50
     with pytest.raises(ConfigError, match="exceeds the 64 positions of the job's models"):
@@ -264,10 +274,10 @@ def test_shipped_model_configs_equal_the_converted_folders():
 def test_draft_with_another_vocabulary_is_refused(tiny_dirs, tmp_path):
     cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "leviathan"}})
     with open_dict(cfg):
-        cfg.draft = {"name": "hf", "path": str(tiny_dirs["other"]), "layers": None}
+        cfg.draft_model = {"name": "hf", "path": str(tiny_dirs["other"]), "layers": None}
     with pytest.raises(ConfigError, match="another vocabulary"):
         runner.validate(cfg)
-    cfg.draft.path = str(tiny_dirs["draft"])
+    cfg.draft_model.path = str(tiny_dirs["draft"])
     runner.validate(cfg)  # same vocabulary: fine
 
 
@@ -599,7 +609,7 @@ def test_cli_sweep_end_to_end(tiny_dirs, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "specbench", "ar_baseline=sweep", "model=hf", f"model.path={tiny_dirs['target']}", "dataset=jsonl",
          f"dataset.path={tiny_dirs['questions']}", "method=pld,leviathan", "bs=1,3", "K=2", "limit=3",
-         "max_new_tokens=8", "draft=self_layers", "draft.layers=1", f"results_dir={tmp_path}", "progress=false"],
+         "max_new_tokens=8", "draft_model=self_layers", "draft_model.layers=1", f"results_dir={tmp_path}", "progress=false"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     recs = R.read(tmp_path / "records.jsonl")
@@ -639,7 +649,7 @@ def test_kill_9_mid_sweep_then_resume(tiny_dirs, tmp_path):
 
     args = [sys.executable, "-m", "specbench", "ar_baseline=sweep", "model=hf", f"model.path={tiny_dirs['target']}", "dataset=jsonl",
             f"dataset.path={tiny_dirs['questions']}", "method=pld,leviathan", "K=1,2,3", "limit=4",
-            "max_new_tokens=48", "draft=self_layers", "draft.layers=1", f"results_dir={tmp_path}", "progress=false"]
+            "max_new_tokens=48", "draft_model=self_layers", "draft_model.layers=1", f"results_dir={tmp_path}", "progress=false"]
     path = tmp_path / "records.jsonl"
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = _time.time() + 240
@@ -664,8 +674,8 @@ def test_joblib_launcher_two_workers(tiny_dirs, tmp_path):
     whole, each AR baseline run exactly once and paired with its methods, then resume."""
     args = [sys.executable, "-m", "specbench", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "ar_baseline=sweep", "model=hf",
             f"model.path={tiny_dirs['target']}", "dataset=jsonl", f"dataset.path={tiny_dirs['questions']}",
-            "method=pld,leviathan", "bs=1,2", "K=2,3", "limit=3", "max_new_tokens=16", "draft=self_layers",
-            "draft.layers=1", f"results_dir={tmp_path}", "progress=false"]
+            "method=pld,leviathan", "bs=1,2", "K=2,3", "limit=3", "max_new_tokens=16", "draft_model=self_layers",
+            "draft_model.layers=1", f"results_dir={tmp_path}", "progress=false"]
     out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     recs = R.read(tmp_path / "records.jsonl")
@@ -702,13 +712,13 @@ def test_trained_draft_for_another_model_is_refused(tiny_dirs, tmp_path):
     (ck / "model.safetensors").write_bytes(b"")
     cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "leviathan"}})
     with open_dict(cfg):
-        cfg.draft = {"name": "hf", "path": str(ck), "layers": None}
+        cfg.draft_model = {"name": "hf", "path": str(ck), "layers": None}
     with pytest.raises(ConfigError, match="was trained for smollm2-135m"):
         runner.validate(cfg)
 
 
 def test_shipped_draft_config_points_at_a_checkpoint():
-    cfg = OmegaConf.load(REPO / "conf" / "draft" / "smollm2-135m-draft.yaml")
+    cfg = OmegaConf.load(REPO / "conf" / "draft_model" / "smollm2-135m-draft.yaml")
     from specbench.drafters import is_draft_checkpoint
 
     path = paths.resolve_path(cfg.path)
@@ -918,7 +928,7 @@ def test_chunked_prefill_is_recorded_pairs_its_own_ar_and_keeps_the_tokens(tiny_
 
 @pytest.mark.parametrize("arch", ["Qwen2", "Qwen3", "Mistral"])
 def test_the_default_draft_fits_any_target(tiny_dirs, tmp_path, arch):
-    """draft=auto (the default): the target's first layers on a model the shipped draft was not
+    """draft_model=auto (the default): the target's first layers on a model the shipped draft was not
     trained for, so leviathan runs (and stays token-identical) on any target; the shipped draft on
     the packaged SmolLM2; a setting the chosen draft does not take is refused in one line."""
     import shutil
@@ -943,7 +953,7 @@ def test_the_default_draft_fits_any_target(tiny_dirs, tmp_path, arch):
         cfg.model.path, cfg.dataset.path = str(folder), str(tiny_dirs["questions"])
         cfg.results_dir, cfg.records = str(tmp_path), str(tmp_path / "records.jsonl")
         cfg.limit, cfg.max_new_tokens, cfg.progress, cfg.K = 2, 8, False, 2
-    assert cfg.draft.name == "auto"
+    assert cfg.draft_model.name == "auto"
     if arch == "Qwen2":  # transformers reads a Qwen2 folder's tokenizer as Qwen2's BPE: our words vanish
         rec, = runner.job(cfg, sweep_id=arch)
         assert rec["status"] == "error" and "its prompt renders to no tokens with Qwen2Tokenizer" in rec["error"]
@@ -952,14 +962,14 @@ def test_the_default_draft_fits_any_target(tiny_dirs, tmp_path, arch):
     assert rec["status"] == "ok", rec["error"]
     assert rec["draft"] == "self_layers:2" and rec["metrics"]["match_ar"] == 1.0
     smol = composed(["method=leviathan"])
-    assert resolved(smol).draft.label == "smollm2-135m-draft"
+    assert resolved(smol).draft_model.label == "smollm2-135m-draft"
     assert Leviathan.draft_label(smol) == "smollm2-135m-draft"
     with open_dict(smol):
-        smol.draft.layers = 2
-    with pytest.raises(ConfigError, match="draft.layers=2: draft=auto runs the shipped draft smollm2-135m-draft"):
+        smol.draft_model.layers = 2
+    with pytest.raises(ConfigError, match="draft_model.layers=2: draft_model=auto runs the shipped draft smollm2-135m-draft"):
         resolved(smol)
-    trained = composed(["method=leviathan", "draft=smollm2-135m-draft", "draft.layers=2"])
-    with pytest.raises(ConfigError, match="draft.layers=2 applies to draft=self_layers"):
+    trained = composed(["method=leviathan", "draft_model=smollm2-135m-draft", "draft_model.layers=2"])
+    with pytest.raises(ConfigError, match="draft_model.layers=2 applies to draft_model=self_layers"):
         resolved(trained)
 
 
@@ -983,7 +993,7 @@ def test_the_submitit_launcher_runs_a_sweep(tiny_dirs, tmp_path):
 def test_an_ar_jobs_peak_memory_is_its_own_paired_or_alone(tiny_dirs, tmp_path):
     """Peak memory counts the run's own models and caches: AR paired with Leviathan (whose draft
     model is loaded beside it) reads what AR alone reads; the method's own peak adds its draft."""
-    over = {"method": {"name": "leviathan"}, "draft": {"name": "hf", "path": str(tiny_dirs["draft"]), "layers": None,
+    over = {"method": {"name": "leviathan"}, "draft_model": {"name": "hf", "path": str(tiny_dirs["draft"]), "layers": None,
                                                        "label": None}, "K": 2}
     ar_paired, lev = runner.job(tiny_cfg(tiny_dirs, tmp_path / "p", ar_baseline="paired", **over), sweep_id="p")
     alone, = runner.job(tiny_cfg(tiny_dirs, tmp_path / "a", **{"method": {"name": "ar"}}), sweep_id="a")

@@ -8,7 +8,7 @@ from specbench.methods.base import Proposer
 from specbench.methods.leviathan import Leviathan
 from specbench.methods.pld import NgramIndex, PromptLookup, lookup
 from specbench.methods.reject import Reject
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.models import self_layers_draft
 
 N_NEW = 24

@@ -11,7 +11,7 @@ from specbench.methods.eagle import Eagle
 from specbench.methods.medusa import Medusa
 from specbench import backends
 from specbench.backends import extension, packing
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.medusa import MedusaHeads, sparse_tree
 from specbench.decode.hidden import Tap

@@ -152,7 +152,7 @@ def test_the_moved_modules_keep_their_old_names_for_a_release():
     import sys
 
     code = ("import warnings; warnings.simplefilter('ignore')\n"
-            "import specbench.draft, specbench.decode.draft as new, specbench.runner, specbench.run.runner as r\n"
+            "import specbench.draft, specbench.decode.tree as new, specbench.runner, specbench.run.runner as r\n"
             "from specbench.vllm_engine import VllmRun\n"
             "print(specbench.draft is new, specbench.draft.Draft is new.Draft, specbench.runner is r)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True).stdout

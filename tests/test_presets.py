@@ -49,7 +49,7 @@ def test_every_preset_composes_into_valid_jobs(name):
 # The old Makefile targets' commands (before the presets): a preset runs the same jobs.
 OLD = {
     "regress": ["method=ar,pld,leviathan bs=1,3 K=3 limit=3 max_new_tokens=32 dataset=mt_bench dataset.order=file "
-                "draft=smollm2-135m-draft dtype=fp32 kernel=torch device=cpu ar_baseline=sweep progress=false "
+                "draft_model=smollm2-135m-draft dtype=fp32 kernel=torch device=cpu ar_baseline=sweep progress=false "
                 "results_dir=results/regress"],
     "search": ["method=lookahead,rest,specdec dataset=mt_bench dataset.order=file limit=10 max_new_tokens=128 dtype=fp32 "
                "progress=false results_dir=results/bench-search",

@@ -42,7 +42,7 @@ def build(tiny, tmp_path, monkeypatch):
         cls = methods.get(name)
         cfg = OmegaConf.create({"K": 3, "progress": False, "temperature": 0.0, "seed": 0,
                                 "model": {"name": "tiny", "path": str(folder)},
-                                "draft": {"name": "auto", "layers": None, "path": None},
+                                "draft_model": {"name": "auto", "layers": None, "path": None},
                                 "method": methods.defaults(name)})
         cfg = OmegaConf.merge(cfg, cls.tiny(model, tok, tmp_path / name))
         cls.check(cfg, model.config)

@@ -24,7 +24,7 @@ from specbench.methods import rest as R
 from specbench.methods.lookahead import Lookahead, Pool
 from specbench.methods.rest import Rest, build_datastore
 from specbench.methods.specdec import SpecDec
-from specbench.decode.draft import Draft, prefix_tree, tree_geometry
+from specbench.decode.tree import Draft, prefix_tree, tree_geometry
 from specbench.drafters.specdec import SpecDrafter
 from specbench.decode.verify import Sampling, verify
 

@@ -10,7 +10,7 @@ import torch
 
 import test_serving
 from helpers import serve_engine
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.decode.verify import Sampling, Synthetic, verify
 from test_config import tiny_cfg
 

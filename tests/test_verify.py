@@ -8,7 +8,7 @@ import torch
 
 from helpers import DEVICE, cfg_for, chi2_pvalue, run_engine, tiny_llama
 from specbench.methods.leviathan import Leviathan
-from specbench.decode.draft import Draft, tree_geometry
+from specbench.decode.tree import Draft, tree_geometry
 from specbench.decode.kv import RaggedCache
 from specbench.models import self_layers_draft
 from specbench.decode.verify import Sampling, verify, warp

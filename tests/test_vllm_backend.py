@@ -142,7 +142,7 @@ def _draft_lm(target, seed=0):
 
 def test_our_drafts_export_as_plain_hf_folders_with_our_scores(tiny_dirs, tmp_path):
     """vLLM's draft_model loads a plain HF folder: a trained DraftLM exported scores its draft
-    vocabulary as ours does (0 elsewhere), and draft=self_layers is the target's first layers."""
+    vocabulary as ours does (0 elsewhere), and draft_model=self_layers is the target's first layers."""
     from transformers import AutoModelForCausalLM
 
     from specbench.drafters.draft_lm import hf_folder

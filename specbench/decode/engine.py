@@ -22,7 +22,7 @@ import torch
 
 from specbench.methods.base import BatchState, Proposer
 from specbench.devices import to_device
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.decode.hidden import Hidden, Tap
 from specbench.decode.kv import RaggedCache
 from specbench.decode.timing import PhaseTimer, sync

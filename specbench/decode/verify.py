@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from specbench import accel
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 from specbench.decode.walk import Verdict, chain_keep, path_tensors, verdict, walk
 
 

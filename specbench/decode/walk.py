@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specbench.decode.draft import Draft
+from specbench.decode.tree import Draft
 
 
 @dataclass

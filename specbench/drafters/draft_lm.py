@@ -105,7 +105,7 @@ def hf_folder(target_dir: str, out, n_layers: int, own: dict | None = None) -> s
     """A plain HF causal-LM folder of a draft that reuses its target, for engines that load a draft
     model by path (vLLM's ``draft_model``): the target's config with ``n_layers`` layers, its
     tokenizer and embedding; the layers and final norm from ``own`` (a ``DraftLM`` checkpoint's
-    ``body.*`` weights) or else the target's first ``n_layers`` (``draft=self_layers``); the output
+    ``body.*`` weights) or else the target's first ``n_layers`` (``draft_model=self_layers``); the output
     layer the target's, untied. ``own``'s ``vocab_ids`` keep only those rows of it, the others
     zero: a plain head has no bias, so a token outside the draft vocabulary scores 0, not -inf
     (under greedy, drafted only when every draft-vocabulary logit is below 0). Written once (atomically)."""

@@ -1,4 +1,4 @@
-"""The run config's schema: every setting of conf/config.yaml and of the model, dataset and draft
+"""The run config's schema: every setting of conf/config.yaml and of the model, dataset and draft_model
 groups, with its type and range, declared once as dataclasses. ``check`` holds a composed config
 to it before anything loads, strictly (Hydra reads ``K=true`` as a boolean and ``K=1.5`` as a
 float; neither is an integer here), and says what is wrong in one line. A method's own settings
@@ -47,7 +47,7 @@ class Dataset:
 
 
 @dataclass
-class Draft:
+class DraftModel:
     name: str
     label: Optional[str]
     path: Optional[str] = setting(required_by=("hf",), doc="a hub id, a local folder or a trained checkpoint")
@@ -89,7 +89,7 @@ class Vllm:
 class Run:
     model: Model
     dataset: Dataset
-    draft: Draft
+    draft_model: DraftModel
     method: Any  # checked by the method
     logger: Any
     accept: Accept
