@@ -129,7 +129,10 @@ def equations(target, d, family, tokens, h, steps=2):
     mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
     state, out = h[:, :n], []
     for k in range(steps):
-        e, g = d.enorm(target.model.embed_tokens(tokens[:, k + 1:k + 1 + n])), d.hnorm(state)
+        e = target.model.embed_tokens(tokens[:, k + 1:k + 1 + n])
+        if family in ("deepseek", "mimo"):  # vLLM's modules read no token at position 0
+            e = torch.cat([torch.zeros_like(e[:, :1]), e[:, 1:]], 1)
+        e, g = d.enorm(e), d.hnorm(state)
         x = d.proj(torch.cat([g, e] if family == "mimo" else [e, g], -1))
         y = d.layer(x, attention_mask=mask, position_ids=pos, position_embeddings=target.model.rotary_emb(x, pos))
         y = y[0] if isinstance(y, tuple) else y
@@ -154,6 +157,22 @@ def test_native_modules_are_read_from_the_targets_checkpoint(tmp_path, family, m
             torch.testing.assert_close(got, want)
     prompts, refs = greedy_cases(target, 10)[4]
     assert [r.tokens for r in run_engine(target, prop, prompts, 10)] == refs
+
+
+@pytest.mark.parametrize("family, make", [("deepseek", tiny_deepseek), ("mimo", tiny_mimo),
+                                          ("speculators", tiny_qwen3)])
+def test_deepseek_and_mimo_modules_read_no_token_at_position_0(tmp_path, family, make):
+    """vLLM zeroes the embedding of the entry at position 0 for DeepSeek's and MiMo's modules (not
+    for speculators'): the first prompt token's state drafts the same whatever token follows it."""
+    target = make()
+    d = randomize(MTPDrafter(target, family), 1)
+    h = torch.randn(1, 3, d.config.hidden_size)
+    pos = torch.arange(3)[None]
+    with torch.no_grad():
+        a, b, c = (d(torch.tensor([t]), h, position_ids=pos, use_cache=False).out
+                   for t in ([5, 6, 7], [9, 6, 7], [5, 9, 7]))
+    assert torch.equal(a, b) == (family != "speculators")
+    assert not torch.allclose(a[:, 1:], c[:, 1:])  # position 1 reads its token in every family
 
 
 def test_deepseeks_own_head_is_kept_where_it_differs(tmp_path):

@@ -21,6 +21,9 @@ that norm). Families and their names:
     mimo         token_layernorm, hidden_layernorm, input_proj       final_layernorm, the target's lm_head
     speculators  as mimo, embedding first                            as mimo
 
+DeepSeek's and MiMo's entry at position 0 reads a zero embedding, as vLLM's ``deepseek_mtp``,
+``glm4_moe_mtp`` and ``mimo_mtp`` run them ("not needed by MTP"); the others read their token there.
+
 The decoder layer is the target's own class (``layer_class``), so its
 attention (MLA for DeepSeek), its MoE and its norms are transformers' code; it keeps its keys
 and values in a ``RaggedCache`` (cache layer 0), which this module's ``forward`` serves as a
@@ -94,6 +97,7 @@ class MTPDrafter(Drafter):
         self.family, self.config = family, cfg
         self.hidden_first = family == "mimo"
         self.feed_normed = family != "deepseek"
+        self.blank_first = family in ("deepseek", "mimo")
         self.enorm, self.hnorm = nn.RMSNorm(d, eps=eps), nn.RMSNorm(d, eps=eps)
         self.proj = nn.Linear(2 * d, d, bias=False)
         self.layer = layer_class(cfg)(cfg, layer_index(cfg))
@@ -109,9 +113,13 @@ class MTPDrafter(Drafter):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return (self.embedding if self.embedding is not None else self.target_embedding)(tokens)
 
-    def fuse(self, tokens: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """[B, n] tokens x_{i+1} and [B, n, d] states h_i -> the decoder layer's input [B, n, d]."""
-        e = self.enorm(self.embed(tokens).to(h.dtype))
+    def fuse(self, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, n] tokens x_{i+1} and [B, n, d] states h_i at ``positions`` i [B, n] -> the decoder
+        layer's input [B, n, d]."""
+        e = self.embed(tokens).to(h.dtype)
+        if self.blank_first and positions is not None:  # the entry at position 0 reads no token
+            e = e.masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        e = self.enorm(e)
         g = self.hnorm(h)
         return self.proj(torch.cat([g, e] if self.hidden_first else [e, g], dim=-1))
 
@@ -130,7 +138,7 @@ class MTPDrafter(Drafter):
         ``position_ids`` over the block's cached entries (``attention_mask``: the cache's additive
         mask [B, 1, n, W + n], or None for a plain causal one). Returns ``out`` [B, n', d], the
         decoder layer's outputs (the last ``logits_to_keep`` entries, or all)."""
-        x = self.fuse(input_ids, hidden)
+        x = self.fuse(input_ids, hidden, position_ids)
         if isinstance(attention_mask, dict):
             attention_mask = attention_mask["full_attention"]
         n = x.shape[1]
