@@ -103,11 +103,11 @@ def build_kit(kit: Path = KIT) -> dict:
 
 
 # ---------------------------------------------------------------------------- random drafters (there)
-KINDS = ("eagle", "eagle3", "medusa", "dflash", "dspark")
+KINDS = ("eagle", "eagle3", "medusa", "dflash", "dspark", "peagle", "mtp")
 
 
 def random_drafters(shape: str, device: str, dtype: str, tokenizer: str | None, out: Path) -> dict[str, Path]:
-    """Random EAGLE (EAGLE-1/2 layer), EAGLE-3, Medusa, DFlash and DSpark drafters of the right shapes
+    """Random EAGLE (EAGLE-1/2 layer), EAGLE-3, Medusa, DFlash, DSpark, P-EAGLE and MTP drafters of the right shapes
     for the random target ``model=random model.shape=<shape>``, saved as the loaders read them:
     {kind: folder}."""
     import torch
@@ -121,6 +121,10 @@ def random_drafters(shape: str, device: str, dtype: str, tokenizer: str | None, 
     from specbench.drafters.dspark import DSparkDrafter
     from specbench.drafters.formats.dflash import save as save_block
     from specbench.drafters.formats.eagle3 import save as save_eagle3
+    from specbench.drafters.formats.mtp import save as save_mtp
+    from specbench.drafters.formats.peagle import save as save_peagle
+    from specbench.drafters.mtp import MTPDrafter
+    from specbench.drafters.peagle import PEagleDrafter
     from specbench.models import load_model, resolve_device, resolve_dtype
     from specbench.paths import CONF_DIR
 
@@ -152,7 +156,14 @@ def random_drafters(shape: str, device: str, dtype: str, tokenizer: str | None, 
         save_block(folders["dflash"], df)
         ds = DSparkDrafter(target, block_layers(target.config, 5, mask, 7, ids), ids, 7, mask, "next", markov_rank=256).to(dev)
         save_block(folders["dspark"], ds)
-    del target, e, e3, m, df, ds
+        pc = layer_config(target.config, dv)
+        pc.num_hidden_layers = 2  # a deeper drafter than EAGLE-3's: its K drafts come from one forward
+        pe = PEagleDrafter(target, pc, dv, mask, 8).to(dev)
+        pe.d2t.copy_(e3.d2t)
+        save_peagle(folders["peagle"], pe)
+        mt = MTPDrafter(target, "speculators").to(dev)  # one module, as DeepSeek-V3 ships
+        save_mtp(folders["mtp"], mt, steps=3)
+    del target, e, e3, m, df, ds, pe, mt
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return folders
@@ -192,7 +203,9 @@ def plan(a, kit: Path, work: Path, drafts: dict[str, Path]) -> list[tuple[str, l
         ["method=medusa", f"medusa.checkpoint={drafts['medusa']}"],
         ["method=dflash", f"dflash.checkpoint={drafts['dflash']}"],
         ["method=dspark", f"dspark.checkpoint={drafts['dspark']}", "dspark.threshold=0.3"],
-        ["method=leviathan", "draft=self_layers", "draft.layers=2"])]
+        ["method=peagle", f"peagle.checkpoint={drafts['peagle']}", "peagle.K=4"],
+        ["method=mtp", f"mtp.checkpoint={drafts['mtp']}", "K=3"],
+        ["method=leviathan", "draft_model=self_layers", "draft_model.layers=2"])]
     continuous = [_sweep(base, ["method=pld", "batching=continuous", big]),
                   _sweep(base, ["method=eagle", f"eagle.checkpoint={drafts['eagle']}", "batching=continuous",
                                 "accept=synthetic", "accept.rates=0.8", big])]

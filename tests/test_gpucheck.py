@@ -51,7 +51,7 @@ def test_the_kit_and_the_dry_run_work_end_to_end(tmp_path):
     recs = [json.loads(line) for line in text.splitlines()]
     assert all(r["status"] == "ok" for r in recs), [r["error"] for r in recs if r["status"] != "ok"]
     synth = [r for r in recs if r.get("accept")]
-    assert {r["method"] for r in synth} == {"leviathan", "eagle", "medusa", "dflash", "dspark"}
+    assert {r["method"] for r in synth} == {"leviathan", "eagle", "medusa", "dflash", "dspark", "peagle", "mtp"}
     assert all(r["lossless"] is False and r["model"] == "random-tiny" for r in synth)
     real = [r for r in recs if r["method"] in ("pld", "lookahead", "suffix") and r["temperature"] == 0]
     assert real and all(r["metrics"]["match_ar"] == 1.0 for r in real)  # greedy on a random target: identical
