@@ -19,12 +19,6 @@ from specbench.analysis.tables import engines_table  # noqa: E402
 
 
 PHASES = ["prefill", "draft", "verify", "accept", "other"]
-
-
-PHASES = ["prefill", "draft", "verify", "accept", "other"]
-PHASE_COLORS = {"prefill": "#9e9e9e", "draft": "#4c72b0", "verify": "#dd8452", "accept": "#55a868", "other": "#c4c4c4"}
-
-
 PHASE_COLORS = {"prefill": "#9e9e9e", "draft": "#4c72b0", "verify": "#dd8452", "accept": "#55a868", "other": "#c4c4c4"}
 PALETTE = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c", "#ccb974"]
 
