@@ -83,7 +83,7 @@ class Leviathan(Proposer):
         tc = text_config(target_config)
         folder, dm = trained_draft(cfg), hf_draft_cfg(cfg)
         if folder:
-            drafters.check_fits(folder, cfg, target_config, "draft_lm", "draft")
+            drafters.check_fits(folder, cfg, target_config, "draft_lm", "draft_model")
         elif dm is None:
             n_layers = getattr(tc, "num_hidden_layers", None)
             layers = cfg.draft_model.layers
@@ -94,7 +94,7 @@ class Leviathan(Proposer):
             d_vocab = load_tokenizer(dm).get_vocab()
             if t_vocab != d_vocab:
                 diff = len(set(t_vocab.items()) ^ set(d_vocab.items()))
-                raise ConfigError(f"draft '{cfg.draft_model.path}' has another vocabulary than the target "
+                raise ConfigError(f"draft_model '{cfg.draft_model.path}' has another vocabulary than the target "
                                   f"({len(d_vocab)} vs {len(t_vocab)} tokens, {diff} entries differ)")
 
     @classmethod

@@ -30,12 +30,12 @@ def preprocess(argv: list[str]) -> list[str]:
         key, eq, val = arg.partition("=")
         head, dot, rest = key.partition(".")
         bare = head.lstrip("+~")
-        if eq and bare in RENAMED_GROUPS:
+        if bare in RENAMED_GROUPS and (eq or head.startswith("~")):
             print(f"specbench: `{bare}` is now `{RENAMED_GROUPS[bare]}` (the old name goes in the next release)",
                   file=sys.stderr)
             head = head[:len(head) - len(bare)] + RENAMED_GROUPS[bare]
             key = head + dot + rest
-            arg = f"{key}={val}"
+            arg = key + eq + val
         if eq and dot and head in known:  # eagle.depth=6 -> method.depth=6
             if swept != [head]:  # would reach the other methods' jobs too
                 raise ConfigError(f"{key}= needs method={head} alone (got method={','.join(swept or ['<default>'])}); "

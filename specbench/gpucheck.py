@@ -58,12 +58,12 @@ SIZES = {  # batch sizes, new tokens, profile points, suite selection, each step
              "profile_bs": "1,8,32,128", "profile_n": "1,2,4,8,16,32,64",
              "suite": ["tests/test_gpu.py", "tests/test_synthetic.py", "tests/test_engine.py", "tests/test_verify.py",
                        "tests/test_serving.py", "tests/test_feature_methods.py", "tests/test_training_free.py"],
-             "caps": {"suite": 90, "real": 70, "synthetic": 150, "continuous": 40, "profile": 60, "compile": 60,
+             "caps": {"suite": 90, "real": 70, "synthetic": 200, "continuous": 40, "profile": 60, "compile": 60,
                       "memory": 30, "report": 40}},
     "tiny": {"bs": "1,3", "tokens": 12, "ctx": [64], "mem_ctx": 256, "profile_bs": "1,3", "profile_n": "1,4",
              "suite": ["tests/test_synthetic.py::test_chain_acceptance_per_position_and_tau_match_the_rates",
                        "tests/test_gpu.py"],
-             "caps": {"suite": 120, "real": 240, "synthetic": 480, "continuous": 120, "profile": 120, "compile": 240,
+             "caps": {"suite": 120, "real": 240, "synthetic": 640, "continuous": 120, "profile": 120, "compile": 240,
                       "memory": 90, "report": 120}},
 }
 

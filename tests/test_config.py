@@ -16,7 +16,7 @@ from omegaconf import OmegaConf, open_dict
 from specbench import methods
 from specbench.run import records as R
 from specbench import hf, models, paths
-from specbench.run import measure, runner
+from specbench.run import measure, runner, schema
 from specbench.__main__ import preprocess
 from specbench.errors import ConfigError
 
@@ -82,7 +82,13 @@ def test_the_old_draft_group_name_still_works_with_a_warning(capsys):
     assert preprocess(["draft=self_layers", "draft.layers=2", "+draft.label=x"]) == [
         "draft_model=self_layers", "draft_model.layers=2", "+draft_model.label=x"]
     assert "`draft` is now `draft_model`" in capsys.readouterr().err
+    assert preprocess(["~draft.layers"]) == ["~draft_model.layers"]
     assert composed(preprocess(["draft=self_layers", "draft.layers=2"])).draft_model.layers == 2
+    cfg = composed()
+    with open_dict(cfg):
+        cfg.draft = {"name": "self_layers", "layers": 2}  # built in code with the old name: refused, not ignored
+    with pytest.raises(ConfigError, match="draft is now draft_model"):
+        schema.check(cfg)
 
 
 def register_fakes(monkeypatch, **classes):

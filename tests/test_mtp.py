@@ -130,7 +130,7 @@ def equations(target, d, family, tokens, h, steps=2):
     state, out = h[:, :n], []
     for k in range(steps):
         e = target.model.embed_tokens(tokens[:, k + 1:k + 1 + n])
-        if family in ("deepseek", "mimo"):  # vLLM's modules read no token at position 0
+        if family in ("deepseek", "mimo") and k == 0:  # vLLM's modules read no token at position 0
             e = torch.cat([torch.zeros_like(e[:, :1]), e[:, 1:]], 1)
         e, g = d.enorm(e), d.hnorm(state)
         x = d.proj(torch.cat([g, e] if family == "mimo" else [e, g], -1))

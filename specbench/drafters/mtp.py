@@ -157,13 +157,13 @@ class MTPDrafter(Drafter):
         training forward): step k's entry i reads x_{i+k+1} and, as its state, the target's h_i
         (k = 0) or step k-1's fed-back output at i; it predicts x_{i+k+2}. ``tokens`` [B, T],
         ``h`` [B, T, d]; returns per step the logits [B, T - k - 2 + 1 ..] of the entries whose
-        inputs exist (entry i for i + k + 1 < T), causal, positions 0.. ."""
+        inputs exist (entry i for i + k + 1 < T), causal, entry i of step k at position i + k."""
         B, T = tokens.shape
         n = T - steps - 1
         pos = torch.arange(n, device=h.device)[None].expand(B, n)
         state, out = h[:, :n], []
-        for k in range(steps):
-            y = self(tokens[:, k + 1:k + 1 + n], state, position_ids=pos, cache=None, use_cache=False).out
+        for k in range(steps):  # step k's entry i stands where its draft would: at position i + k
+            y = self(tokens[:, k + 1:k + 1 + n], state, position_ids=pos + k, cache=None, use_cache=False).out
             out.append(self.logits(y))
             state = self.fed_back(y)
         return out

@@ -191,6 +191,8 @@ def _check_node(node: DictConfig, schema, prefix: str, group: str | None) -> Non
 def check(cfg: DictConfig) -> None:
     """Hold a composed run config to ``Run``; one ConfigError line for the first setting that
     does not fit (its name, what it must be, what it got)."""
+    if "draft" in cfg:  # a config built in code with the group's old name: the job would run draft_model's default
+        raise ConfigError("draft is now draft_model: set cfg.draft_model (draft_model=... on the command line)")
     _check_node(cfg, Run, "", None)
     K = cfg.get("K")
     if K != "auto" and not (_is(K, int) and K >= 1):
