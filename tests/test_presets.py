@@ -31,6 +31,8 @@ def _needs(monkeypatch):
     """What presets ask for in ``needs``: a folder each (composing reads no weights)."""
     monkeypatch.setenv("EAGLE3", "checkpoints/smollm2-135m/eagle")
     monkeypatch.setenv("MTP", "checkpoints/smollm2-135m/mtp")
+    monkeypatch.setenv("DFLASH", "checkpoints/smollm2-135m/dflash")
+    monkeypatch.setenv("DSPARK", "checkpoints/smollm2-135m/dspark")
 
 
 @pytest.mark.parametrize("name", bench.names())
