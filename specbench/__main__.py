@@ -12,13 +12,12 @@ from __future__ import annotations
 import sys
 
 GROUPS = ("method", "model", "dataset", "draft_model", "logger")
-# Old config-group names -> today's: still read, with a warning, until the next release.
-RENAMED_GROUPS = {"draft": "draft_model"}
 
 
 def preprocess(argv: list[str]) -> list[str]:
     from specbench.errors import ConfigError
     from specbench.paths import group_options
+    from specbench.run.schema import RENAMED_GROUPS
 
     from specbench import methods
 

@@ -119,6 +119,15 @@ def greedy_cases(model, n_new: int) -> dict:
     return out
 
 
+def greedy_batch(model, bs: int, n_new: int) -> tuple[list, list]:
+    """Ragged prompts for a batch of ``bs`` rows and their greedy continuations: ``greedy_cases``'
+    for bs 1 and 4, else rows of 3..9 tokens."""
+    if bs in (1, 4):
+        return greedy_cases(model, n_new)[bs]
+    prompts = [[1 + (3 * b + j) % 90 for j in range(3 + b % 7)] for b in range(bs)]
+    return prompts, [reference_greedy(model, p, n_new) for p in prompts]
+
+
 def record_drafts(prop) -> list:
     """Wrap ``prop.propose``: the returned list gets, per step, (each row's sequence so far, the
     step's draft tokens), for tests that redraft every step from scratch."""

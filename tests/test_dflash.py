@@ -16,7 +16,7 @@ from specbench.drafters import formats, randomize
 from specbench.drafters.dflash import DFlashDrafter, default_layer_ids, exp_decay, layer_config, taps_of
 from specbench.errors import ConfigError
 from conftest import REPO
-from helpers import (DEVICE, record_drafts, assert_sampling_follows_the_target, copy_folder, edit_config, greedy_cases,
+from helpers import (DEVICE, record_drafts, assert_sampling_follows_the_target, copy_folder, edit_config, greedy_batch,
                      reference_greedy, rekey, run_engine, serve_engine, tiny_llama)
 from test_feature_methods import feature_setup, frozen_target8, patch_eval_slice  # noqa: F401 - a fixture
 
@@ -133,10 +133,7 @@ def test_the_drafter_cache_drafts_what_a_full_recompute_drafts(tmp_path, bs):
 def test_greedy_identity_at_any_batch_size(tmp_path, bs):
     target = tiny_llama(seed=2, layers=4, scale=4.0)
     prop = proposer(target, random_dflash(target, tmp_path / "d"), DEVICE)
-    prompts, refs = greedy_cases(target, 12)[bs] if bs in (1, 4) else (None, None)
-    if prompts is None:
-        prompts = [[1 + (3 * b + j) % 90 for j in range(3 + b % 7)] for b in range(bs)]
-        refs = [reference_greedy(target, p, 12) for p in prompts]
+    prompts, refs = greedy_batch(target, bs, 12)
     assert [r.tokens for r in run_engine(target, prop, prompts, 12)] == refs
 
 

@@ -16,7 +16,7 @@ from specbench.drafters.dflash import layer_config
 from specbench.drafters.dspark import DSparkDrafter
 from specbench.errors import ConfigError
 from conftest import REPO
-from helpers import (DEVICE, record_drafts, assert_sampling_follows_the_target, copy_folder, edit_config, greedy_cases,
+from helpers import (DEVICE, record_drafts, assert_sampling_follows_the_target, copy_folder, edit_config, greedy_batch,
                      reference_greedy, rekey, run_engine, serve_engine, tiny_llama)
 from test_feature_methods import feature_setup, frozen_target8, patch_eval_slice  # noqa: F401 - a fixture
 
@@ -159,10 +159,7 @@ def test_a_bonus_anchor_rnn_head_runs_its_state_through_the_anchor_slot():
 def test_greedy_identity_at_any_batch_size(tmp_path, bs):
     target = tiny_llama(seed=2, layers=4, scale=4.0)
     prop = proposer(target, random_dspark(target, tmp_path / "d", kind="gated"), DEVICE, threshold=0.4)
-    prompts, refs = greedy_cases(target, 12)[bs] if bs in (1, 4) else (None, None)
-    if prompts is None:
-        prompts = [[1 + (3 * b + j) % 90 for j in range(3 + b % 7)] for b in range(bs)]
-        refs = [reference_greedy(target, p, 12) for p in prompts]
+    prompts, refs = greedy_batch(target, bs, 12)
     assert [r.tokens for r in run_engine(target, prop, prompts, 12)] == refs
 
 
