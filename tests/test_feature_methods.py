@@ -368,6 +368,33 @@ def test_feature_set(feature_setup, monkeypatch):
     assert mtimes == {p: p.stat().st_mtime for p in fs.glob("shard_*.pt")}
 
 
+def test_a_feature_set_of_other_layers_reuses_the_answers(feature_setup, monkeypatch):
+    """Storing other layers of the same sequences costs a teacher pass only: the answered
+    sequences come from the set already built, and no token is generated again."""
+    target, tok, convs, cfg, root = feature_setup
+    features, fs = _features(feature_setup, monkeypatch)
+    from specbench.decode.engine import Engine
+
+    def no_generation(*a, **k):
+        raise AssertionError("answers generated again")
+
+    monkeypatch.setattr(Engine, "generate", no_generation)
+    other = OmegaConf.merge(cfg.features, {"layers": [1, "final"]})
+    fs2 = features.build(target, tok, "tiny", other, DEVICE, torch.float32, progress=False, convs=convs)
+    assert fs2 != fs
+    a, b = features.load(fs), features.load(fs2)
+    assert [x["tokens"].tolist() for x in a] == [x["tokens"].tolist() for x in b]
+    assert [x["prompt_len"] for x in a] == [x["prompt_len"] for x in b]
+    assert set(b[0]["hidden"]) == {"1", "final"}
+    with Tap(target, [1]) as tap:
+        target(b[0]["tokens"][None].long())
+        want = tap.take()[1][0]
+    assert torch.allclose(b[0]["hidden"]["1"].float(), want, atol=2e-2)
+    with pytest.raises(AssertionError, match="generated again"):  # other sequences: no donor
+        features.build(target, tok, "tiny", OmegaConf.merge(other, {"max_new_tokens": 9}), DEVICE, torch.float32,
+                       progress=False, convs=convs)
+
+
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_trainer_end_to_end(feature_setup, monkeypatch, kind):
     from specbench import drafters

@@ -33,10 +33,35 @@ from specbench.paths import cache_dir
 from specbench.train.distill import _norm, benchmark_texts, drop_overlap, load  # noqa: F401 - load: the shards
 
 
-def settings_key(target_name: str, fcfg) -> str:
-    spec = {k: fcfg[k] for k in sorted(fcfg) if k not in ("dir", "sources", "gen_bs", "teacher_bs")}
+_NOT_KEYED = ("dir", "sources", "gen_bs", "teacher_bs")
+
+
+def settings_key(target_name: str, fcfg, skip: tuple = ()) -> str:
+    spec = {k: fcfg[k] for k in sorted(fcfg) if k not in _NOT_KEYED + skip}
     raw = json.dumps({"target": target_name, **spec}, sort_keys=True, default=str)
     return hashlib.sha1(raw.encode()).hexdigest()[:12]
+
+
+def answers_key(target_name: str, fcfg) -> str:
+    """What fixes a shard's token sequences: every setting but the layers stored."""
+    return settings_key(target_name, fcfg, skip=("layers",))
+
+
+def sibling_with_answers(root: Path, target_name: str, fcfg) -> Path | None:
+    """Another feature set of the same target and sequences that stores other layers: its
+    shards' answered sequences are reused, so a new set of layers costs a teacher pass only."""
+    want = answers_key(target_name, fcfg)
+    for other in sorted(root.parent.glob(f"{target_name.replace('/', '_')}-*")):
+        if other == root:
+            continue
+        for name in ("settings.json", "meta.json"):
+            try:
+                got = json.loads((other / name).read_text())
+            except (OSError, ValueError):
+                continue
+            if got.get("target") == target_name and answers_key(target_name, got.get("settings", {})) == want:
+                return other
+    return None
 
 
 def eval_first_turns() -> set[str]:
@@ -129,6 +154,9 @@ def build(target, tokenizer, target_name: str, fcfg, device, dtype, chat: bool =
         torch.save(src, tmp)
         tmp.rename(src_path)
     items = src["items"]
+    (root / "settings.json").write_text(json.dumps({"target": target_name, "settings": {k: fcfg[k] for k in fcfg}},
+                                                   indent=1, default=str))
+    donor = sibling_with_answers(root, target_name, fcfg)
     layers = layer_names(fcfg)
     shard = int(fcfg.shard_size)
     n_shards = (len(items) + shard - 1) // shard
@@ -142,6 +170,10 @@ def build(target, tokenizer, target_name: str, fcfg, device, dtype, chat: bool =
             continue
         seqs = [it["tokens"] for it in part]
         ans = [j for j, it in enumerate(part) if it["answer"]]
+        if donor is not None and (donor / path.name).exists():
+            done = torch.load(donor / path.name, weights_only=False)
+            if [d["id"] for d in done] == [it["id"] for it in part]:
+                seqs, ans = [d["tokens"] for d in done], []
         gen = torch.Generator(device).manual_seed(int(fcfg.seed) + si)
         for s in range(0, len(ans), int(fcfg.gen_bs)):
             rows = ans[s:s + int(fcfg.gen_bs)]
