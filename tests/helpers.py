@@ -142,6 +142,30 @@ def record_drafts(prop) -> list:
     return steps
 
 
+def tiny_qwen3_next(seed: int = 0):
+    """A tiny random Qwen3-Next (a linear-attention layer, then a full-attention MoE layer; its
+    RMSNorms scale by 1 + w, so theirs are drawn near 0), on the CPU."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                          shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                          layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+                          linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                          max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                          pad_token_id=0)
+    from specbench.drafters import randomize
+
+    m = randomize(Qwen3NextForCausalLM(cfg), seed).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    m.generation_config.eos_token_id = None
+    return m
+
+
 def copy_folder(src, dest_parent):
     """A copy of the checkpoint folder ``src`` under ``dest_parent`` (to break it in a test)."""
     import shutil

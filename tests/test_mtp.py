@@ -16,7 +16,7 @@ from specbench.drafters import formats, randomize
 from specbench.drafters.mtp import MTPDrafter
 from specbench.errors import ConfigError
 from conftest import REPO
-from helpers import (DEVICE, record_drafts, assert_sampling_follows_the_target, copy_folder, edit_config, greedy_batch, greedy_cases,
+from helpers import (DEVICE, tiny_qwen3_next, record_drafts, assert_sampling_follows_the_target, copy_folder, edit_config, greedy_batch, greedy_cases,
                      reference_greedy, rekey, run_engine, serve_engine, tiny_llama, tiny_qwen3)
 from test_feature_methods import feature_setup, frozen_target8, patch_eval_slice  # noqa: F401 - a fixture
 
@@ -358,15 +358,7 @@ def test_the_moe_router_stays_fp32_in_a_bf16_run(tmp_path):
 
 def test_qwen3_next_norms_scale_by_one_plus_their_weight(tmp_path):
     """Qwen3-Next's (and Qwen3.5's) RMSNorms scale by 1 + w: the fusion's and final norms are read so."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    cfg = Qwen3NextConfig(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                          shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                          layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
-                          linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-                          max_position_embeddings=512, tie_word_embeddings=False)
-    target = randomize(Qwen3NextForCausalLM(cfg), 0).eval()
+    target = tiny_qwen3_next(seed=0)
     folder = native_folder(target, tmp_path / "t", "qwen3_next")
     edit_config(folder, num_nextn_predict_layers=None, mtp_num_hidden_layers=1)
     from safetensors.torch import load_file
@@ -376,6 +368,24 @@ def test_qwen3_next_norms_scale_by_one_plus_their_weight(tmp_path):
     assert d.family == "qwen3_next" and type(d.layer).__name__ == "Qwen3NextDecoderLayer"
     torch.testing.assert_close(d.enorm.weight, raw["mtp.pre_fc_norm_embedding.weight"] + 1)
     torch.testing.assert_close(d.norm.weight, raw["mtp.norm.weight"] + 1)
+
+
+def test_a_native_qwen3_next_module_gives_what_speculators_reads_from_it():
+    """The native Qwen3-Next fixture (``make_reference.py qwen3-next-mtp``): speculators' converter
+    and MTP model read its ``mtp.*`` keys; our loader reads the same folder to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    folder = REPO / "tests/fixtures/qwen3-next-mtp"
+    ref = torch.load(folder / "reference.pt")
+    target = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokens = ref["tokens"][None]
+    torch.testing.assert_close(final_states(target, tokens)[0], ref["hidden"], atol=1e-5, rtol=1e-5)
+    assert formats.detect(folder) == "native-mtp"
+    d = formats.mtp.load(folder, target, CPU, torch.float32)
+    assert d.family == "qwen3_next" and type(d.layer).__name__ == "Qwen3NextDecoderLayer" and not d.blank_first
+    with torch.no_grad():
+        for got, want in zip(d.train_logits(tokens, ref["hidden"][None], 2), ref["logits"], strict=True):
+            torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-5)
 
 
 def test_keys_outside_the_speculators_layout_are_refused(tmp_path):
