@@ -23,8 +23,6 @@ and the expected accepted drafts a block (the chain's product of agreements, sum
 
 from __future__ import annotations
 
-import random
-import time
 from pathlib import Path
 
 import torch
@@ -34,7 +32,7 @@ from specbench.drafters.dflash import DFlashDrafter, default_layer_ids, exp_deca
 from specbench.drafters.dspark import DSparkDrafter
 from specbench.errors import ConfigError
 from specbench.train.heads import collate
-from specbench.train.loop import batches, fit, held_out
+from specbench.train.loop import fit_and_score
 
 
 def layer_ids(dr, num_target_layers: int) -> list[int]:
@@ -130,7 +128,6 @@ def build(dr, tc, target, ids: list[int], block: int, mask: int) -> DFlashDrafte
 def train(cfg, target, tokenizer, items: list[dict], out: Path, device, progress: bool = True) -> dict:
     tcfg, dr = cfg.train, cfg.drafter
     torch.manual_seed(int(cfg.seed))
-    rng = random.Random(int(cfg.seed))
     gen = torch.Generator().manual_seed(int(cfg.seed))
     tc = target.config.get_text_config()
     ids, block = layer_ids(dr, int(tc.num_hidden_layers)), int(dr.block_size)
@@ -149,11 +146,7 @@ def train(cfg, target, tokenizer, items: list[dict], out: Path, device, progress
     model.to(device)
     head = target.get_output_embeddings()
     weights = exp_decay(block, float(dr.gamma), model.anchor)
-    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
-    evals, trains = items[:n_eval], items[n_eval:]
-    params = [p for p in model.parameters() if p.requires_grad]
-    bs, L, A = int(tcfg.batch_size), int(tcfg.seq_len), int(dr.anchors)
-    it = batches(trains, bs, L, rng)
+    L, A = int(tcfg.seq_len), int(dr.anchors)
 
     def loss_of(batch):
         tok, taps, valid = collate(batch, L, device, layers=model.taps)
@@ -161,23 +154,13 @@ def train(cfg, target, tokenizer, items: list[dict], out: Path, device, progress
         return dflash_loss(model, tok, taps, fin, valid, pick_anchors(valid, A, gen), weights, head,
                            float(dr.get("confidence_alpha", 1.0)))
 
-    def step(skip=False):
-        b = next(it)
-        if skip:
-            pick_anchors(collate(b, L, "cpu")[2], A, gen)  # the anchors' draws replay too
-            return None
-        return loss_of(b)
+    def replay(batch):  # a skipped step's anchor draws
+        pick_anchors(collate(batch, L, "cpu")[2], A, gen)
 
-    t0 = time.time()
-    history = fit(model, params, step, tcfg, out / "_train_state.pt", bool(cfg.resume), f"train {dr.name}", progress)
-    train_s = time.time() - t0
-    ev = held_out(model, loss_of, evals, bs, history)
-    positions = int(tcfg.steps) * bs * A * model.drafts
-    summary = {"steps": int(tcfg.steps), **ev,
-               "trained_block_positions": positions, "train_seconds_this_run": train_s,
-               "eval_sequences": len(evals), "train_sequences": len(trains),
-               "trainable_params": sum(p.numel() for p in params), "mask_token_id": mask, "target_layer_ids": ids}
-    return {"draft": model, "summary": summary, "extra": {}, "loss_curve": [round(h[0], 4) for h in history[::10]]}
+    res = fit_and_score(cfg, model, items, out, loss_of, progress, replay)
+    res["summary"] |= {"trained_block_positions": int(tcfg.steps) * int(tcfg.batch_size) * A * model.drafts,
+                       "mask_token_id": mask, "target_layer_ids": ids}
+    return {"draft": model, "extra": {}, **res}
 
 
 def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, command: str) -> None:

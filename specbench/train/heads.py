@@ -33,7 +33,7 @@ from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.eagle3 import Eagle3Drafter, layer_config
 from specbench.drafters.medusa import MedusaHeads, sparse_tree
 from specbench.train import card
-from specbench.train.loop import fit
+from specbench.train.loop import batches, fit
 
 RANKS = 10  # Medusa per-rank accuracies measured for the tree
 
@@ -158,16 +158,8 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], device, prog
     n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
     evals, trains = items[:n_eval], items[n_eval:]
     params = [p for p in model.parameters() if p.requires_grad]
-    order = list(range(len(trains)))
     bs, L = int(tcfg.batch_size), int(tcfg.seq_len)
-
-    def batches():
-        while True:
-            rng.shuffle(order)
-            for s in range(0, len(order) - bs + 1, bs):
-                yield [trains[i] for i in order[s:s + bs]]
-
-    it = batches()
+    it = batches(trains, bs, L, rng)
 
     def loss_of(batch, steps=None):
         if dr.kind == "eagle3":

@@ -209,3 +209,33 @@ def held_out(model, loss_of, evals: list, batch_size: int, history: list) -> dic
     last = history[-min(20, len(history)):] if history else [(math.nan,)]
     return {"train_loss_last20": sum(h[0] for h in last) / len(last), "eval_loss": ev[0], "eval_top1_agreement": ev[1:],
             "eval_expected_accepted": sum(math.prod(ev[1:k + 1]) for k in range(1, len(ev)))}
+
+
+def fit_and_score(cfg, model, items: list[dict], out: Path, loss_of, progress: bool = True, replay=None) -> dict:
+    """The feature trainers' loop around ``fit``: the first ``train.eval_frac`` of the sequences are
+    held out; the model fits batches of the rest (``loss_of(batch)`` -> (loss, *agreements); on a
+    resumed run ``replay(batch)`` redraws a skipped step's random draws); then ``held_out`` scores
+    it. Returns the summary's shared fields and the loss curve (every 10th step)."""
+    tcfg = cfg.train
+    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
+    evals, trains = items[:n_eval], items[n_eval:]
+    params = [p for p in model.parameters() if p.requires_grad]
+    bs = int(tcfg.batch_size)
+    it = batches(trains, bs, int(tcfg.seq_len), random.Random(int(cfg.seed)))
+
+    def step(skip=False):
+        b = next(it)
+        if skip:
+            if replay is not None:
+                replay(b)
+            return None
+        return loss_of(b)
+
+    t0 = time.time()
+    history = fit(model, params, step, tcfg, out / "_train_state.pt", bool(cfg.resume), f"train {cfg.drafter.name}",
+                  progress)
+    train_s = time.time() - t0
+    summary = {"steps": int(tcfg.steps), **held_out(model, loss_of, evals, bs, history),
+               "train_seconds_this_run": train_s, "eval_sequences": len(evals), "train_sequences": len(trains),
+               "trainable_params": sum(p.numel() for p in params)}
+    return {"summary": summary, "loss_curve": [round(h[0], 4) for h in history[::10]]}

@@ -18,8 +18,6 @@ and the expected accepted drafts of a chain (the product of agreements, summed).
 
 from __future__ import annotations
 
-import random
-import time
 from pathlib import Path
 
 import torch
@@ -28,7 +26,7 @@ import torch.nn.functional as F
 from specbench.drafters.mtp import MTPDrafter
 from specbench.errors import ConfigError
 from specbench.train.heads import collate
-from specbench.train.loop import batches, fit, held_out
+from specbench.train.loop import fit_and_score
 
 
 def step_weights(beta: float, steps: int) -> torch.Tensor:
@@ -74,34 +72,19 @@ def mtp_loss(model: MTPDrafter, tok, fin, valid, weights, head, steps: int):
 def train(cfg, target, items: list[dict], out: Path, device, progress: bool = True) -> dict:
     tcfg, dr = cfg.train, cfg.drafter
     torch.manual_seed(int(cfg.seed))
-    rng = random.Random(int(cfg.seed))
     steps = int(dr.steps)
     model = build(target, str(dr.get("init", "target"))).to(device)
     head = target.get_output_embeddings()
     weights = step_weights(float(dr.beta), steps).to(device)
-    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
-    evals, trains = items[:n_eval], items[n_eval:]
-    params = [p for p in model.parameters() if p.requires_grad]
     bs, L = int(tcfg.batch_size), int(tcfg.seq_len)
-    it = batches(trains, bs, L, rng)
 
     def loss_of(batch):
         tok, fin, valid = collate(batch, L, device)
         return mtp_loss(model, tok, fin, valid, weights, head, steps)
 
-    def step(skip=False):
-        b = next(it)
-        return None if skip else loss_of(b)
-
-    t0 = time.time()
-    history = fit(model, params, step, tcfg, out / "_train_state.pt", bool(cfg.resume), f"train {dr.name}", progress)
-    train_s = time.time() - t0
-    ev = held_out(model, loss_of, evals, bs, history)
-    summary = {"steps": int(tcfg.steps), **ev,
-               "trained_positions": int(tcfg.steps) * bs * L * steps, "train_seconds_this_run": train_s,
-               "eval_sequences": len(evals), "train_sequences": len(trains), "step_weights": weights.tolist(),
-               "trainable_params": sum(p.numel() for p in params)}
-    return {"draft": model, "summary": summary, "loss_curve": [round(h[0], 4) for h in history[::10]]}
+    res = fit_and_score(cfg, model, items, out, loss_of, progress)
+    res["summary"] |= {"trained_positions": int(tcfg.steps) * bs * L * steps, "step_weights": weights.tolist()}
+    return {"draft": model, **res}
 
 
 def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, command: str) -> None:

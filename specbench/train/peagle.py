@@ -17,8 +17,6 @@ depth (teacher-forced: each slot's anchor chain is the data's).
 
 from __future__ import annotations
 
-import random
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +28,7 @@ from specbench.drafters.peagle import PEagleDrafter
 from specbench.errors import ConfigError
 from specbench.train.dflash import mask_token
 from specbench.train.heads import collate
-from specbench.train.loop import batches, fit, held_out
+from specbench.train.loop import fit_and_score
 
 
 def cod_entries(n: int, depths: int, ratio: float, ratio_min: float, gen: torch.Generator) -> tuple:
@@ -78,7 +76,6 @@ def peagle_loss(model: PEagleDrafter, tok, taps, fin, valid, head_rows, dr, gen)
 def train(cfg, target, tokenizer, items: list[dict], out: Path, eos: set[int], device, progress: bool = True) -> dict:
     tcfg, dr = cfg.train, cfg.drafter
     torch.manual_seed(int(cfg.seed))
-    rng = random.Random(int(cfg.seed))
     gen = torch.Generator().manual_seed(int(cfg.seed))
     tc = target.config.get_text_config()
     V = int(tc.vocab_size)
@@ -95,35 +92,22 @@ def train(cfg, target, tokenizer, items: list[dict], out: Path, eos: set[int], d
         model.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
     model.to(device)
     head_rows = target.get_output_embeddings().weight.detach()[vocab_ids.to(device)].float()
-    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
-    evals, trains = items[:n_eval], items[n_eval:]
-    params = [p for p in model.parameters() if p.requires_grad]
-    bs, L = int(tcfg.batch_size), int(tcfg.seq_len)
-    it = batches(trains, bs, L, rng)
+    L = int(tcfg.seq_len)
 
     def loss_of(batch):
         tok, taps, valid = collate(batch, L, device, layers=model.taps)
         fin = collate(batch, L, device)[1]
         return peagle_loss(model, tok, taps, fin, valid, head_rows, dr, gen)
 
-    def step(skip=False):
-        b = next(it)
-        if skip:  # the COD draws replay too
-            for v in collate(b, L, "cpu")[2]:
-                n = int(v.sum()) - 2
-                if n >= 1:
-                    cod_entries(n, int(dr.depths), float(dr.down_sample), float(dr.down_sample_min), gen)
-            return None
-        return loss_of(b)
+    def replay(batch):  # a skipped step's COD draws
+        for v in collate(batch, L, "cpu")[2]:
+            n = int(v.sum()) - 2
+            if n >= 1:
+                cod_entries(n, int(dr.depths), float(dr.down_sample), float(dr.down_sample_min), gen)
 
-    t0 = time.time()
-    history = fit(model, params, step, tcfg, out / "_train_state.pt", bool(cfg.resume), f"train {dr.name}", progress)
-    train_s = time.time() - t0
-    ev = held_out(model, loss_of, evals, bs, history)
-    summary = {"steps": int(tcfg.steps), **ev,
-               "train_seconds_this_run": train_s, "eval_sequences": len(evals), "train_sequences": len(trains),
-               "trainable_params": sum(p.numel() for p in params), "draft_vocab": len(vocab_ids), "mask_token_id": mask}
-    return {"draft": model, "summary": summary, "loss_curve": [round(h[0], 4) for h in history[::10]]}
+    res = fit_and_score(cfg, model, items, out, loss_of, progress, replay)
+    res["summary"] |= {"draft_vocab": len(vocab_ids), "mask_token_id": mask}
+    return {"draft": model, **res}
 
 
 def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, command: str) -> None:
