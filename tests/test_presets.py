@@ -33,6 +33,7 @@ def _needs(monkeypatch):
     monkeypatch.setenv("MTP", "checkpoints/smollm2-135m/mtp")
     monkeypatch.setenv("DFLASH", "checkpoints/smollm2-135m/dflash")
     monkeypatch.setenv("DSPARK", "checkpoints/smollm2-135m/dspark")
+    monkeypatch.setenv("PEAGLE", "checkpoints/smollm2-135m/peagle")
 
 
 @pytest.mark.parametrize("name", bench.names())
