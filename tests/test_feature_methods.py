@@ -371,6 +371,8 @@ def test_feature_set(feature_setup, monkeypatch):
 def test_a_feature_set_of_other_layers_reuses_the_answers(feature_setup, monkeypatch):
     """Storing other layers of the same sequences costs a teacher pass only: the answered
     sequences come from the set already built, and no token is generated again."""
+    import json
+
     target, tok, convs, cfg, root = feature_setup
     features, fs = _features(feature_setup, monkeypatch)
     from specbench.decode.engine import Engine
@@ -390,9 +392,20 @@ def test_a_feature_set_of_other_layers_reuses_the_answers(feature_setup, monkeyp
         target(b[0]["tokens"][None].long())
         want = tap.take()[1][0]
     assert torch.allclose(b[0]["hidden"]["1"].float(), want, atol=2e-2)
-    with pytest.raises(AssertionError, match="generated again"):  # other sequences: no donor
-        features.build(target, tok, "tiny", OmegaConf.merge(other, {"max_new_tokens": 9}), DEVICE, torch.float32,
-                       progress=False, convs=convs)
+    assert json.loads((fs2 / "meta.json").read_text())["answers_from"] == {p.name: fs.name for p in fs.glob("shard_*")}
+    # no donor: other sequences, another rendering, or the same ids with other prompt tokens
+    for change, kw in (({"max_new_tokens": 9}, {}), ({"layers": [2, "final"]}, {"chat": False})):
+        with pytest.raises(AssertionError, match="generated again"):
+            features.build(target, tok, "tiny", OmegaConf.merge(other, change), DEVICE, torch.float32, progress=False,
+                           convs=convs, **kw)
+    src = torch.load(fs / "sources.pt", weights_only=False)
+    j = next(i for i, it in enumerate(src["items"]) if it["answer"])
+    src["items"][j]["tokens"] = src["items"][j]["tokens"].flip(0)
+    torch.save(src, root / "other-sources.pt")
+    with pytest.raises(AssertionError, match="generated again"):
+        features.build(target, tok, "tiny", OmegaConf.merge(other, {"layers": [3, "final"],
+                                                                    "sources": str(root / "other-sources.pt")}),
+                       DEVICE, torch.float32, progress=False, convs=convs)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])

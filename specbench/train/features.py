@@ -47,10 +47,12 @@ def answers_key(target_name: str, fcfg) -> str:
     return settings_key(target_name, fcfg, skip=("layers",))
 
 
-def sibling_with_answers(root: Path, target_name: str, fcfg) -> Path | None:
-    """Another feature set of the same target and sequences that stores other layers: its
-    shards' answered sequences are reused, so a new set of layers costs a teacher pass only."""
-    want = answers_key(target_name, fcfg)
+def siblings_with_answers(root: Path, target_name: str, fcfg, made: dict) -> list[Path]:
+    """Other feature sets of the same target, settings and way of answering (``made``: the dtype
+    and chat rendering) that store other layers: their shards' answered sequences can be reused,
+    so a new set of layers costs a teacher pass only. Each shard is checked item by item
+    (``answers_of``) before its sequences are taken."""
+    want, found = answers_key(target_name, fcfg), []
     for other in sorted(root.parent.glob(f"{target_name.replace('/', '_')}-*")):
         if other == root:
             continue
@@ -59,9 +61,32 @@ def sibling_with_answers(root: Path, target_name: str, fcfg) -> Path | None:
                 got = json.loads((other / name).read_text())
             except (OSError, ValueError):
                 continue
-            if got.get("target") == target_name and answers_key(target_name, got.get("settings", {})) == want:
-                return other
-    return None
+            if (got.get("target") == target_name and got.get("made") == made
+                    and answers_key(target_name, got.get("settings", {})) == want):
+                found.append(other)
+                break
+    return found
+
+
+def answers_of(donor: Path, name: str, part: list[dict]) -> list[torch.Tensor] | None:
+    """The donor shard's sequences for ``part``, when it holds the same items (ids, answered or
+    not, the same prompt tokens); else None."""
+    try:
+        done = torch.load(donor / name, weights_only=False, mmap=True)
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # a damaged shard: not used, said in one line
+        print(f"specbench: feature set: {donor / name} unreadable ({type(e).__name__}); its answers are not reused",
+              file=sys.stderr)
+        return None
+    if len(done) != len(part):
+        return None
+    for d, it in zip(done, part):
+        n = len(it["tokens"])
+        if (d["id"] != it["id"] or bool(d["answered"]) != bool(it["answer"]) or int(d["prompt_len"]) != n
+                or not torch.equal(d["tokens"][:n], it["tokens"])):
+            return None
+    return [d["tokens"].clone() for d in done]
 
 
 def eval_first_turns() -> set[str]:
@@ -154,9 +179,11 @@ def build(target, tokenizer, target_name: str, fcfg, device, dtype, chat: bool =
         torch.save(src, tmp)
         tmp.rename(src_path)
     items = src["items"]
-    (root / "settings.json").write_text(json.dumps({"target": target_name, "settings": {k: fcfg[k] for k in fcfg}},
-                                                   indent=1, default=str))
-    donor = sibling_with_answers(root, target_name, fcfg)
+    made = {"dtype": str(dtype).replace("torch.", ""), "chat": bool(chat)}
+    (root / "settings.json").write_text(json.dumps({"target": target_name, "made": made,
+                                                   "settings": {k: fcfg[k] for k in fcfg}}, indent=1, default=str))
+    donors = siblings_with_answers(root, target_name, fcfg, made)
+    answers_from = {}
     layers = layer_names(fcfg)
     shard = int(fcfg.shard_size)
     n_shards = (len(items) + shard - 1) // shard
@@ -170,10 +197,12 @@ def build(target, tokenizer, target_name: str, fcfg, device, dtype, chat: bool =
             continue
         seqs = [it["tokens"] for it in part]
         ans = [j for j, it in enumerate(part) if it["answer"]]
-        if donor is not None and (donor / path.name).exists():
-            done = torch.load(donor / path.name, weights_only=False)
-            if [d["id"] for d in done] == [it["id"] for it in part]:
-                seqs, ans = [d["tokens"] for d in done], []
+        for donor in donors:
+            reused = answers_of(donor, path.name, part)
+            if reused is not None:
+                seqs, ans = reused, []
+                answers_from[path.name] = donor.name
+                break
         gen = torch.Generator(device).manual_seed(int(fcfg.seed) + si)
         for s in range(0, len(ans), int(fcfg.gen_bs)):
             rows = ans[s:s + int(fcfg.gen_bs)]
@@ -195,7 +224,12 @@ def build(target, tokenizer, target_name: str, fcfg, device, dtype, chat: bool =
         tmp.rename(path)  # a shard is either whole or absent
         bar.update(len(part))
     bar.close()
-    meta = {"target": target_name, "key": key, "settings": {k: fcfg[k] for k in fcfg}, "sequences": len(items),
+    if answers_from:
+        print(f"specbench: feature set: the answers of {len(answers_from)} shard(s) come from "
+              f"{', '.join(sorted(set(answers_from.values())))} (the same sequences, other layers)", file=sys.stderr)
+    prev = json.loads((root / "meta.json").read_text()).get("answers_from", {}) if (root / "meta.json").exists() else {}
+    meta = {"target": target_name, "key": key, "made": made, "answers_from": prev | answers_from,
+            "settings": {k: fcfg[k] for k in fcfg}, "sequences": len(items),
             "dropped": src["dropped"], "shards": n_shards}
     (root / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
     return root
