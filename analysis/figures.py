@@ -14,18 +14,24 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from specbench.analysis.load import k_label, method_rows, setting_of  # noqa: E402
+from specbench.analysis.load import k_label, method_rows, setting_of, spec_len  # noqa: E402
 from specbench.analysis.tables import engines_table  # noqa: E402
 
+# The look of every figure. Legends and labels sit outside the axes, so a saved figure is cut to
+# its drawn extent (``bbox_inches="tight"``); a paper wants 200-dpi PNGs and PDFs whose fonts are
+# embedded TrueType (type 42), not type 3. `save` applies the three output settings itself.
+STYLE = {
+    "font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.fontsize": 8, "xtick.labelsize": 8,
+    "ytick.labelsize": 8, "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
+    "grid.alpha": 0.3, "figure.dpi": 100,
+}
+SAVE = {"savefig.dpi": 200, "savefig.bbox": "tight", "savefig.pad_inches": 0.05, "pdf.fonttype": 42, "ps.fonttype": 42}
+plt.rcParams.update(STYLE)
+AR_LINE = "AR (1.0x)"  # the label of the speedup-1 line
 
 PHASES = ["prefill", "draft", "verify", "accept", "other"]
 PHASE_COLORS = {"prefill": "#9e9e9e", "draft": "#4c72b0", "verify": "#dd8452", "accept": "#55a868", "other": "#c4c4c4"}
 PALETTE = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c", "#ccb974"]
-
-
-MARKERS = ["o", "s", "^", "D", "v", "P"]
-
-
 MARKERS = ["o", "s", "^", "D", "v", "P"]
 HATCHES = ["", "////", "....", "xxxx", "\\\\", "++"]
 
@@ -55,11 +61,17 @@ def subtitle(df: pd.DataFrame) -> str:
     return " · ".join(parts)
 
 
+def caption(fig, text: str) -> None:
+    """A line under the figure: what it leaves out and why (saved with it: the cut is tight)."""
+    fig.text(0.01, 0.0, text, ha="left", va="top", fontsize=7, style="italic", color="#444444", wrap=False)
+
+
 def save(fig, out: Path, name: str, written: list) -> None:
-    for ext in ("pdf", "png"):
-        p = out / f"{name}.{ext}"
-        fig.savefig(p)
-        written.append(p)
+    with plt.rc_context(SAVE):
+        for ext in ("pdf", "png"):
+            p = out / f"{name}.{ext}"
+            fig.savefig(p)
+            written.append(p)
     plt.close(fig)
 
 
@@ -82,7 +94,7 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
             ax.errorbar(ci[xcol], ci["speedup"], yerr=[(ci["speedup"] - ci["speedup_lo"]).clip(lower=0),
                                                        (ci["speedup_hi"] - ci["speedup"]).clip(lower=0)],
                         fmt="none", ecolor=cmap[lab], elinewidth=0.9, capsize=2.5)
-    ax.axhline(1.0, color="k", lw=0.8, ls="--", label="AR (1.0x)")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--", label=AR_LINE)
     if log2:
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(sd[xcol].unique()))
@@ -142,7 +154,10 @@ def fig_acceptance(df, out, written):
     ax.set_ylim(0, 1.02)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_title(f"Acceptance per position\n{subtitle(df)}")
-    ax.legend(frameon=False, fontsize=7, ncol=1 if len(seen) < 5 else 2)
+    if len(seen) > 5:  # many lines: the legend beside the axes, never over them
+        ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=1 if len(seen) <= 16 else 2)
+    else:
+        ax.legend(frameon=False, fontsize=7)
     save(fig, out, "acceptance_per_position", written)
 
 
@@ -187,9 +202,12 @@ def fig_serving(df, out, written):
         g = g.groupby("bs", as_index=False)[["tpot_p50", "tokens_per_s"]].mean().sort_values("bs")
         ls = "--" if "[continuous" in lab else "-"
         ax.plot(g["tpot_p50"] * 1e3, g["tokens_per_s"], marker=mk[lab], ms=4, lw=1.4, ls=ls, color=cmap[lab], label=lab)
-        for _, p in g.iterrows():
-            ax.annotate(f"{int(p['bs'])}", (p["tpot_p50"] * 1e3, p["tokens_per_s"]), fontsize=6,
-                        xytext=(3, 3), textcoords="offset points")
+
+    # each concurrency named once, at its highest point (every series' points at one load would overlap)
+    pts = d.groupby(["label", "bs"], as_index=False)[["tpot_p50", "tokens_per_s"]].mean()
+    for _, p in pts.loc[pts.groupby("bs")["tokens_per_s"].idxmax()].iterrows():
+        ax.annotate(f"{int(p['bs'])}", (p["tpot_p50"] * 1e3, p["tokens_per_s"]), fontsize=6,
+                    xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("TPOT p50 (ms per output token)")
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"Throughput against latency (points: concurrency; dashed: continuous)\n{subtitle(df)}")
@@ -211,7 +229,7 @@ def fig_speedup_vs_concurrency(df, out, written):
         ax.plot(g["bs"], g["speedup"], marker=mk[lab], ms=4, lw=1.5, color=cmap[lab], label=lab)
         if g["bound_batch"].notna().any():
             ax.plot(g["bs"], g["bound_batch"], ls=":", lw=1.2, color=cmap[lab])
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--", label=AR_LINE)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(d["bs"].unique()))
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
@@ -229,7 +247,7 @@ def fig_tuned(df, out, written):
     if sd.empty or not sd["K_auto"].any():
         return
     tuned = sorted(sd[sd["K_auto"]]["series"].unique())
-    fig, axes = plt.subplots(1, len(tuned), figsize=(4.4 * len(tuned), 3.3), squeeze=False)
+    fig, axes = plt.subplots(1, len(tuned), figsize=(4.4 * len(tuned), 3.3), squeeze=False, layout="constrained")
     for ax, series in zip(axes[0], tuned):
         a = sd[sd["series"] == series]
         keys = list(a.iloc[-1]["tuned_chosen"] or {})
@@ -241,10 +259,11 @@ def fig_tuned(df, out, written):
             ax.plot(g["bs"], g["speedup"], marker=".", lw=1.0, color=shade, label=st)
         g = a.groupby("bs", as_index=False).agg(speedup=("speedup", "mean")).sort_values("bs")
         ax.plot(g["bs"], g["speedup"], marker="o", ms=5, lw=2.2, color="#222222", label="K=auto")
-        for _, r in a.drop_duplicates("bs", keep="last").iterrows():
-            ax.annotate(setting_of(r, keys), (r["bs"], r["speedup"]), fontsize=6, xytext=(3, 4),
-                        textcoords="offset points")
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        last = a["bs"].max()
+        for _, r in a.drop_duplicates("bs", keep="last").iterrows():  # the last point's label leans left, inside
+            ax.annotate(setting_of(r, keys), (r["bs"], r["speedup"]), fontsize=6, xytext=(-3 if r["bs"] == last else 3, 4),
+                        textcoords="offset points", ha="right" if r["bs"] == last else "left")
+        ax.axhline(1.0, color="k", lw=0.8, ls="--", label=AR_LINE)
         if sd["bs"].nunique() > 1:
             ax.set_xscale("log", base=2)
             ax.set_xticks(sorted(a["bs"].unique()))
@@ -263,26 +282,48 @@ def fig_engines(df, out, written):
     if t.empty:
         return
     other = [c[:-len(" speedup")] for c in t.columns if c.endswith(" speedup") and not c.startswith("specbench")][0]
-    t = t.assign(name=t["method"] + ", bs=" + t["bs"].astype(str) + ", " + t["dataset"])
-    fig, axes = plt.subplots(1, 2, figsize=(max(5.5, 1.1 * len(t) + 2.5), 3.3))
+    t = t.assign(name=t["method"].str.replace(" (", "\n(", regex=False) + "\nbs=" + t["bs"].astype(str) + ", " + t["dataset"])
+    group = max(0.8, 0.048 * max(len(ln) for nm in t["name"] for ln in nm.split("\n")) + 0.15)  # inches: a name fits
+    fig, axes = plt.subplots(2, 1, figsize=(max(5.0, group * len(t) + 1.5), 5.6), layout="constrained")
     x = np.arange(len(t))
     for ax, col, ylab in ((axes[0], "speedup", "speedup over its own AR"), (axes[1], "tau", "tau (every step)")):
         ax.bar(x - 0.2, t[f"specbench {col}"], 0.4, label="specbench", color="#4477aa")
         ax.bar(x + 0.2, t[f"{other} {col}"], 0.4, label=other, color="#ee6677")
         ax.set_xticks(x)
-        ax.set_xticklabels(t["name"], rotation=30, ha="right", fontsize=6)
+        ax.set_xticklabels(t["name"], fontsize=6)
         ax.set_ylabel(ylab)
+        top = np.nanmax(t[[f"specbench {col}", f"{other} {col}"]].to_numpy(dtype=float))
+        ax.set_ylim(0, max(1.3, top * 1.2))  # room above the bars for the legend
         if col == "speedup":
-            ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.legend(frameon=False, fontsize=7)
+            ax.axhline(1.0, color="k", lw=0.8, ls="--", label=AR_LINE)
+            ax.legend(frameon=False, fontsize=7, ncol=3, loc="upper left")
     fig.suptitle(f"The same jobs on two engines\n{subtitle(df)}", fontsize=9)
     save(fig, out, "engines", written)
 
 
-BARS_PER_PANEL = 10  # a bound figure holds every job: past this many bars, one more panel below
+BARS_PER_PANEL = 10  # a bound figure holds every job: past this many groups, more panels, split evenly
 
 
-def fig_bounds(df, out, written):
+def panels_of(n: int, most: int = BARS_PER_PANEL) -> list[slice]:
+    """``n`` items in the fewest panels of at most ``most`` each, split evenly (11 -> 6 + 5, never 10 + 1)."""
+    k = max(1, -(-n // most))
+    edges = [round(i * n / k) for i in range(k + 1)]
+    return [slice(edges[i], edges[i + 1]) for i in range(k)]
+
+
+def no_bound_why(r) -> str:
+    """Why a job has no closed-form bound, in a few words for its empty bars."""
+    if spec_len(r) is None:
+        return "no bound:\nno fixed K\n(drafts vary)"
+    if not len(r.get("alphas") or []):
+        return "no bound:\nno acceptance\nrecorded"
+    return "no bound:\nno AR step\nto price c"
+
+
+def fig_bounds(df, out, written, note: str | None = None):
+    """Measured speedup (with its 95% bootstrap interval) beside the closed-form, per-position and
+    batch-aware bounds, one group of bars per job; ``note``: the caption saying which bound is not
+    drawn and why."""
     sd = method_rows(df).dropna(subset=["speedup"]).copy()
     if sd.empty:
         return
@@ -295,38 +336,54 @@ def fig_bounds(df, out, written):
 
     sd["name"] = sd.apply(short, axis=1)
     sd = sd.drop_duplicates("name", keep="last")
-    series = [("measured", "speedup", "#222222"), ("Leviathan closed form", "bound_leviathan", "#4c72b0"),
+    series = [("measured (95% CI)", "speedup", "#222222"), ("Leviathan closed form", "bound_leviathan", "#4c72b0"),
               ("per-position form", "bound_per_position", "#55a868"), ("batch-aware (cost curve)", "bound_batch", "#dd8452")]
-    series = [s for s in series if sd[s[1]].notna().any()]
-    panels = [sd.iloc[i:i + BARS_PER_PANEL] for i in range(0, len(sd), BARS_PER_PANEL)]
-    width = min(len(sd), BARS_PER_PANEL)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(4.6, 1.35 * width + 1.5), 3.4 * len(panels)), squeeze=False)
-    ymax = np.nanmax(sd[[s[1] for s in series]].to_numpy(dtype=float))
+    series = [s for s in series if s[1] in sd and sd[s[1]].notna().any()]
+    panels = [sd.iloc[sl] for sl in panels_of(len(sd))]
+    width = max(len(p) for p in panels)  # every panel as wide, so its bars are as wide
+    group = max(1.35, 0.06 * max(len(ln) for nm in sd["name"] for ln in nm.split("\n")) + 0.25)  # inches: its name fits
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(4.6, group * width + 1.5), 3.4 * len(panels)), squeeze=False,
+                             layout="constrained")  # room for each panel's multi-line job names
+    ymax = np.nanmax(sd[[s[1] for s in series] + ["speedup_hi"]].to_numpy(dtype=float))
+    w = 0.8 / len(series)
     for ax, part in zip(axes[:, 0], panels):
         x = np.arange(len(part))
-        w = 0.8 / len(series)
         for i, (lab, col, colr) in enumerate(series):
             ax.bar(x + (i - (len(series) - 1) / 2) * w, part[col].fillna(0), width=w, color=colr, label=lab,
                    edgecolor="white", lw=0.5)
+        ci = part["speedup_lo"].notna() & part["speedup_hi"].notna()
+        if ci.any():  # the measured bar's 95% bootstrap interval over batches
+            m = part[ci]
+            ax.errorbar(x[ci.to_numpy()] - (len(series) - 1) / 2 * w, m["speedup"],
+                        yerr=[(m["speedup"] - m["speedup_lo"]).clip(lower=0), (m["speedup_hi"] - m["speedup"]).clip(lower=0)],
+                        fmt="none", ecolor="#888888", elinewidth=1.0, capsize=2.5)
         for j, (_, r) in enumerate(part.iterrows()):
+            top = np.nanmax([r["speedup"], r.get("speedup_hi", np.nan), r.get("bound_leviathan", np.nan),
+                             r.get("bound_per_position", np.nan), r.get("bound_batch", np.nan)])
             if isinstance(r.get("above_bound"), str):  # not a result: its AR baseline ran slow
-                ax.text(x[j], r["speedup"] * 1.02, "above tau:\nAR slowed?", ha="center", va="bottom", fontsize=6.5,
+                ax.text(x[j], top * 1.02, "above tau:\nAR slowed?", ha="center", va="bottom", fontsize=6.5,
                         color="#c44e52", fontweight="bold")
                 continue
-            # the gap: measured as a share of the Leviathan closed form
             b = r.get("bound_leviathan")
-            if b is not None and np.isfinite(b) and b > 0:
-                top = np.nanmax([r["speedup"], b, r.get("bound_per_position", np.nan), r.get("bound_batch", np.nan)])
+            if b is not None and np.isfinite(b) and b > 0:  # the gap: measured as a share of the closed form
                 ax.text(x[j], top + 0.03 * max(1.0, top), f"{r['speedup'] / b:.0%}", ha="center", fontsize=7)
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+            elif len(series) > 1:
+                ax.text(x[j] - (len(series) - 2) / 2 * w + 0.02, 0.05, no_bound_why(r), ha="left", va="bottom", fontsize=6, color="#666666")
+        ax.axhline(1.0, color="k", lw=0.8, ls="--", label=AR_LINE)
         ax.set_xticks(x, part["name"], fontsize=7)
+        ax.set_xlim(-0.6, width - 0.4)
         ax.set_ylabel("speedup over AR")
         ax.grid(axis="x", visible=False)
         ax.set_ylim(0, max(1.3, ymax * 1.25))
     what = f"{sd['label'].iloc[0]}: measured" if one else "Measured"
     axes[0, 0].set_title(f"{what} speedup against the theoretical bounds (% = measured / closed form)\n{subtitle(df)}")
     axes[0, 0].legend(frameon=False, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if note:
+        caption(fig, note)
     save(fig, out, "speedup_vs_bound", written)
+
+
+HIST_BARS = 6  # past this many series, the histogram is one stacked bar per series
 
 
 def fig_hist(df, out, written):
@@ -335,20 +392,36 @@ def fig_hist(df, out, written):
     if sd.empty:
         return
     sd = sd.sort_values("K").drop_duplicates("series", keep="last")
-    fig, ax = plt.subplots(figsize=(4.6, 3.2))
-    cmap, hat = colors(sd["series"]), hatches(sd["series"])
-    n = len(sd)
-    w = 0.8 / n
-    for i, (_, r) in enumerate(sd.iterrows()):
-        h = np.array(r["hist"], dtype=float)
-        h = h / h.sum()
-        xs = np.arange(len(h)) + 1 + (i - (n - 1) / 2) * w
-        ax.bar(xs, h, width=w, color=cmap[r["series"]], hatch=hat[r["series"]], edgecolor="white", lw=0.3, label=f"{r['series']}{k_label(r, ', ')} (tau {r['tau']:.2f})")
-    ax.set_xlabel("tokens emitted per step (accepted drafts + 1)")
-    ax.set_ylabel("share of steps")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    names = [f"{r['series']}{k_label(r, ', ')} (tau {r['tau']:.2f})" for _, r in sd.iterrows()]
+    shares = [np.array(r["hist"], dtype=float) / sum(r["hist"]) for _, r in sd.iterrows()]
+    if len(sd) > HIST_BARS:  # grouped bars would be slivers: a row per series, its steps split by length
+        n = max(len(h) for h in shares)
+        fig, ax = plt.subplots(figsize=(5.2, 0.3 * len(sd) + 1.4))
+        shades = plt.cm.viridis(np.linspace(0.05, 0.95, n))
+        y, left = np.arange(len(sd)), np.zeros(len(sd))
+        for k in range(n):
+            part = np.array([h[k] if k < len(h) else 0.0 for h in shares])
+            ax.barh(y, part, left=left, color=shades[k], height=0.7, label=str(k + 1))
+            left += part
+        ax.set_yticks(y, names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("share of steps")
+        ax.grid(axis="y", visible=False)
+        ax.legend(frameon=False, fontsize=7, ncol=n, title="tokens emitted per step (accepted drafts + 1)",
+                  title_fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.5 / (0.3 * len(sd) + 1.4) - 0.08))
+    else:
+        fig, ax = plt.subplots(figsize=(4.6, 3.2))
+        cmap, hat = colors(sd["series"]), hatches(sd["series"])
+        w = 0.8 / len(sd)
+        for i, ((_, r), h, name) in enumerate(zip(sd.iterrows(), shares, names)):
+            xs = np.arange(len(h)) + 1 + (i - (len(sd) - 1) / 2) * w
+            ax.bar(xs, h, width=w, color=cmap[r["series"]], hatch=hat[r["series"]], edgecolor="white", lw=0.3, label=name)
+        ax.set_xlabel("tokens emitted per step (accepted drafts + 1)")
+        ax.set_ylabel("share of steps")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(f"Acceptance-length histogram\n{subtitle(df)}")
-    ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     save(fig, out, "accept_length_hist", written)
 
 
@@ -363,7 +436,7 @@ def fig_simulator(sim: pd.DataFrame, df, out, written):
     ax.bar(x - w, sim["measured"].fillna(0), w, color="#222222", label="measured")
     ax.bar(x, sim["fixed_k"].fillna(0), w, color="#4c72b0", label="simulated fixed K")
     ax.bar(x + w, sim["oracle_k"].fillna(0), w, color="#dd8452", label="oracle K (upper bound)")
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--", label=AR_LINE)
     ax.set_xticks(x, sim["name"], rotation=15, ha="right")
     ax.set_ylabel("speedup over AR")
     ax.grid(axis="x", visible=False)

@@ -18,11 +18,31 @@ from pathlib import Path
 
 from specbench.analysis.figures import (fig_acceptance, fig_bounds, fig_engines, fig_hist, fig_quality, fig_serving,
                               fig_simulator, fig_speedup_vs, fig_speedup_vs_concurrency, fig_time_split, fig_tuned)
-from specbench.analysis.load import k_label, load, load_cost_curves
+from specbench.analysis.load import k_label, load, load_cost_curves, method_rows, spec_len
 from specbench.analysis.tables import (engines_table, identity_table, paper_per_category, paper_sweep, per_category,
                              sweep_table, to_latex, to_markdown, tuned_table)
 from specbench.analysis.bounds import STATE_GAP, batch_aware, curve_state_gap, simulated
 
+
+
+def missing_batch_bound(df, records) -> str | None:
+    """One line for the jobs whose batch-aware bound cannot be drawn (no profiled cost curve of
+    their model, device, dtype and kernel beside the records): how many, and the command that
+    profiles the curve; None when every job has its bound."""
+    sd = method_rows(df)
+    sd = sd[(sd["backend"] == "specbench") & sd["speedup"].notna() & sd["bound_batch"].isna()]
+    if sd.empty:
+        return None
+    r = sd.iloc[0]
+    where = Path(records) if Path(records).is_dir() else Path(records).parent
+    widths = [spec_len(x) or 0 for _, x in sd.iterrows()] + [x for x in sd["forward_nodes"].fillna(0)]
+    n = ",".join(str(i) for i in range(1, int(max(widths)) + 2))
+    bs = ",".join(str(int(b)) for b in sorted(sd["bs"].unique()))
+    cmd = (f"python -m specbench.analysis.profile --model {r['model']} --device {r['device']} --dtype {r['dtype']} "
+           f"--kernel {r['kernel']} --bs {bs} --n {n}" + (" --ragged" if sd["bs"].max() > 1 else "")
+           + f" --results-dir {where}")
+    what = "every job" if len(sd) == len(method_rows(df).dropna(subset=["speedup"])) else f"{len(sd)} jobs"
+    return f"batch-aware bound not drawn for {what}: no cost curve profiled beside the records; `{cmd}` records one"
 
 
 # ---------------------------------------------------------------------------- main
@@ -48,7 +68,10 @@ def build(records, out: Path, **filters) -> list[Path]:
               f"(make bench-cpu does, after its jobs)", file=sys.stderr)
     for _, r in df[df["above_bound"].map(lambda x: isinstance(x, str))].iterrows():
         print(f"[report] {r['label']} (bs={r['bs']}{k_label(r)}): {r['above_bound']}", file=sys.stderr)
-    fig_bounds(df, out, written)
+    note = missing_batch_bound(df, records)
+    if note:
+        print(f"[report] {note}", file=sys.stderr)
+    fig_bounds(df, out, written, note=note)
     fig_serving(df, out, written)
     fig_speedup_vs_concurrency(df, out, written)
     fig_tuned(df, out, written)

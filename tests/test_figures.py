@@ -1,0 +1,124 @@
+"""What a reader of the report sees: every figure whole (no text cut at the image's edge), sharp
+(200 dpi), with embedded TrueType fonts in its PDF, and saying what it leaves out. Run on the
+gallery's sets of committed baselines (analysis.gallery: every figure the report draws from
+them), the first of them 12 methods, AR included."""
+
+from pathlib import Path
+
+import pytest
+from matplotlib.container import ErrorbarContainer
+from matplotlib.figure import Figure
+from matplotlib.text import Text
+from PIL import Image
+
+from specbench.analysis import figures, gallery
+
+def _build(name, tmp):
+    """The report of one gallery set: its files, every PNG's drawn texts (text, extent in the
+    saved image's pixels, the canvas drawn on), the figures by name, and what it printed."""
+    drawn, figs, current = {}, {}, []
+    text_draw, savefig = Text.draw, Figure.savefig
+
+    def draw(self, renderer):
+        text_draw(self, renderer)
+        if current and self.get_visible() and self.get_text().strip() and hasattr(renderer, "buffer_rgba"):
+            drawn[current[0]].append((self.get_text(), self.get_window_extent(renderer),
+                                      (renderer.width, renderer.height)))
+
+    def spy(self, fname, *a, **kw):
+        current[:] = [Path(fname).name]
+        drawn[Path(fname).name] = []
+        figs[Path(fname).stem] = self
+        try:
+            return savefig(self, fname, *a, **kw)
+        finally:
+            current.clear()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Text, "draw", draw)
+        mp.setattr(Figure, "savefig", spy)
+        written, err = gallery.build_set(name, tmp)
+    return written, drawn, figs, err
+
+
+_BUILT: dict = {}
+
+
+def _built(name, tmp_path_factory):
+    if name not in _BUILT:
+        _BUILT[name] = _build(name, tmp_path_factory.mktemp(name))
+    return _BUILT[name]
+
+
+@pytest.fixture(scope="module", params=list(gallery.SETS))
+def any_set(request, tmp_path_factory):
+    return _built(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The twelve methods' report (AR included)."""
+    return _built("methods", tmp_path_factory)
+
+
+def test_every_figure_keeps_every_text_inside_the_saved_image(any_set):
+    written, drawn, _, _ = any_set
+    pngs = [p for p in written if p.suffix == ".png"]
+    assert len(pngs) >= 5, pngs
+    for p in pngs:
+        img = Image.open(p)
+        W, H = img.size
+        assert img.info["dpi"][0] == pytest.approx(200, abs=1), (p.name, img.info.get("dpi"))
+        texts = [(t, e) for t, e, canvas in drawn[p.name] if canvas == (W, H)]  # the pass that made the file
+        assert texts, f"{p.name}: no text drawn at the saved size {W}x{H}"
+        cut = [t for t, e in texts if e.x0 < -1 or e.y0 < -1 or e.x1 > W + 1 or e.y1 > H + 1]
+        assert not cut, f"{p.name} ({W}x{H}) cuts: {cut[:6]}"
+
+
+def test_every_pdf_embeds_truetype_fonts(any_set):
+    written = any_set[0]
+    for p in (p for p in written if p.suffix == ".pdf"):
+        pdf = p.read_bytes()
+        assert b"/Type3" not in pdf, f"{p.name}: type 3 fonts (set pdf.fonttype 42)"
+        assert b"/FontFile2" in pdf, f"{p.name}: no embedded TrueType font"
+
+
+def test_the_bound_figure_says_what_it_leaves_out(built):
+    _, _, figs, err = built
+    fig = figs["speedup_vs_bound"]
+    texts = [t.get_text() for t in fig.findobj(Text)]
+    # measured bars carry their 95% bootstrap interval; the 1.0 line is named in the legend
+    assert all(any(isinstance(c, ErrorbarContainer) for c in ax.containers) for ax in fig.axes)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert figures.AR_LINE in legend and "measured (95% CI)" in legend
+    # REST drafts no fixed K: its empty bound bars say so
+    assert any("no bound" in t and "no fixed K" in t for t in texts)
+    # no cost curve beside these records: the caption says the batch-aware bound is missing, and the
+    # report prints the command that profiles one, once
+    assert any(t.startswith("batch-aware bound not drawn") for t in texts)
+    lines = [ln for ln in err.splitlines() if "batch-aware bound not drawn" in ln]
+    assert len(lines) == 1 and "python -m specbench.analysis.profile --model smollm2-135m" in lines[0]
+
+
+def test_panels_split_evenly(built):
+    assert [s.stop - s.start for s in figures.panels_of(11)] == [6, 5]
+    assert [s.stop - s.start for s in figures.panels_of(10)] == [10]
+    assert [s.stop - s.start for s in figures.panels_of(21)] == [7, 7, 7]
+    fig = built[2]["speedup_vs_bound"]
+    sizes = [len(ax.get_xticks()) for ax in fig.axes]
+    assert max(sizes) - min(sizes) <= 1, sizes
+    assert len({ax.get_xlim() for ax in fig.axes}) == 1  # every panel as wide: bars of one width
+
+
+
+def test_no_two_texts_of_a_figure_overlap(any_set):
+    written, drawn, _, _ = any_set
+    bad = {}
+    for p in (p for p in written if p.suffix == ".png"):
+        W, H = Image.open(p).size
+        texts = [(t, e) for t, e, canvas in drawn[p.name] if canvas == (W, H)]
+        hits = [(a, b) for i, (a, ea) in enumerate(texts) for b, eb in texts[i + 1:]
+                if min(ea.x1, eb.x1) - max(ea.x0, eb.x0) > 2 and min(ea.y1, eb.y1) - max(ea.y0, eb.y0) > 2]
+        if hits:
+            bad[p.name] = hits[:3]
+    assert not bad, bad
