@@ -4,8 +4,9 @@ with mask slots; the engine verifies them as a chain.
 When the target hands over the states of the tokens it committed, their entries (feature h_i,
 the token after it x_{i+1}) run through the drafter's layers once, causally over the entries
 before them; their keys and values are kept per layer, and the last entry's output drafts the
-first token (``specbench/drafters/peagle.py``). A step then runs K-1 mask slots over the kept
-entries: slot d sees them and slots 1..d, and drafts the token d after the first. Drafts are
+first token (``specbench/drafters/peagle.py``); K-1 mask slots run in the same forward, after
+them: slot d sees the kept entries and slots 1..d, and drafts the token d after the first. One
+drafter forward a step, as vLLM's parallel drafting. Drafts are
 each slot's argmax, deterministic candidates, so sampling uses the lossless rule.
 
 ``peagle.checkpoint`` names vLLM's speculators ``peagle`` layout; ``peagle.K`` drafts that many
@@ -83,62 +84,64 @@ class PEagle(Proposer):
         self.hidden_layers = tuple(self.drafter.taps)
         self.vocab_ids = self.drafter.vocab_ids.to(device)
         self.cache: ContextCache | None = None
-        self.first: torch.Tensor | None = None  # [B] each row's first draft (from its last verified entry)
+        self.drafts: torch.Tensor | None = None  # [B, K] the step's drafts, from its one forward
 
     def modules(self):
         return [self.drafter]
 
-    def _append(self, cache: ContextCache, state: BatchState, hidden) -> torch.Tensor:
-        """Run the newly verified entries (h_i, x_{i+1}) of every row over its kept ones, keep their
-        keys and values, and return each row's first draft (its last entry's argmax)."""
-        d, dev = self.drafter, self.device
+    def _step(self, cache: ContextCache, state: BatchState, hidden) -> torch.Tensor:
+        """One drafter forward a step (vLLM's parallel drafting): every row's newly verified entries
+        (h_i, x_{i+1}), causal over its kept ones, then K-1 mask slots after the last of them. The
+        entries' keys and values are kept; the last entry's argmax is the first draft and slot d's
+        the token d after it. Returns the step's drafts [B, K]."""
+        d, dev, n = self.drafter, self.device, self.K - 1
         counts = hidden.counts
-        feats = d.fuse(d.features(hidden).to(cache.keys[0].dtype))  # [B, m, d]
+        dt = cache.keys[0].dtype
+        feats = d.fuse(d.features(hidden).to(dt))  # [B, m, d]
         B, m = feats.shape[:2]
         toks = pad_rows([s[len(s) - c:] for s, c in zip(state.seqs, counts.tolist())], dev, width=m)
         j = torch.arange(m, device=dev)
-        pos = cache.length[:, None] + j[None]
         own = (j[None, :] <= j[:, None])[None] & (j[None, None, :] < counts[:, None, None])
         own = own | torch.eye(m, dtype=torch.bool, device=dev)[None]  # padded entries see themselves
-        visible = torch.cat([cache.visible(m), own], dim=2)
-        out, kv = d.run(feats, d.embed(toks).to(feats.dtype), pos, list(zip(cache.keys, cache.values)), visible)
-        cache.append(kv, counts)
-        last = out[torch.arange(B, device=dev), (counts - 1).clamp(min=0)]
-        return self.vocab_ids[d.logits(last).argmax(-1)]
+        g, e = feats, d.embed(toks).to(dt)
+        pos = cache.length[:, None] + j[None]
+        visible = torch.cat([cache.visible(m), own, own.new_zeros(B, m, n)], dim=2)
+        if n:  # slot d at p-1+d (p: the row's length once its entries are in) sees them and slots 1..d
+            gm, em = d.mask_entries(B, n)
+            slots = torch.arange(1, n + 1, device=dev)
+            entries = (j[None, :] < counts[:, None])[:, None].expand(B, n, m)
+            causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None].expand(B, n, n)
+            g, e = torch.cat([g, gm.to(dt)], 1), torch.cat([e, em.to(dt)], 1)
+            pos = torch.cat([pos, (cache.length + counts)[:, None] - 1 + slots[None]], 1)
+            visible = torch.cat([visible, torch.cat([cache.visible(n), entries, causal], dim=2)], dim=1)
+        out, kv = d.run(g, e, pos, list(zip(cache.keys, cache.values)), visible)
+        cache.append([(k[:, :, :m], v[:, :, :m]) for k, v in kv], counts)  # the entries' only, not the slots'
+        last = out[torch.arange(B, device=dev), (counts - 1).clamp(min=0)][:, None]
+        return self.vocab_ids[d.logits(torch.cat([last, out[:, m:]], 1)).argmax(-1)]  # [B, K]
 
     def _start(self, state: BatchState, hidden):
         dt = next(self.drafter.parameters()).dtype
         longest = max(len(s) for s in state.seqs)
         cache = ContextCache(self.drafter, len(state.seqs), self.device, dt, longest + state.max_new_tokens)
-        return cache, self._append(cache, state, hidden)
+        return cache, self._step(cache, state, hidden)
 
     def start(self, state: BatchState, hidden=None) -> None:
-        self.cache, self.first = self._start(state, hidden)
+        self.cache, self.drafts = self._start(state, hidden)
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
-        self.first = self._append(self.cache, state, hidden)
+        self.drafts = self._step(self.cache, state, hidden)
 
     def add_rows(self, state: BatchState, hidden=None) -> None:
-        cache, first = self._start(state, hidden)
+        cache, drafts = self._start(state, hidden)
         self.cache.extend(cache)
-        self.first = torch.cat([self.first, first])
+        self.drafts = torch.cat([self.drafts, drafts])
 
     def select_rows(self, keep: list[int]) -> None:
         self.cache.select(keep)
-        self.first = self.first[torch.tensor(keep, dtype=torch.long, device=self.device)]
+        self.drafts = self.drafts[torch.tensor(keep, dtype=torch.long, device=self.device)]
 
     def propose(self, state: BatchState) -> Draft:
-        if self.K == 1:
-            return Draft.chain(self.first[:, None])
-        d, cache, n, dev = self.drafter, self.cache, self.K - 1, self.device
-        B = len(state.seqs)
-        g, e = d.mask_entries(B, n)
-        pos = cache.length[:, None] - 1 + torch.arange(1, n + 1, device=dev)[None]  # slot d at p-1+d
-        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None].expand(B, n, n)
-        out, _ = d.run(g.to(cache.keys[0].dtype), e.to(cache.keys[0].dtype), pos,
-                       list(zip(cache.keys, cache.values)), torch.cat([cache.visible(n), causal], dim=2))
-        rest = self.vocab_ids[d.logits(out).argmax(-1)]  # [B, K-1]
-        return Draft.chain(torch.cat([self.first[:, None], rest], dim=1))
+        return Draft.chain(self.drafts)  # drafted by the step's one forward (``_step``)
 
     def describe(self) -> dict:
         d = self.drafter

@@ -1,6 +1,6 @@
 """P-EAGLE: speculators' layout loads strictly and gives its own training forward's logits (COD
 entries: verified positions and mask-slot chains); the incremental drafter (entries kept per layer,
-mask slots run each step) drafts what a full recompute drafts; the method is lossless (greedy
+the step's new entries and its mask slots in one forward) drafts what a full recompute drafts; the method is lossless (greedy
 identity at bs 1/4/32, with rows joining, and under sampling)."""
 
 
@@ -83,10 +83,14 @@ def test_the_kept_entries_draft_what_a_full_recompute_drafts(tmp_path, bs):
     argmax the first draft, a chain of mask slots at it the rest."""
     target = tiny_llama(seed=1, layers=6, device=CPU)
     prop = proposer(target, random_peagle(target, tmp_path / "d"))
+    runs, run = [], prop.drafter.run
+    prop.drafter.run = lambda *a, **k: (runs.append(len(steps)), run(*a, **k))[1]
     steps = record_drafts(prop)
     prompts = [[1, 5, 9, 3, 7, 11, 2][: 4 + b] for b in range(bs)]
     res = run_engine(target, prop, prompts, 18, sampling=Sampling(synthetic=Synthetic(0.8, seed=0)))
     assert sum(len(r.tokens) for r in res) >= 18 * bs
+    # one drafter forward a step, as vLLM's parallel drafting: the verified entries and the mask slots together
+    assert [runs.count(i) for i in range(len(steps))] == [1] * len(steps)
     d, K = prop.drafter, prop.K
     for seqs, drafts in steps:
         for b, seq in enumerate(seqs):
