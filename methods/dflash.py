@@ -155,9 +155,9 @@ class DFlash(Proposer):
         pos = cache.length[:, None] + torch.arange(n, device=dev)[None]  # x_p sits at p = the cached length
         visible = torch.cat([cache.visible(n), torch.ones(B, n, n, dtype=torch.bool, device=dev)], dim=2)
         h = self.drafter.block(tokens, pos, list(zip(cache.keys, cache.values)), visible)
-        return self.drafts(h, tokens[:, 0])
+        return self.drafts(h, tokens[:, 0], state)
 
-    def drafts(self, h, first) -> Draft:
+    def drafts(self, h, first, state: BatchState | None = None) -> Draft:
         """The chain of the block's states ``h`` [B, B_slots, d]: each drafting slot's argmax."""
         ids = self.drafter.logits(h[:, 1:] if self.drafter.anchor == "bonus" else h).argmax(-1)
         return Draft.chain(ids if self.vocab_ids is None else self.vocab_ids[ids])

@@ -8,7 +8,11 @@ plus the Markov bias from the token before the slot (x_p, then the previous slot
 argmax, and the slot's confidence (``specbench/drafters/dspark.py``). A row keeps its drafts up to
 the first slot whose confidence is below ``dspark.threshold`` (0: every draft, DeepSpec's
 default), as DeepSpec's evaluator cuts them; the verify forward is as wide as the longest kept
-chain of the batch. Drafts are deterministic candidates, so sampling uses the lossless rule.
+chain of the batch. Greedy, a draft is the slot's argmax. At a temperature, as DeepSpec, each
+slot's draft is drawn from the drafter's warped distribution q (the Markov bias from the draft
+before it included) and accepted with min(1, p/q) (``dspark.sample_drafts``; false: the argmax,
+accepted by the one-hot rule). Lossless either way; only the sampled drafts' tau compares with
+DeepSpec's at T > 0.
 
 ``dspark.checkpoint`` names DeepSpec's layout (``deepseek-ai/dspark_*``), vLLM's speculators
 ``dspark`` or ours (``python -m specbench.train drafter=dspark``).
@@ -19,8 +23,11 @@ from __future__ import annotations
 import torch
 
 from specbench.decode.tree import Draft
+from specbench.decode.verify import sample, warp
 from specbench.drafters import formats, randomize
 from specbench.errors import ConfigError
+from specbench.hf import text_config
+from specbench.methods.base import BatchState
 from specbench.methods.dflash import DFlash
 from specbench.paths import resolve_path
 
@@ -32,6 +39,8 @@ class DSpark(DFlash):
 
     @classmethod
     def check(cls, cfg, target_config) -> None:
+        if not isinstance(cfg.method.get("sample_drafts", True), bool):
+            raise ConfigError(f"dspark.sample_drafts must be true or false, got {cfg.method.get('sample_drafts')!r}")
         t = cfg.method.get("threshold", 0.0)
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= float(t) <= 1.0:
             raise ConfigError(f"dspark.threshold must be a number in [0, 1] (0: verify every draft), got {t!r}")
@@ -72,14 +81,31 @@ class DSpark(DFlash):
     def __init__(self, cfg, target, tokenizer, device, dtype, drafter=None):
         super().__init__(cfg, target, tokenizer, device, dtype, drafter)
         self.threshold = float(cfg.method.get("threshold", 0.0))
+        self.sample_drafts = bool(cfg.method.get("sample_drafts", True))
+        self.target_vocab = int(text_config(target.config).vocab_size)
 
-    def drafts(self, h, first) -> Draft:
-        ids, conf = self.drafter.draft(h, first)
+    def _pick(self, state: BatchState):
+        """At a temperature, with ``sample_drafts``: each slot's draft drawn from q, its logits warped
+        as the target's are, q over the target's vocabulary (0 off the head's) for min(1, p/q); None:
+        argmax drafts (greedy, no ``state``, or sample_drafts off)."""
+        if state is None or state.sampling.greedy or not self.sample_drafts:
+            return None
+
+        def pick(logits):
+            q = warp(logits, state.sampling)
+            tok = sample(q, state.gen)
+            if self.vocab_ids is not None:  # a narrower head: its ids are a subset of the target's
+                q = q.new_zeros(q.shape[0], self.target_vocab).index_copy_(1, self.vocab_ids, q)
+            return tok, q
+        return pick
+
+    def drafts(self, h, first, state: BatchState | None = None) -> Draft:
+        ids, conf, q = self.drafter.draft(h, first, self._pick(state))
         if conf is None or self.threshold <= 0.0:
-            return Draft.chain(ids)
+            return Draft.chain(ids, q=q)
         keep = (torch.sigmoid(conf) >= self.threshold).cumprod(1).bool()  # [B, n]: before the first doubt
         n = int(keep.sum(1).max())  # one read a step: the verify is as wide as the longest kept chain
-        return Draft.chain(ids[:, :n], keep[:, :n])
+        return Draft.chain(ids[:, :n], keep[:, :n], q=None if q is None else q[:, :n])
 
     def describe(self) -> dict:
 
@@ -87,4 +113,5 @@ class DSpark(DFlash):
         heads = {"markov_rank": d.markov_head.rank if d.markov_head is not None else 0,
                  "markov_type": d.markov_head.kind if d.markov_head is not None else "vanilla",
                  "confidence": d.confidence_head is not None, "confidence_with_markov": d.confidence_with_markov}
-        return super().describe() | {"threshold": self.threshold, "heads": formats.dflash.describe_heads(heads)}
+        return super().describe() | {"threshold": self.threshold, "sample_drafts": self.sample_drafts,
+                                     "heads": formats.dflash.describe_heads(heads)}

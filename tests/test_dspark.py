@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from specbench import methods
 from specbench.decode.hidden import Tap
+from specbench.decode.verify import Sampling
 from specbench.drafters import formats, randomize
 from specbench.drafters.dflash import layer_config
 from specbench.drafters.dspark import DSparkDrafter
@@ -74,7 +75,7 @@ def test_deepspecs_layout_drafts_what_its_evaluator_drafted(target4, kind):
     torch.testing.assert_close(logits, ref["logits"], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(conf, ref["confidence_logits"], atol=2e-4, rtol=1e-4)
     with torch.no_grad():
-        ids, c = d.draft(h[None], tokens[-1:])
+        ids, c, _ = d.draft(h[None], tokens[-1:])
     assert ids[0].tolist() == ref["drafts"].tolist()
     torch.testing.assert_close(c[0], ref["confidence_logits"], atol=2e-4, rtol=1e-4)
 
@@ -119,7 +120,7 @@ def test_the_confidence_cut_verifies_the_prefix_before_the_first_doubt(tmp_path)
     h = torch.randn(3, 6, target.config.hidden_size)
     first = torch.tensor([3, 4, 5])
     with torch.no_grad():
-        ids, conf = prop.drafter.draft(h, first)
+        ids, conf, _ = prop.drafter.draft(h, first)
         draft = prop.drafts(h, first)
     p = torch.sigmoid(conf)
     want = [next((k for k in range(6) if p[b, k] < 0.5), 6) for b in range(3)]
@@ -148,7 +149,7 @@ def test_a_bonus_anchor_rnn_head_runs_its_state_through_the_anchor_slot():
     d.markov_head.step = spy
     with torch.no_grad():
         h, first = torch.randn(2, 5, tc.hidden_size, generator=torch.Generator().manual_seed(1)), torch.tensor([3, 4])
-        ids, conf = d.draft(h, first)
+        ids, conf, _ = d.draft(h, first)
         d.markov_head.step = step
         want = d.markov_head.teacher_forced(torch.cat([first[:, None], first[:, None], ids[:, :-1]], 1), h)
     assert ids.shape == (2, 4) and len(biases) == 5  # the anchor slot's step, then one per draft
@@ -172,12 +173,46 @@ def test_greedy_identity_with_rows_joining(tmp_path):
     assert [r.tokens for r in res] == [reference_greedy(target, p, 10) for p in prompts]
 
 
-def test_sampling_follows_the_target_distribution(tmp_path):
-    """Seeded rows of one prompt at T=1, drafts cut by confidence: the 2nd and 3rd tokens follow
-    the target's exact marginals (chi-square)."""
+@pytest.mark.parametrize("sample_drafts", [True, False])
+def test_sampling_follows_the_target_distribution(tmp_path, sample_drafts):
+    """Seeded rows of one prompt at T=1, drafts cut by confidence, sampled from the drafter (min(1,
+    p/q)) or its argmax (the one-hot rule): the 2nd and 3rd tokens follow the target's exact
+    marginals (chi-square)."""
     target = tiny_llama(seed=0, layers=4, vocab=12, device=CPU)
-    prop = proposer(target, random_dspark(target, tmp_path / "d", block=4, layers=1), threshold=0.2)
+    prop = proposer(target, random_dspark(target, tmp_path / "d", block=4, layers=1), threshold=0.2,
+                    sample_drafts=sample_drafts)
     assert_sampling_follows_the_target(target, prop)
+
+
+def test_at_a_temperature_drafts_are_drawn_from_the_drafters_distribution(tmp_path):
+    """As DeepSpec: at T > 0 each slot's draft is drawn from q, the drafter's warped distribution
+    (its Markov bias from the slot before included), and carried with the draft for the min(1, p/q)
+    rule; dspark.sample_drafts=false drafts each slot's argmax."""
+    target = tiny_llama(seed=0, layers=4, vocab=12, device=CPU)
+    folder = random_dspark(target, tmp_path / "d", block=4, layers=1)
+    got, steps = {}, {}
+    for sample_drafts in (True, False):
+        prop = proposer(target, folder, sample_drafts=sample_drafts)
+        steps[sample_drafts] = record_drafts(prop)  # (each row's sequence, its drafts) per step
+        drafts, propose = [], prop.propose
+        prop.propose = lambda state, propose=propose, drafts=drafts: drafts.append(propose(state)) or drafts[-1]
+        run_engine(target, prop, [[3, 5, 7, 9]] * 64, 3, sampling=Sampling(1.0), gen=torch.Generator().manual_seed(1))
+        got[sample_drafts] = drafts
+
+    def distinct_drafts_of_one_sequence(step):  # rows whose sequences are equal: how many drafts they got
+        seqs, tokens = step
+        by = {}
+        for seq, row in zip(seqs, tokens.tolist()):
+            by.setdefault(tuple(seq), set()).add(tuple(row))
+        return max(len(v) for v in by.values())
+
+    assert all(d.q is None for d in got[False])
+    assert distinct_drafts_of_one_sequence(steps[False][0]) == 1  # argmax: one sequence, one draft
+    for d in got[True]:
+        assert d.q is not None and d.q.shape == (*d.tokens.shape, 12)
+        torch.testing.assert_close(d.q.sum(-1), torch.ones(d.tokens.shape))
+        assert (d.q.gather(2, d.tokens[..., None]) > 0).all()
+    assert distinct_drafts_of_one_sequence(steps[True][0]) > 1  # drawn: rows of one sequence draw apart
 
 
 @pytest.mark.parametrize("change, match", [

@@ -106,10 +106,12 @@ class DSparkDrafter(DFlashDrafter):
             h = torch.cat([h, self.markov_head.embed(prev).to(h.dtype)], -1)
         return self.confidence_head(h)
 
-    def draft(self, h, first):
-        """Greedy drafts of a block's normed states ``h`` [B, B_slots, d], ``first`` [B] the anchor
-        token. Returns target ids [B, drafts] and the confidence logits [B, drafts] (None without a
-        confidence head). With the ``bonus`` anchor slot 0 drafts nothing, but an rnn head's state
+    def draft(self, h, first, pick=None):
+        """Drafts of a block's normed states ``h`` [B, B_slots, d], ``first`` [B] the anchor token,
+        slot by slot: ``pick(logits)`` -> (ids, q) chooses each slot's draft from its logits over the
+        head's vocabulary (None: the argmax). Returns target ids [B, drafts], the confidence logits
+        [B, drafts] (None without a confidence head) and the q ``pick`` gave [B, drafts, ...] (None
+        for argmax drafts). With the ``bonus`` anchor slot 0 drafts nothing, but an rnn head's state
         runs through it (prev = the anchor token), as speculators trains it."""
         state = None
         if self.anchor == "bonus":
@@ -118,7 +120,7 @@ class DSparkDrafter(DFlashDrafter):
             h = h[:, 1:]
         base = self.logits(h)  # [B, n, V'] (the head's vocabulary)
         vocab = self.vocab_ids if self.lm_head is not None else None
-        prev, ids, conf = first, [], []
+        prev, ids, conf, qs = first, [], [], []
         for k in range(h.shape[1]):
             logits = base[:, k]
             if self.markov_head is not None:
@@ -126,10 +128,12 @@ class DSparkDrafter(DFlashDrafter):
                 logits = logits + bias.to(logits.dtype)
             if self.confidence_head is not None:
                 conf.append(self.confidence(h[:, k], prev))
-            tok = logits.argmax(-1)
+            tok, q = (logits.argmax(-1), None) if pick is None else pick(logits)
             prev = tok if vocab is None else vocab[tok]
             ids.append(prev)
-        return torch.stack(ids, 1), (torch.stack(conf, 1).float() if conf else None)
+            qs.append(q)
+        return (torch.stack(ids, 1), torch.stack(conf, 1).float() if conf else None,
+                None if pick is None else torch.stack(qs, 1))
 
     def train_logits(self, h, prev):
         """Training: logits [..., n, V'] and confidence logits [..., n] (or None) of slots with
