@@ -154,3 +154,46 @@ def test_bad_synthetic_settings_are_refused_in_one_line(tiny_dirs, tmp_path, ove
 
     with pytest.raises(ConfigError, match=msg):
         validate(tiny_cfg(tiny_dirs, tmp_path, **over))
+
+
+def _big_ops(logits, draft, s):
+    """The torch ops of one verify that touch a tensor as large as the logits [B, N, V] (the
+    accept phase's real cost: warping, sorting, picking over every node), by name and count."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    big = logits.numel()
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
+            if any(a.numel() >= big for a in flat):
+                self.ops[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as c:
+        verify(logits, draft, s, torch.Generator().manual_seed(0))
+    return c.ops
+
+
+@pytest.mark.parametrize("warp", [dict(), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=5)])
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_a_synthetic_verify_pays_the_real_rules_work(warp, shape):
+    """Synthetic acceptance only overrides the decision: every op the real rule runs over the
+    [B, N, V] logits (argmax, temperature, top-k/top-p sort, softmax) runs under it too, and it
+    adds none but the selection of the rows it decided on."""
+    B, n, V = 6, 4, 50
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, n + 1, V, generator=g)
+    tokens = torch.randint(0, V, (B, n), generator=g)
+    draft = Draft.chain(tokens) if shape == "chain" else \
+        Draft(tokens=tokens, parents=torch.tensor([[0, 0, 1, 1]] * B))
+    real = _big_ops(logits, draft, Sampling(**warp))
+    synth = _big_ops(logits, draft, Sampling(**warp, synthetic=Synthetic([0.7], seed=1)))
+    assert real and not real - synth, (real, synth)
+    assert set(synth - real) <= {"aten.index", "aten.select", "aten.slice", "aten.view"}, synth - real

@@ -137,8 +137,15 @@ def verify(logits: torch.Tensor, draft: Draft | None, s: Sampling, gen: torch.Ge
             counts=torch.ones(B, dtype=torch.long, device=dev),
             accepted=[[] for _ in range(B)], extra=extra,
         )
-    if s.synthetic is not None:
+    if s.synthetic is not None:  # it pays the real rule's work (warping, sorting, picking over every
+        # node, its host reads) and overrides only the decision, so it costs what a real verify does
+        _rule(logits, draft, s, gen)
         return _synthetic(logits, draft, s, gen)
+    return _rule(logits, draft, s, gen)
+
+
+def _rule(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
+    """The job's acceptance rule over a non-empty draft."""
     if s.greedy:
         if draft.relaxed is not None and draft.relaxed[0] > 1:
             return _relaxed(logits, draft, *draft.relaxed)
