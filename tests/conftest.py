@@ -7,8 +7,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def save_tiny_hf(folder: Path, seed: int = 0, words: int = 93, shift: int = 0) -> Path:
-    """A tiny Llama + word-level tokenizer (with a chat template) saved as an HF folder."""
+def save_tiny_hf(folder: Path, seed: int = 0, words: int = 93, shift: int = 0, layers: int = 2) -> Path:
+    """A tiny Llama (``layers`` decoder layers) + word-level tokenizer (with a chat template) saved as an HF folder."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -22,7 +22,7 @@ def save_tiny_hf(folder: Path, seed: int = 0, words: int = 93, shift: int = 0) -
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     tok.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
                          "{% if add_generation_prompt %}assistant {% endif %}")
-    model = tiny_llama(seed=seed, vocab=len(vocab), scale=4.0)
+    model = tiny_llama(seed=seed, vocab=len(vocab), layers=layers, scale=4.0)
     model.generation_config.eos_token_id = 2
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)

@@ -20,8 +20,7 @@ def main() -> int:
 
     from specbench.paths import CONF_DIR
 
-    @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
-    def _app(cfg):
+    def _train(cfg):
         import torch
 
         from specbench.errors import ConfigError
@@ -30,20 +29,22 @@ def main() -> int:
         from specbench import drafters
         from specbench.train import distill, loop
 
-        try:
-            mcfg = model_cfg(str(cfg.target), "sdpa")
-            kinds = [*drafters.KINDS, "eagle3", "dflash", "dspark", "mtp", "peagle"]  # written in their authors' layouts (drafters.formats)
-            if cfg.drafter.kind not in kinds:
-                raise ConfigError(f"unknown drafter kind '{cfg.drafter.kind}'; choices: {', '.join(kinds)}")
-            device = resolve_device(cfg.device)
-            dtype = resolve_dtype(cfg.dtype, device)
-            if dtype != torch.float32 and device.type == "cpu":
-                raise ConfigError("train on the CPU in fp32 (dtype=fp32)")
-            target = load_model(mcfg, device, dtype)
-            tok = load_tokenizer(mcfg)
-        except ConfigError as e:
-            print(f"specbench.train: error: {e}", file=sys.stderr)
-            sys.exit(2)
+        mcfg = model_cfg(str(cfg.target), "sdpa")
+        kinds = [*drafters.KINDS, "eagle3", "dflash", "dspark", "mtp", "peagle"]  # written in their authors' layouts (drafters.formats)
+        if cfg.drafter.kind not in kinds:
+            raise ConfigError(f"unknown drafter kind '{cfg.drafter.kind}'; choices: {', '.join(kinds)}")
+        if cfg.drafter.get("data"):  # a drafter may ask for its own distillation settings (merged, then keyed)
+            from omegaconf import OmegaConf
+
+            OmegaConf.set_struct(cfg, False)
+            cfg.data = OmegaConf.merge(cfg.data, cfg.drafter.data)
+        loop.check(cfg)  # before the target loads and its teacher pass runs
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+        if dtype != torch.float32 and device.type == "cpu":
+            raise ConfigError("train on the CPU in fp32 (dtype=fp32)")
+        target = load_model(mcfg, device, dtype)
+        tok = load_tokenizer(mcfg)
         for p in target.parameters():
             p.requires_grad_(False)
         torch.manual_seed(int(cfg.seed))
@@ -53,7 +54,7 @@ def main() -> int:
             out = REPO / out
         out.mkdir(parents=True, exist_ok=True)
         command = "python -m specbench.train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        if cfg.drafter.kind in ("eagle", "medusa", "eagle3", "dflash", "dspark", "mtp", "peagle"):  # feature-level drafters train on the feature set
+        if cfg.drafter.kind in loop.FEATURE_KINDS:  # feature-level drafters train on the feature set
             from specbench.train import features, heads
 
             if cfg.drafter.kind in ("eagle3", "peagle"):  # the states at the inputs of layers 2, L//2, L-3, and the teacher's
@@ -103,11 +104,6 @@ def main() -> int:
             s = res["summary"]
             print(f"[train] wrote {out}: held-out top-1 agreement {[round(x, 3) for x in s['eval_top1_agreement']]}")
             return
-        if cfg.drafter.get("data"):  # a drafter may ask for its own distillation settings (merged, then keyed)
-            from omegaconf import OmegaConf
-
-            OmegaConf.set_struct(cfg, False)
-            cfg.data = OmegaConf.merge(cfg.data, cfg.drafter.data)
         root = distill.build(target, tok, name, cfg.data, device, dtype, chat=bool(mcfg.get("chat", True)),
                              progress=bool(cfg.progress))
         items = distill.load(root)
@@ -126,6 +122,16 @@ def main() -> int:
         loop.finish(cfg, res, out, name, dmeta, command)
         s = res["summary"]
         print(f"[train] wrote {out}: eval KL {s['eval_kl']:.3f}, top-1 agreement {s['eval_top1_agreement']:.1%}")
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+    def _app(cfg):
+        from specbench.errors import ConfigError
+
+        try:
+            _train(cfg)
+        except ConfigError as e:  # a setting or data set that cannot train, before or after the target loads
+            print(f"specbench.train: error: {e}", file=sys.stderr)
+            sys.exit(2)
 
     _app()
     return 0

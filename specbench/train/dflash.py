@@ -158,7 +158,7 @@ def train(cfg, target, tokenizer, items: list[dict], out: Path, device, progress
         pick_anchors(collate(batch, L, "cpu")[2], A, gen)
 
     res = fit_and_score(cfg, model, items, out, loss_of, progress, replay)
-    res["summary"] |= {"trained_block_positions": int(tcfg.steps) * int(tcfg.batch_size) * A * model.drafts,
+    res["summary"] |= {"trained_block_positions": int(tcfg.steps) * res["summary"]["batch_size"] * A * model.drafts,
                        "mask_token_id": mask, "target_layer_ids": ids}
     return {"draft": model, "extra": {}, **res}
 

@@ -17,12 +17,14 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from specbench.run import data as D
 from specbench.paths import cache_dir
+from specbench.train.loop import duration
 
 
 def _norm(text: str) -> str:
@@ -96,6 +98,39 @@ def teacher_topk(model, seqs: list[list[int]], k: int, device, want_hidden: bool
     return res
 
 
+def _timed(fn, device) -> float:
+    """Seconds ``fn()`` takes: the least of three calls (the first warms up, a busy machine slows some)."""
+    from specbench.decode.timing import sync
+
+    times = []
+    for _ in range(3):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+@torch.inference_mode()
+def pass_cost(target, device, what: str, answers: int, max_new: int, gen_bs: int, tokens: int, logits: bool) -> str:
+    """One line saying what a pass over the target will cost, before it starts: ``answers`` prompts
+    answered (up to ``max_new`` tokens each, ``gen_bs`` rows at a time), then a teacher forward over
+    ``tokens`` tokens (with the output layer at every position when ``logits``). Its time comes
+    from timing the target now: a decoding step as a one-token forward of ``gen_bs`` rows, the
+    teacher as a forward of eight rows of 32 tokens. Longer contexts run slower and answers that
+    stop at EOS sooner: an estimate."""
+    rows = max(1, min(gen_bs, answers))
+    one = torch.ones(rows, 1, dtype=torch.long, device=device)
+    probe = torch.ones(8, 32, dtype=torch.long, device=device)
+    step = _timed(lambda: target(input_ids=one, logits_to_keep=1), device) if answers else 0.0
+    per_token = _timed(lambda: target(input_ids=probe, logits_to_keep=0 if logits else 1), device) / probe.numel()
+    steps = -(-answers // gen_bs) * max_new
+    return (f"[train] {what}: {answers} answers of up to {max_new} tokens ({steps} decoding steps of {rows} rows), "
+            f"then the teacher over ~{tokens} tokens: about {duration(steps * step + tokens * per_token)} on this "
+            "machine (timed now; longer contexts run slower)")
+
+
 def build(target, tokenizer, target_name: str, dcfg, device, dtype, chat: bool = True, progress: bool = True,
           prompts: list[str] | None = None) -> Path:
     """Make (or resume) the distillation set; returns its folder of shards. ``prompts``
@@ -120,6 +155,13 @@ def build(target, tokenizer, target_name: str, dcfg, device, dtype, chat: bool =
     n_shards = (len(prompts) + shard - 1) // shard
     eos = eos_ids(target, tokenizer)
     sampling = Sampling(float(dcfg.temperature))
+    todo = [i for si in range(n_shards) if not (root / f"shard_{si:04d}.pt").exists()
+            for i in range(si * shard, min(len(prompts), (si + 1) * shard))]
+    rendered = {i: D.render(tokenizer, [], prompts[i], chat)[: int(dcfg.max_prompt_tokens)] for i in todo}
+    if todo:
+        answers, max_new = sum(i < int(dcfg.respond) for i in todo), int(dcfg.max_new_tokens)
+        print(pass_cost(target, device, "distillation data", answers, max_new, int(dcfg.gen_bs),
+                        sum(map(len, rendered.values())) + answers * max_new, logits=True), file=sys.stderr)
     bar = tqdm(total=len(prompts), desc="distillation data", unit="seq", disable=not progress, file=sys.stderr)
     for si in range(n_shards):
         path = root / f"shard_{si:04d}.pt"
@@ -127,11 +169,8 @@ def build(target, tokenizer, target_name: str, dcfg, device, dtype, chat: bool =
         if path.exists():
             bar.update(len(part))
             continue
-        seqs, plens = [], []
-        for text in part:
-            ids = D.render(tokenizer, [], text, chat)[: int(dcfg.max_prompt_tokens)]
-            seqs.append(ids)
-            plens.append(len(ids))
+        seqs = [rendered[i] for i in range(si * shard, si * shard + len(part))]
+        plens = [len(ids) for ids in seqs]
         # the first `respond` prompts of the whole set get the target's own answer
         answer = [si * shard + j < int(dcfg.respond) for j in range(len(part))]
         idx = [j for j, a in enumerate(answer) if a]

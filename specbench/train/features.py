@@ -30,7 +30,8 @@ import torch
 from specbench.run import data as D
 from specbench.decode.hidden import Tap
 from specbench.paths import cache_dir
-from specbench.train.distill import _norm, benchmark_texts, drop_overlap, load  # noqa: F401 - load: the shards
+from specbench.train.distill import _norm, benchmark_texts, drop_overlap, pass_cost
+from specbench.train.distill import load  # noqa: F401 - the shards
 
 
 _NOT_KEYED = ("dir", "sources", "gen_bs", "teacher_bs")
@@ -188,6 +189,13 @@ def build(target, tokenizer, target_name: str, fcfg, device, dtype, chat: bool =
     shard = int(fcfg.shard_size)
     n_shards = (len(items) + shard - 1) // shard
     eos = eos_ids(target, tokenizer)
+    todo = [it for si in range(n_shards) if not (root / f"shard_{si:04d}.pt").exists()
+            for it in items[si * shard:(si + 1) * shard]]
+    if todo:
+        answers, max_new = sum(bool(it["answer"]) for it in todo), int(fcfg.max_new_tokens)
+        print(pass_cost(target, device, "feature set", answers, max_new, int(fcfg.gen_bs),
+                        sum(len(it["tokens"]) for it in todo) + answers * max_new, logits=False)
+              + (" (less where a set of other layers holds the answers)" if donors else ""), file=sys.stderr)
     bar = tqdm(total=len(items), desc="feature set", unit="seq", disable=not progress, file=sys.stderr)
     for si in range(n_shards):
         path = root / f"shard_{si:04d}.pt"

@@ -33,7 +33,7 @@ from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.eagle3 import Eagle3Drafter, layer_config
 from specbench.drafters.medusa import MedusaHeads, sparse_tree
 from specbench.train import card
-from specbench.train.loop import batches, fit
+from specbench.train.loop import batches, fit, split
 
 RANKS = 10  # Medusa per-rank accuracies measured for the tree
 
@@ -155,10 +155,9 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], device, prog
     else:
         raise ValueError(f"unknown feature drafter kind {dr.kind!r}")
     model.to(device)
-    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
-    evals, trains = items[:n_eval], items[n_eval:]
+    evals, trains, bs = split(items, tcfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    bs, L = int(tcfg.batch_size), int(tcfg.seq_len)
+    L = int(tcfg.seq_len)
     it = batches(trains, bs, L, rng)
 
     def loss_of(batch, steps=None):

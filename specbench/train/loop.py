@@ -15,7 +15,10 @@ import torch
 
 from specbench.drafters import save as save_draft
 from specbench.drafters.draft_lm import DraftLM
+from specbench.errors import ConfigError
 from specbench.train import card
+
+FEATURE_KINDS = ("eagle", "medusa", "eagle3", "dflash", "dspark", "mtp", "peagle")  # train on the feature set
 
 
 def pick_vocab(items: list[dict], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
@@ -38,7 +41,63 @@ def pick_vocab(items: list[dict], size: int, vocab_size: int, always: set[int]) 
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
+def min_seq_len(dr) -> int:
+    """The shortest ``train.seq_len`` that holds a position drafter ``dr`` trains on: a token and the
+    next (MTP: its ``steps`` recursive steps past it; P-EAGLE, DFlash and DSpark: a context before it)."""
+    if dr.kind == "mtp":
+        return int(dr.steps) + 2
+    return 3 if dr.kind in ("peagle", "dflash", "dspark") else 2
+
+
+def check(cfg) -> None:
+    """The settings that would leave a trainer nothing to do, refused in one line before the target
+    loads (and its teacher pass runs): no steps, an empty batch, a held-out share that keeps every
+    sequence, a ``seq_len`` too short for any position, too few sequences to hold one out and train."""
+    t, dr = cfg.train, cfg.drafter
+    if int(t.steps) < 1:
+        raise ConfigError(f"train.steps={t.steps}: nothing to train; set train.steps >= 1")
+    if int(t.batch_size) < 1:
+        raise ConfigError(f"train.batch_size={t.batch_size}: set train.batch_size >= 1")
+    if not 0 <= float(t.eval_frac) < 1:
+        raise ConfigError(f"train.eval_frac={t.eval_frac}: the share held out must be in [0, 1) "
+                          "(at least one sequence is always held out)")
+    if int(t.seq_len) < min_seq_len(dr):
+        raise ConfigError(f"train.seq_len={t.seq_len} holds no position drafter={dr.kind} trains on: "
+                          f"set train.seq_len >= {min_seq_len(dr)}")
+    if dr.kind in FEATURE_KINDS:
+        n, least, what = int(cfg.features.respond) + int(cfg.features.conversations), 2, \
+            "features.respond + features.conversations"
+    elif dr.kind == "specdec":  # it trains on the target's own answers only
+        n, least, what = min(int(cfg.data.prompts), int(cfg.data.respond)), 4, "answered prompts (drafter.data.respond)"
+    else:
+        n, least, what = int(cfg.data.prompts), 2, "data.prompts"
+    if n < least:
+        raise ConfigError(f"{what} = {n}: one sequence is held out for the evaluation and the rest are trained on; "
+                          f"ask for at least {least}")
+
+
+def split(items: list, tcfg) -> tuple[list, list, int]:
+    """The held-out sequences (the first ``train.eval_frac`` of them, at least one), the training
+    ones, and the batch size: ``train.batch_size``, or all the training sequences when there are
+    fewer (said in one line). Refused in one line when none is left to train on."""
+    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
+    evals, trains = items[:n_eval], items[n_eval:]
+    if not trains:
+        raise ConfigError(f"{len(items)} sequence(s), {n_eval} held out for the evaluation: none left to train on; "
+                          "build more (features.respond / features.conversations, or data.prompts)")
+    bs = int(tcfg.batch_size)
+    if len(trains) < bs:
+        print(f"[train] {len(trains)} training sequences, fewer than train.batch_size={bs}: batches of "
+              f"{len(trains)}", file=sys.stderr)
+        bs = len(trains)
+    return evals, trains, bs
+
+
 def batches(items, batch_size: int, seq_len: int, gen: random.Random):
+    """Batches of ``batch_size`` sequences, each pass over ``items`` in a new order (a pass's last
+    partial batch is left out)."""
+    if not 1 <= batch_size <= len(items):  # no whole batch: the loop below would never yield (``split`` sizes it)
+        raise ValueError(f"batches of {batch_size} sequences from {len(items)}")
     order = list(range(len(items)))
     while True:
         gen.shuffle(order)
@@ -87,9 +146,19 @@ def loss_fn(draft: DraftLM, tok, mask, tid, tp, w):
     return loss, kl.detach(), agree.detach()
 
 
+def duration(seconds: float) -> str:
+    """A time as people say it: under 1 s, 40 s, 12 min, 2.5 h."""
+    if seconds < 1:
+        return "under 1 s"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
 def fit(model, params, step_fn, tcfg, state_path: Path, resume: bool, desc: str, progress: bool = True) -> list:
     """The loop every drafter trains with: AdamW, linear warm-up then cosine decay to 10%,
-    gradient clipping, a progress bar, and a resumable checkpoint (``state_path``) every
+    gradient clipping, a progress bar (from the second step on, with the time a step and the run's
+    estimated total), and a resumable checkpoint (``state_path``) every
     ``save_every`` steps. ``step_fn()`` draws the next batch (the data order comes from the
     seed alone, so a resumed run replays it) and returns (loss, *metrics). Returns the
     history of (loss, *metrics) per step of this run."""
@@ -119,6 +188,7 @@ def fit(model, params, step_fn, tcfg, state_path: Path, resume: bool, desc: str,
     history = []
     bar = tqdm(range(start, steps), desc=desc, disable=not progress, file=sys.stderr)
     model.train()
+    t0 = first = time.perf_counter()
     for step in bar:
         loss, *metrics = step_fn()
         opt.zero_grad(set_to_none=True)
@@ -127,7 +197,18 @@ def fit(model, params, step_fn, tcfg, state_path: Path, resume: bool, desc: str,
         opt.step()
         sched.step()
         history.append((loss.item(), *(float(m) for m in metrics)))
-        bar.set_postfix_str(" ".join(f"{x:.3f}" for x in history[-1]))
+        done, now = step + 1 - start, time.perf_counter()
+        if done == 1:
+            first = now  # the first step (allocations, warm-up) is left out of the time a step
+        cost = ""
+        if done > 1:  # what the run costs, from the steps so far: a step's time and the whole run's
+            per = (now - first) / (done - 1)
+            total = now - t0 + per * (steps - step - 1)
+            cost = f" | {per:.2f} s/step, ~{duration(total)} in all"
+            if not progress and done == 3:  # the same, once, in the log
+                print(f"[train] {desc}: {per:.2f} s a step, about {duration(total)} for {steps - start} steps",
+                      file=sys.stderr, flush=True)
+        bar.set_postfix_str(" ".join(f"{x:.3f}" for x in history[-1]) + cost)
         if (step + 1) % int(tcfg.save_every) == 0 or step + 1 == steps:
             if not progress:  # a log line per checkpoint when there is no bar
                 print(f"[train] {desc} step {step + 1}/{steps}: " + " ".join(f"{x:.4f}" for x in history[-1]),
@@ -151,10 +232,9 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], progress: bo
     lookup[vocab_ids] = torch.arange(len(vocab_ids))
     draft = DraftLM(target, int(dr.layers), vocab_ids, init_from_target=dr.init == "target")
     draft.train()
-    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
-    evals, trains = items[:n_eval], items[n_eval:]
+    evals, trains, bs = split(items, tcfg)
     params = [p for p in draft.parameters() if p.requires_grad]
-    it = batches(trains, int(tcfg.batch_size), int(tcfg.seq_len), rng)
+    it = batches(trains, bs, int(tcfg.seq_len), rng)
 
     def step(skip=False):
         b = next(it)
@@ -217,10 +297,8 @@ def fit_and_score(cfg, model, items: list[dict], out: Path, loss_of, progress: b
     resumed run ``replay(batch)`` redraws a skipped step's random draws); then ``held_out`` scores
     it. Returns the summary's shared fields and the loss curve (every 10th step)."""
     tcfg = cfg.train
-    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
-    evals, trains = items[:n_eval], items[n_eval:]
+    evals, trains, bs = split(items, tcfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    bs = int(tcfg.batch_size)
     it = batches(trains, bs, int(tcfg.seq_len), random.Random(int(cfg.seed)))
 
     def step(skip=False):
@@ -235,7 +313,7 @@ def fit_and_score(cfg, model, items: list[dict], out: Path, loss_of, progress: b
     history = fit(model, params, step, tcfg, out / "_train_state.pt", bool(cfg.resume), f"train {cfg.drafter.name}",
                   progress)
     train_s = time.time() - t0
-    summary = {"steps": int(tcfg.steps), **held_out(model, loss_of, evals, bs, history),
+    summary = {"steps": int(tcfg.steps), "batch_size": bs, **held_out(model, loss_of, evals, bs, history),
                "train_seconds_this_run": train_s, "eval_sequences": len(evals), "train_sequences": len(trains),
                "trainable_params": sum(p.numel() for p in params)}
     return {"summary": summary, "loss_curve": [round(h[0], 4) for h in history[::10]]}

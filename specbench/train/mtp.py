@@ -76,14 +76,15 @@ def train(cfg, target, items: list[dict], out: Path, device, progress: bool = Tr
     model = build(target, str(dr.get("init", "target"))).to(device)
     head = target.get_output_embeddings()
     weights = step_weights(float(dr.beta), steps).to(device)
-    bs, L = int(tcfg.batch_size), int(tcfg.seq_len)
+    L = int(tcfg.seq_len)
 
     def loss_of(batch):
         tok, fin, valid = collate(batch, L, device)
         return mtp_loss(model, tok, fin, valid, weights, head, steps)
 
     res = fit_and_score(cfg, model, items, out, loss_of, progress)
-    res["summary"] |= {"trained_positions": int(tcfg.steps) * bs * L * steps, "step_weights": weights.tolist()}
+    res["summary"] |= {"trained_positions": int(tcfg.steps) * res["summary"]["batch_size"] * L * steps,
+                       "step_weights": weights.tolist()}
     return {"draft": model, **res}
 
 

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from specbench.drafters import save as save_draft
 from specbench.drafters import vocab_by_frequency
 from specbench.drafters.specdec import SpecDrafter
+from specbench.errors import ConfigError
 from specbench.train import card
-from specbench.train.loop import batches, fit
+from specbench.train.loop import batches, fit, split
 
 
 def answered(items: list[dict]) -> list[dict]:
@@ -113,17 +114,16 @@ def train(cfg, target, items: list[dict], out: Path, eos: set[int], progress: bo
     V = int(target.config.get_text_config().vocab_size)
     items = answered(items)
     if len(items) < 4:
-        raise ValueError("the distillation set has fewer than 4 answered sequences: raise data.respond")
+        raise ConfigError(f"the distillation set has {len(items)} answered sequences (of 2 answer tokens or more), "
+                          "SpecDec trains on at least 4: raise drafter.data.respond")
     vocab_ids = vocab_by_frequency([it["tokens"][it["prompt_len"]:] for it in items], dr.draft_vocab, V, eos)
     lookup = torch.full((V,), -1, dtype=torch.long)
     lookup[vocab_ids] = torch.arange(len(vocab_ids))
     k, groups, L = int(dr.k), int(dr.groups), int(tcfg.seq_len)
     model = SpecDrafter(target, int(dr.layers), vocab_ids, k, init_from_target=dr.init == "target")
     model.queries.requires_grad_(True)
-    n_eval = max(1, int(len(items) * float(tcfg.eval_frac)))
-    evals, trains = items[:n_eval], items[n_eval:]
+    evals, trains, bs = split(items, tcfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    bs = int(tcfg.batch_size)
     it = batches(trains, bs, L, rng)
 
     def step(skip=False):
