@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.specbench-setup
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 ARGS   ?=
 
-.PHONY: help setup setup-vllm run test test-fast bench benches report figures profile regress regress-baseline train-draft \
+.PHONY: help setup setup-vllm run test test-fast bench benches report figures audit profile regress regress-baseline train-draft \
 	bench-peers gpu-kit gpu-check clean-cache
 
 help: ## this list
@@ -74,6 +74,9 @@ bench-peers: setup ## HF transformers' own assisted generation beside ours (spec
 
 report: setup ## figures and tables from every record under results/ (ARGS: filters, --out DIR)
 	$(BIN)/python -m specbench.analysis.report results $(ARGS)
+
+audit: setup ## GPU readiness of every method: host reads, ops and bytes a step, fullgraph (results/audit.json)
+	$(BIN)/python -m specbench.audit $(ARGS)
 
 figures: setup ## every report figure, drawn from committed baselines into docs/figures/ (docs/figures.md)
 	$(BIN)/python -m specbench.analysis.gallery --out docs/figures
