@@ -29,9 +29,26 @@ def same_shape(cand: list[dict], r) -> list[dict]:
     """Of a job's curves, those profiled in the shape its verifies have (``analysis.profile
     --ragged --tree``): ragged rows at bs > 1, a tree's mask where its drafts are wider than deep;
     else the plain (dense chain) ones; else all."""
-    want = (int(r["bs"]) > 1, (r.get("forward_nodes") or 0) > (spec_len(r) or 0) + 1e-9)
+    want = (int(r["bs"]) > 1, verify_nodes(r) > (spec_len(r) or 0) + 1e-9)
     match = [c for c in cand if (bool(c.get("ragged")), bool(c.get("tree"))) == want]
     return match or [c for c in cand if not c.get("ragged") and not c.get("tree")] or cand
+
+
+def _known(v) -> bool:
+    return v is not None and v == v and v > 0
+
+
+def verify_nodes(r) -> float:
+    """The draft nodes a job's verify forwards ran per row per step, what its verify is priced at
+    (width = these + 1): ``forward_nodes``, the width run (every row runs the widest row's draft;
+    a tree its nodes, Lookahead its window too). A record written before the width was kept has
+    only each row's own nodes (``valid_nodes``): priced at those, a ragged batch's verify is priced
+    below what it ran and its bound is looser (higher) than the width would make it. Before either,
+    the candidates (``draft_nodes``); else K."""
+    for k in ("forward_nodes", "valid_nodes", "draft_nodes"):
+        if _known(r.get(k)):
+            return float(r[k])
+    return float(spec_len(r) or 0)
 
 
 def nearest_state(cand: list[dict], bs: int, base) -> dict:
@@ -109,11 +126,7 @@ def batch_aware(df, curves) -> pd.Series:
             T = c["target"]
             B = batch_of(r)
             t_ar = interp(T, B, 1)
-            nodes = r.get("forward_nodes")  # a tree verifies its nodes (and Lookahead's window), a chain K
-            if nodes is None or nodes != nodes or nodes <= 0:
-                nodes = r.get("draft_nodes")  # records written before forward_nodes
-            width = nodes + 1 if nodes is not None and nodes == nodes and nodes > 0 else (spec_len(r) or 0) + 1
-            t_ver = interp(T, B, width)
+            t_ver = interp(T, B, verify_nodes(r) + 1)
             t_draft = r["t_draft"] / r["iterations"]
             first, first_ar = len(r["requests"]), len(base["requests"])  # the prefill gives each turn its first token
             s = theory.batch_aware_job(r["tau"], t_ar, t_draft, t_ver, B,

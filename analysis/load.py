@@ -45,9 +45,10 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         row["in_flight_mean"] = (m.get("in_flight") or {}).get("mean")
         row["steady_tokens_per_s"] = (m.get("in_flight") or {}).get("steady_tokens_per_s")
         row.update({k: m.get(k) for k in ("new_tokens", "wall_s", "tokens_per_s", "steps", "iterations", "tau",
-                                          "draft_nodes", "forward_nodes",
+                                          "draft_nodes",
                                           "speedup", "match_ar", "verify_share", "engine_overhead", "ttft_s",
                                           "tpot_s", "peak_mem_bytes", "energy_j")})
+        row["forward_nodes"], row["valid_nodes"] = R.nodes(m)  # older records: no width, their count is valid_nodes
         for ph, v in (m.get("time_s") or {}).items():
             row[f"t_{ph}"] = v
         q = m.get("quality") or {}
@@ -55,6 +56,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         row["method_cfg"] = r.get("method_cfg") or {}
         row["method_opts"] = r.get("method_opts") or {}
         row["above_bound"] = R.above_bound(r)  # a speedup above tau, in words: its AR baseline ran slow
+        row["ar_paired"] = R.ar_paired(r)  # False: its speedup stands on an AR job run apart (sweep, any)
         row["accept"] = (r.get("accept") or {}).get("name")  # synthetic: acceptance drawn at given rates
         row["accept_rates"] = (r.get("accept") or {}).get("rates")
         row["K_auto"] = bool(r.get("K_auto"))  # K=auto: the setting was chosen per job (tuned.chosen)
@@ -210,7 +212,8 @@ def load_cost_curves(path: str | Path) -> list[dict]:
 
 def method_rows(df):
     """The method rows (not AR) with a ``series`` label: the method, and the dataset, temperature,
-    dtype and length where the rows differ in them (never one point of an fp32 and a bf16 job)."""
+    dtype and length where the rows differ in them (never one point of an fp32 and a bf16 job), and
+    "(unpaired)" where its speedup stands on an AR job run apart (``ar_paired`` false)."""
     sd = df[df["method"] != "ar"].copy()
     if sd.empty:
         return sd
@@ -221,5 +224,6 @@ def method_rows(df):
     sd["series"] = sd.apply(lambda r: r["label"] + (f", {r['dataset']}" if multi_ds else "")
                             + (f", T={r['temperature']:g}" if multi_t else "")
                             + (f", {r['dtype']}" if multi_dt else "")
-                            + (f", {int(r['max_new_tokens'])} tok" if multi_n else ""), axis=1)
+                            + (f", {int(r['max_new_tokens'])} tok" if multi_n else "")
+                            + (" (unpaired)" if r.get("ar_paired") is False else ""), axis=1)  # AR run apart
     return sd

@@ -90,7 +90,8 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
             tps_ar = b["new_tokens"].sum() / b["wall_s"].sum()
             steps = g["steps"].sum()
             tau = 1 + g["accepted"].sum() / steps if steps else float("nan")
-            rows.append({"method": r["label"] + (f" ({r['dataset']})" if multi_ds else ""), "T": float(r["temperature"]),
+            rows.append({"method": r["label"] + (f" ({r['dataset']})" if multi_ds else "")
+                         + (" (unpaired)" if r.get("ar_paired") is False else ""), "T": float(r["temperature"]),
                          "K": spec_len(r), "bs": int(r["bs"]),
                          "category": cat,
                          "speedup": tps / tps_ar, "tau": tau})
@@ -113,8 +114,10 @@ def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
     for col in ("bound_batch", "of_bound", "curve_gap"):
         if col not in df:
             df[col] = float("nan")
+    # the AR each speedup stands on: run beside it (paired), or an AR job run apart (unpaired)
+    df["ar_paired"] = [{True: "paired", False: "unpaired"}.get(p, "-") for p in df.get("ar_paired", [None] * len(df))]
     cols = ["label", "model", "dataset", "dtype", "kernel", "temperature", "bs", "K", "ctx", "tokens_per_s", "speedup",
-            "speedup_ci", "tau",
+            "speedup_ci", "ar_paired", "tau",
             "alpha", "c",
             "bound_leviathan", "bound_batch", "of_bound", "curve_gap", "verify_share", "match_ar", "above_bound",
             "peak_mem_bytes"]
@@ -136,7 +139,7 @@ def sweep_table(df: pd.DataFrame) -> pd.DataFrame:
     t = t.rename(columns={"label": "method", "temperature": "T", "tokens_per_s": "tok/s", "bound_leviathan": "bound",
                           "bound_batch": "batch bound", "of_bound": "% of batch bound",
                           "curve_gap": "curve / AR step", "above_bound": "above bound",
-                          "speedup_ci": "95% CI",
+                          "speedup_ci": "95% CI", "ar_paired": "AR",
                           "verify_share": "verify %", "match_ar": "match AR %", "peak_mem_bytes": "peak MiB"})
     return t.sort_values(["model", "dataset", "dtype", "T", "bs", "method", "K"],
                          na_position="first").reset_index(drop=True)
@@ -164,9 +167,11 @@ def paper_sweep(full: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     t = full[["method", *varying]].copy()
     t["tau"] = full["tau"]
     t["speedup (95% CI)"] = [("-" if not (s == s) else f"{s:.2f}x" + (f" ({ci})" if isinstance(ci, str) else "")
+                              + (" (unpaired)" if ar == "unpaired" else "")
                               + (" (above tau: AR slowed?)" if isinstance(flag, str) else ""))
-                             for s, ci, flag in zip(full["speedup"], full["95% CI"],
-                                                    full.get("above bound", pd.Series(None, index=full.index)))]
+                             for s, ci, ar, flag in zip(full["speedup"], full["95% CI"],
+                                                        full.get("AR", pd.Series(None, index=full.index)),
+                                                        full.get("above bound", pd.Series(None, index=full.index)))]
     for col in ("% of batch bound", "score %", "match AR %"):
         if len(t.columns) < PAPER_COLUMNS and col in full and full[col].notna().any():
             t[col] = full[col]

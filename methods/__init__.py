@@ -7,7 +7,8 @@ method from another package needs no fork: its package declares an entry point i
 ``specbench.methods`` (``name = "my_pkg.my_module:MyProposer"``), or a run names the class
 itself (``method=my_pkg.my_module:MyProposer``). Such a method declares its own settings
 (``Proposer.Settings``, a dataclass; or ``Proposer.config_file``, a yaml beside its module),
-which ``<name>.<key>=...`` overrides and Hydra checks as it does a built-in method's.
+which ``<name>.<key>=...`` overrides and Hydra checks as it does a built-in method's. A method's
+keys are those its settings declare: any other is refused (``check_keys``), never ignored.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import functools
 import importlib
 from importlib import metadata
 from pathlib import Path
+
+from specbench.errors import did_you_mean, unknown_key
 
 GROUP = "specbench.methods"  # the entry-point group of outside methods
 
@@ -101,7 +104,8 @@ def target(name: str) -> str:
         return plugins()[name]
     if is_target(name):
         return name
-    raise KeyError(f"unknown method '{name}'; choices: {', '.join(names())}, or module:Class")
+    raise KeyError(f"unknown method '{name}';{did_you_mean(name, names())} choices: {', '.join(names())}, "
+                   "or module:Class")
 
 
 def get(name: str):
@@ -153,20 +157,38 @@ def defaults(name: str):
     return OmegaConf.load(path) if name in builtin() and path.exists() else settings(name)
 
 
+def keys(name: str) -> list[str]:
+    """The keys method ``name`` declares (those of ``defaults``): the only ones its settings take."""
+    return [str(k) for k in defaults(name).keys()]
+
+
+def check_keys(node, name: str, where: str = "method.") -> None:
+    """Refuse, in one line, a key of the settings ``node`` that method ``name`` does not declare
+    (``where``: how the settings are reached, for the message)."""
+    own = keys(name)
+    bad = [k for k in node.keys() if k not in own]
+    if bad:
+        raise unknown_key(f"{where}{bad[0]}", own, f"{name}'s")
+
+
 def register(name: str, target: str) -> None:
     """Register ``name`` -> ``'module:Class'`` in this process (for tests; outside packages use
     the entry point group, which every process of a sweep sees)."""
     REGISTRY[name] = target
 
 
-def member_cfg(cfg, name: str, opts=None):
-    """``cfg`` with ``method`` replaced by method ``name``'s own settings (its yaml), ``opts`` over them."""
+def member_cfg(cfg, name: str, opts=None, where: str | None = None):
+    """``cfg`` with ``method`` replaced by method ``name``'s own settings (its yaml), ``opts`` over them
+    (a key the yaml does not declare is refused; ``where``: how ``opts`` are reached, for the message)."""
     from omegaconf import OmegaConf
 
     from specbench.paths import CONF_DIR
 
     conf = OmegaConf.load(CONF_DIR / "method" / f"{name}.yaml") if (CONF_DIR / "method" / f"{name}.yaml").exists() \
         else OmegaConf.create({"name": name})
+    bad = [k for k in (opts or {}) if k not in conf]
+    if bad:
+        raise unknown_key(f"{where or name + '.'}{bad[0]}", list(conf), f"{name}'s")
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # not struct: the member's own keys
     out.method = OmegaConf.merge(conf, opts or {})
     return out

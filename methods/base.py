@@ -141,7 +141,9 @@ class Proposer(MethodSpec):
         self.dtype = dtype
 
     def modules(self) -> list[torch.nn.Module]:
-        """Extra models the method runs (their forward time counts as model time)."""
+        """Extra models the method runs. Every call into them counts as model time (``time_s.forward``)
+        whatever its entry: their ``forward``, a module they borrow from the target, or a method of
+        their own class (DFlash's ``block``, EAGLE's ``step``): ``decode.timing.PhaseTimer.watch``."""
         return []
 
     def new_rows(self, state: BatchState, hidden=None) -> dict:

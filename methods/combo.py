@@ -83,7 +83,7 @@ class Combo(Proposer):
                 member = methods.get(name)
             except KeyError as e:
                 raise ConfigError(f"combo.of: {e.args[0]}") from None
-            member.check(member_cfg(cfg, name, (m.get("opts") or {}).get(name)), target_config)
+            member.check(member_cfg(cfg, name, (m.get("opts") or {}).get(name), f"combo.opts.{name}."), target_config)
         unknown = set(m.get("opts") or {}) - set(of)
         if unknown:
             raise ConfigError(f"combo.opts names {sorted(unknown)}, not in combo.of {of}")

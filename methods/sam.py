@@ -159,7 +159,7 @@ class SamDecoding(Proposer):
                 member = methods.get(fb)
             except KeyError as e:
                 raise ConfigError(f"sam.fallback: {e.args[0]}") from None
-            member.check(member_cfg(cfg, fb, m.get("fallback_opts")), target_config)
+            member.check(member_cfg(cfg, fb, m.get("fallback_opts"), "sam.fallback_opts."), target_config)
         if m.corpus is not None:
             from specbench.methods.rest import BUILTIN, _datastore_path
 

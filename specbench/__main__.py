@@ -1,21 +1,23 @@
 """`python -m specbench [key=value ...]`: a Hydra sweep over the product of comma lists.
 
 Before Hydra starts, config-group choices are checked (one-line error listing the
-choices), `draft_model=<hub id or folder>` is rewritten to `draft_model=hf draft_model.path=<...>`
-(`draft=`, its old name, still works and warns), and a method from another package (an entry
-point of ``specbench.methods``, or ``method=module:Class``) gets its settings into Hydra's config
-store as ``method/<name>``.
+choices), every key is checked against what declares it (a method's settings, the run's schema:
+an unknown key is refused in one line, whether set or added with ``+``), `draft_model=<hub id or
+folder>` is rewritten to `draft_model=hf draft_model.path=<...>` (`draft=`, its old name, still
+works and warns), and a method from another package (an entry point of ``specbench.methods``, or
+``method=module:Class``) gets its settings into Hydra's config store as ``method/<name>``.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
-GROUPS = ("method", "model", "dataset", "draft_model", "logger")
+GROUPS = ("method", "model", "dataset", "draft_model", "logger", "accept")
 
 
 def preprocess(argv: list[str]) -> list[str]:
-    from specbench.errors import ConfigError
+    from specbench.errors import ConfigError, did_you_mean
     from specbench.paths import group_options
     from specbench.run.schema import RENAMED_GROUPS
 
@@ -25,22 +27,25 @@ def preprocess(argv: list[str]) -> list[str]:
     out = []
     swept = next(([v.strip() for v in a.partition("=")[2].split(",")] for a in reversed(argv)
                   if a.startswith("method=")), None)
+    runs = functools.cache(lambda: swept or swept_by_default(argv))  # the methods whose keys method.<key> sets
     for arg in argv:
         key, eq, val = arg.partition("=")
+        shown = key.lstrip("+~")  # the key as written, for the messages
         head, dot, rest = key.partition(".")
         bare = head.lstrip("+~")
+        sign = head[:len(head) - len(bare)]
         if bare in RENAMED_GROUPS and (eq or head.startswith("~")):
             print(f"specbench: `{bare}` is now `{RENAMED_GROUPS[bare]}` (the old name goes in the next release)",
                   file=sys.stderr)
-            head = head[:len(head) - len(bare)] + RENAMED_GROUPS[bare]
-            key = head + dot + rest
+            bare = RENAMED_GROUPS[bare]
+            key = sign + bare + dot + rest
             arg = key + eq + val
-        if eq and dot and head in known:  # eagle.depth=6 -> method.depth=6
-            if swept != [head]:  # would reach the other methods' jobs too
-                raise ConfigError(f"{key}= needs method={head} alone (got method={','.join(swept or ['<default>'])}); "
+        if (eq or sign) and dot and bare in known:  # eagle.depth=6 -> method.depth=6
+            if swept != [bare]:  # would reach the other methods' jobs too
+                raise ConfigError(f"{shown}= needs method={bare} alone (got method={','.join(swept or ['<default>'])}); "
                                   "sweep other methods in a separate command")
-            arg = f"method.{rest}={val}"
-            key = f"method.{rest}"
+            key = f"{sign}method.{rest}"
+            arg = key + eq + val
         if eq and key in GROUPS:
             opts = methods.names() if key == "method" else group_options(key)
             vals = [v.strip() for v in val.split(",")]
@@ -53,9 +58,59 @@ def preprocess(argv: list[str]) -> list[str]:
             bad = [v for v in vals if v not in opts and not (key == "method" and methods.is_target(v))]
             if bad:
                 more = ", or module:Class (a proposer from your own package)" if key == "method" else ""
-                raise ConfigError(f"unknown {key} '{bad[0]}'; choices: {', '.join(opts)}{more}")
+                raise ConfigError(f"unknown {key} '{bad[0]}';{did_you_mean(bad[0], opts)} choices: {', '.join(opts)}"
+                                  f"{more}")
+        if eq or sign.startswith("~"):
+            check_key(key.lstrip("+~"), shown, runs)
         out.append(arg)
     return out
+
+
+def check_key(key: str, shown: str, swept) -> None:
+    """Refuse a key that nothing declares: under ``method.``, a key of a method of the sweep
+    (``swept()``: their names) that its settings lack; elsewhere one the run's schema lacks.
+    Hydra's own keys and a preset's group (``+experiment=``) are Hydra's to check."""
+    from specbench.errors import ConfigError, unknown_key
+    from specbench.run import schema
+
+    from specbench import methods
+
+    top, _, sub = key.partition(".")
+    if top in ("hydra", "experiment") or "/" in key or not key.replace(".", "").replace("_", "").isalnum():
+        return
+    if top != "method" or not sub:
+        schema.check_key(key, shown)
+        return
+    sub = sub.partition(".")[0]
+    try:
+        own = {name: methods.keys(name) for name in swept()}
+    except KeyError as e:  # an outside class that does not import
+        raise ConfigError(e.args[0]) from None
+    lack = [name for name, keys in own.items() if sub not in keys]
+    has = [name for name, keys in own.items() if sub in keys]
+    if lack and has:  # another method's key: it would reach this one's jobs too
+        raise ConfigError(f"{shown} is {has[0]}'s, not {lack[0]}'s: set it with method={has[0]} alone and sweep "
+                          f"the others in a separate command ({lack[0]}'s keys: "
+                          f"{', '.join(k for k in own[lack[0]] if k != 'name') or 'none'})")
+    if lack:
+        raise unknown_key(shown, own[lack[0]], f"{lack[0]}'s")
+
+
+def swept_by_default(argv: list[str]) -> list[str]:
+    """The methods a command line that names none runs: its sweep's (conf/config.yaml's, a preset's,
+    or as ``hydra.`` overrides set it), else the config's method; [] where that cannot be told."""
+    from hydra import compose, initialize_config_dir
+
+    from specbench.paths import CONF_DIR
+
+    own = [a for a in argv if a.startswith("hydra") or a.lstrip("+").startswith("experiment=")]
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=own, return_hydra_config=True)
+    except Exception:  # noqa: BLE001 - Hydra says what is wrong with its own overrides
+        return []
+    params = cfg.hydra.sweeper.get("params") or {}
+    return [v.strip() for v in str(params.get("method") or cfg.method.name).split(",")]
 
 
 def store_outside_methods(argv: list[str]) -> list[str]:

@@ -1,5 +1,23 @@
 """The one exception a user's mistake raises: checked before any model loads, reported in one line."""
 
+from __future__ import annotations
+
+import difflib
+
 
 class ConfigError(ValueError):
     """Bad user input, reported in one line before any model loads."""
+
+
+def did_you_mean(word, choices) -> str:
+    """`` did you mean X?`` with X the choice closest to ``word`` (difflib), or "" when none is close."""
+    best = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f" did you mean {best[0]}?" if best else ""
+
+
+def unknown_key(key: str, keys, owner: str) -> ConfigError:
+    """The error for a key ``owner`` (``pld's``, ``top-level``) does not declare: the key as
+    written, the closest declared key, and every declared one (``name`` is chosen by its group)."""
+    keys = [k for k in keys if k != "name"]
+    return ConfigError(f"unknown key {key};{did_you_mean(key.rpartition('.')[2], keys)} {owner} keys: "
+                       f"{', '.join(keys) or 'none'}")

@@ -194,7 +194,7 @@ def test_report_numbers_match_records():
     assert lev["alpha"] == pytest.approx(sum(a) / (1 + sum(a[:-1])))
     assert lev["bound_leviathan"] == pytest.approx(theory.leviathan_speedup(lev["alpha"], 4, c))
     cat = tables.per_category(df)
-    overall = cat[("tau", "overall")].loc[("leviathan (self_layers:1)", 0.0, 4, 1)]
+    overall = cat[("tau", "overall")].loc[("leviathan (self_layers:1) (unpaired)", 0.0, 4, 1)]  # ar_baseline=sweep
     assert overall == pytest.approx(raw["metrics"]["tau"])
 
 
@@ -467,7 +467,7 @@ def test_a_speedup_above_its_bound_is_flagged_in_words(tmp_path):
     assert "rerun paired" in R.above_bound(bad) and R.above_bound(fine) is None and R.above_bound(ar) is None
     assert "the AR run beside it was slowed" in R.above_bound(dict(bad, paired_with="a"))
     table = summary_table([ar, bad, fine])
-    assert "1.90x !" in table and "pld bs=1 K=4: speedup 1.90x is above its bound tau=1.40" in table
+    assert "1.90x unpaired !" in table and "pld bs=1 K=4: speedup 1.90x is above its bound tau=1.40" in table
     assert "lookahead bs=1 K=4:" not in table
     p = tmp_path / "records.jsonl"
     for r in (ar, bad, fine):
@@ -520,6 +520,12 @@ def test_the_summary_and_the_report_say_which_ar_each_speedup_stands_on(tmp_path
     t, _ = paper_sweep(full)
     assert t[t["method"] == "suffix"]["speedup (95% CI)"].iloc[0] == "1.30x (unpaired)"
     assert t[t["method"] == "pld"]["speedup (95% CI)"].iloc[0] == "1.30x"
+    rq = [{"id": "q", "turn": 1, "category": "writing", "batch": 0, "new_tokens": 10, "wall_s": 1.0, "steps": 10,
+           "accepted": 0}]
+    p2 = tmp_path / "cat.jsonl"
+    for r in (dict(ar, requests=rq), dict(old_paired, ar_job_id="a0", requests=rq), dict(old_apart, requests=rq)):
+        R.append(p2, r)
+    assert set(tables.per_category(load(p2)).index.get_level_values("method")) == {"pld", "suffix (unpaired)"}
 
 
 def test_identity_table_takes_its_reference_ar_from_the_same_engine_kernel_and_compile(tmp_path):
@@ -598,3 +604,32 @@ def test_a_bound_reads_the_curve_profiled_in_the_shape_its_job_verifies():
     assert bounds.same_shape([dense, shaped], chain1) == [dense]
     assert bounds.same_shape([dense, shaped], tree4) == [shaped]
     assert bounds.same_shape([dense], tree4) == [dense]
+
+
+def test_a_bound_prices_the_verify_width_run_and_older_records_keep_what_they_counted(tmp_path, monkeypatch):
+    """The batch-aware bound prices a verify at the width its forwards ran (``forward_nodes`` + 1: a
+    ragged batch pays for its padding), not at the rows' own drafts (``valid_nodes``). A record
+    written before the width was kept counted each row's own nodes under ``forward_nodes``: it loads
+    with that count as ``valid_nodes`` and no width, still pairs with its AR record, and its bound is
+    priced at the count it has."""
+    recs = R.read(FIX / "records.jsonl")
+    ar = next(r for r in recs if r["method"] == "ar" and r["bs"] == 4)
+    pld = next(r for r in recs if r["method"] == "pld" and r["bs"] == 4 and r["K"] == 4)
+    p = tmp_path / "records.jsonl"
+    R.append(p, ar)
+    for job, nodes in (("new", {"forward_nodes": 4.0, "valid_nodes": 1.5}), ("old", {"forward_nodes": 1.5})):
+        rec = json.loads(json.dumps(pld))
+        rec["job_id"] = job
+        rec["metrics"].update(nodes)
+        R.append(p, rec)
+    df = load(p)
+    new, old = (df[df["job_id"] == j].iloc[0] for j in ("new", "old"))
+    assert (new["forward_nodes"], new["valid_nodes"]) == (4.0, 1.5)
+    assert old["forward_nodes"] != old["forward_nodes"] and old["valid_nodes"] == 1.5  # no width: NaN
+    widths = []
+    monkeypatch.setattr(bounds, "interp", lambda T, b, n: widths.append((b, n)) or interp(T, b, n))
+    curves = [json.loads(x) for x in (FIX / "cost_curves.jsonl").read_text().splitlines() if x.strip()]
+    bound = bounds.batch_aware(df, curves)
+    assert bound[new.name] == bound[new.name] and bound[old.name] == bound[old.name]  # both paired, both priced
+    assert widths == [(4, 1), (4, 5.0), (4, 1), (4, 2.5)]  # T(bs, 1), then each job's verify width
+    assert bound[new.name] < bound[old.name]  # the padding the old record could not show is paid for

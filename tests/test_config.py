@@ -1,6 +1,7 @@
 """Config composition of every group, the one-line errors for bad input, and runner jobs
 (recorded failures, AR baseline reuse, records schema) on tiny HF folders."""
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -58,7 +59,7 @@ def test_default_sweep_and_multirun_mode():
 
 
 def test_preprocess_rejects_unknown_choices_and_rewrites_draft():
-    with pytest.raises(ConfigError, match="unknown method 'eagle2'; choices: ar, combo, dflash, dspark, eagle, leviathan, lookahead, medusa, mtp, peagle, pld, recycle, reject, rest, sam, specdec, suffix"):
+    with pytest.raises(ConfigError, match="unknown method 'eagle2'; did you mean eagle\\? choices: ar, combo, dflash, dspark, eagle, leviathan, lookahead, medusa, mtp, peagle, pld, recycle, reject, rest, sam, specdec, suffix"):
         preprocess(["method=pld,eagle2"])
     # a method's own keys: eagle.depth=... is method.depth=...
     assert preprocess(["method=eagle", "eagle.depth=4,6", "eagle.top_k=3"]) == \
@@ -89,6 +90,82 @@ def test_the_old_draft_group_name_still_works_with_a_warning(capsys):
         cfg.draft = {"name": "self_layers", "layers": 2}  # built in code with the old name: refused, not ignored
     with pytest.raises(ConfigError, match="draft is now draft_model"):
         schema.check(cfg)
+
+
+TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, batching, rate, prefill_chunk, slo, tune, "
+            "ctx, limit, max_new_tokens, temperature, top_k, top_p, seed, dtype, device, kernel, backend, vllm, "
+            "compile, warmup, repeats, resume, ar_baseline, results_dir, records, progress")
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["method=pld", "pld.kk=3"], "unknown key pld.kk; pld's keys: max_ngram, min_ngram"),
+    (["method=pld", "+method.kk=3"], "unknown key method.kk; pld's keys: max_ngram, min_ngram"),
+    (["method=pld", "++method.kk=3"], "unknown key method.kk; pld's keys: max_ngram, min_ngram"),
+    (["method=pld", "method.max_ngrams=4"], "unknown key method.max_ngrams; did you mean max_ngram? pld's keys: "
+                                            "max_ngram, min_ngram"),
+    (["method=eagle", "eagle.dpeth=4"], "unknown key eagle.dpeth; did you mean depth? eagle's keys: version, "
+                                        "checkpoint, top_k, depth, total_tokens, tree"),
+    (["+method.kk=3"], "unknown key method.kk; ar's keys: none"),  # the default sweep's first method: ar
+    (["method=pld,lookahead", "method.max_ngram=2"], "method.max_ngram is pld's, not lookahead's: set it with "
+                                                     "method=pld alone and sweep the others in a separate command "
+                                                     "(lookahead's keys: W, N, G, pool_cap, prompt_ngrams)"),
+    (["+experiment=eagle3", "method.max_ngram=2"], "unknown key method.max_ngram; eagle's keys: "),  # its sweep
+    (["bss=4"], f"unknown key bss; did you mean bs? top-level keys: {TOP_KEYS}"),
+    (["+bss=4"], f"unknown key bss; did you mean bs? top-level keys: {TOP_KEYS}"),
+    (["~bss"], f"unknown key bss; did you mean bs? top-level keys: {TOP_KEYS}"),
+    (["+model.pathh=x"], "unknown key model.pathh; did you mean path? model's keys: package, file, path, chat, "
+                         "attn_implementation, shape, logit_std, tokenizer"),
+    (["draft.layer=2"], "unknown key draft.layer; did you mean layers? draft_model's keys: label, path, layers"),
+    (["slo.ttft=5"], "unknown key slo.ttft; did you mean ttft_ms? slo's keys: ttft_ms, tpot_ms"),
+    (["vllm.eager=true"], "unknown key vllm.eager; vllm's keys: python, enforce_eager, max_num_batched_tokens, "
+                          "block_size, prefix_caching, kv_cache_gb, threads"),
+    (["accept=synthetic", "accept.rate=0.5"], "unknown key accept.rate; did you mean rates? accept's keys: rates"),
+    (["method=eagel"], "unknown method 'eagel'; did you mean eagle? choices: ar, combo, dflash"),
+    (["model=smollm2"], "unknown model 'smollm2'; did you mean smollm2-135m? choices: "),
+])
+def test_an_unknown_key_is_refused_in_one_line_with_the_valid_keys(argv, msg):
+    """A key nothing declares (a method's settings: its yaml; the run's: specbench/run/schema.py)
+    is refused before Hydra starts, whether it is set (``pld.kk=3``) or added (``+method.kk=3``),
+    never ignored; the line lists the valid keys and the closest of them."""
+    with pytest.raises(ConfigError) as e:
+        preprocess(argv)
+    assert str(e.value).startswith(msg) and "\n" not in str(e.value), str(e.value)
+
+
+def test_declared_keys_pass_through():
+    argv = ["method=pld", "method.max_ngram=2,3", "pld.min_ngram=1", "bs=1,2", "model=hf", "model.path=x",
+            "+draft_model.label=x", "~dataset.language", "slo.ttft_ms=200", "tune.K=[1,2]", "vllm.threads=0-1",
+            "hydra.launcher.n_jobs=2", "hydra/launcher=joblib", "--multirun", "logger=wandb", "logger.project=p"]
+    assert preprocess(argv) == [a.replace("pld.", "method.") for a in argv]
+    assert preprocess(["+experiment=eagle3", "method.version=3"]) == ["+experiment=eagle3", "method.version=3"]
+    argv = ["+experiment=search", "hydra.sweeper.params=null", "method=rest", "method.datastore=python_code"]
+    assert preprocess(argv) == argv
+
+
+def test_an_unknown_key_is_refused_by_the_command_line_before_anything_runs(tmp_path):
+    """Both forms on the command line: one line, exit 2, no job run, no record written."""
+    for arg, msg in (("pld.kk=3", "unknown key pld.kk; pld's keys: max_ngram, min_ngram"),
+                     ("+method.kk=3", "unknown key method.kk; pld's keys: max_ngram, min_ngram")):
+        out = subprocess.run([sys.executable, "-m", "specbench", "method=pld", arg, f"results_dir={tmp_path}"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and out.stderr.strip() == f"specbench: error: {msg}", out.stderr[-2000:]
+    assert not (tmp_path / "records.jsonl").exists()
+
+
+def test_an_unknown_key_in_a_composed_config_is_refused_before_the_model_loads(tiny_dirs, tmp_path):
+    """A config built in code or by a preset (no command line to check) is held to the same keys."""
+    pld = {"name": "pld", "max_ngram": 3, "min_ngram": 1}
+    for over, msg in (({"method": {**pld, "kk": 3}}, "unknown key method.kk; pld's keys: max_ngram, min_ngram"),
+                      ({"bss": 4}, "unknown key bss; did you mean bs? top-level keys: "),
+                      ({"model.pathh": "x"}, "unknown key model.pathh; did you mean path? model's keys: "),
+                      ({"slo.ttft": 5}, "unknown key slo.ttft; did you mean ttft_ms? slo's keys: ttft_ms, tpot_ms"),
+                      ({"method": {"name": "eagel"}}, "unknown method 'eagel'; did you mean eagle? choices: ")):
+        with pytest.raises(ConfigError) as e:
+            runner.validate(tiny_cfg(tiny_dirs, tmp_path, **over))
+        assert str(e.value).startswith(msg), str(e.value)
+    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, method={**pld, "kk": 3}), sweep_id="typo")
+    assert [(r["status"], r["error"]) for r in recs] == [("error", "unknown key method.kk; pld's keys: max_ngram, "
+                                                                   "min_ngram")]
 
 
 def register_fakes(monkeypatch, **classes):
@@ -164,6 +241,12 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
     ({"method": {"name": "lookahead", "W": 5, "N": 1, "G": 3}}, "lookahead.N must be 'auto' or an integer >= 2"),
     ({"method": {"name": "rest", "datastore": "/no/such/store.jsonl", "num_draft": 64, "max_suffix": 16,
                  "min_suffix": 2}}, "rest.datastore '/no/such/store.jsonl' is neither sharegpt nor python_code"),
+    ({"method": {"name": "combo", "of": ["pld", "suffix"], "opts": {"pld": {"max_ngam": 2}}, "max_nodes": "auto",
+                 "prior": 0.5}}, "unknown key combo.opts.pld.max_ngam; did you mean max_ngram? pld's keys: max_ngram, "
+                                 "min_ngram"),
+    ({"method": {"name": "sam", "min_match": 2, "corpus": None, "corpus_tokens": 300000, "static_bias": 4,
+                 "fallback": "recycle", "fallback_opts": {"tree_sise": 4}}},
+     "unknown key sam.fallback_opts.tree_sise; did you mean tree_size? recycle's keys: topk, tree_size, tree, warm"),
     ({"method": {"name": "specdec", "beta": 0, "tol": 1.0, "checkpoint": "checkpoints/smollm2-135m/specdec"}},
      "specdec.beta must be an integer >= 1"),
     ({"method": {"name": "specdec", "beta": 2, "tol": -1, "checkpoint": "checkpoints/smollm2-135m/specdec"}},
@@ -289,7 +372,7 @@ def test_draft_with_another_vocabulary_is_refused(tiny_dirs, tmp_path):
 
 REQUIRED = ["schema", "sweep_id", "status", "error", "method", "model", "draft", "K", "bs", "ctx", "dataset",
             "limit", "temperature", "max_new_tokens", "dtype", "device", "seed", "env", "metrics", "requests"]
-METRICS = ["new_tokens", "wall_s", "tokens_per_s", "steps", "tau", "draft_nodes", "forward_nodes", "quality",
+METRICS = ["new_tokens", "wall_s", "tokens_per_s", "steps", "tau", "draft_nodes", "forward_nodes", "valid_nodes", "quality",
            "accept_rate_per_pos", "accept_len_hist",
            "time_s", "verify_share", "ttft_s", "tpot_s", "peak_mem_bytes", "energy_j", "speedup", "match_ar"]
 
@@ -419,6 +502,26 @@ def test_paired_baseline_takes_turns_and_changes_no_token(tiny_dirs, tmp_path, m
         for _, row in df[df["method"] == "pld"].iterrows():
             assert of(row)["job_id"] == row["ar_job_id"]
         assert of(df[df["method"] == "ar"].iloc[0]) is None
+
+
+def test_each_speedup_says_whether_its_ar_ran_beside_it(tiny_dirs, tmp_path):
+    """ar_baseline=paired: the speedup stands on the AR run beside it (``ar_paired`` true); sweep and
+    any: on an AR job run apart (false), even one another job ran paired. The summary labels a
+    paired AR by its method and marks the speedups that are not paired."""
+    from specbench.run.summary import summary_table
+
+    pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
+    ar, rec = runner.job(tiny_cfg(tiny_dirs, tmp_path, ar_baseline="paired", **pld), sweep_id="p")
+    assert rec["ar_paired"] is True and "ar_paired" not in ar
+    apart = runner.job(tiny_cfg(tiny_dirs, tmp_path, **pld), sweep_id="s")  # the sweep's AR job, then pld
+    assert [r["method"] for r in apart] == ["ar", "pld"] and apart[1]["ar_paired"] is False
+    lev = runner.job(tiny_cfg(tiny_dirs, tmp_path, ar_baseline="any", **{"method": {"name": "leviathan"}}),
+                     sweep_id="a")
+    assert [r["method"] for r in lev] == ["leviathan"] and lev[0]["ar_paired"] is False
+    assert [r["ar_paired"] for r in R.read(tmp_path / "records.jsonl") if r["method"] != "ar"] == [True, False, False]
+    rows = summary_table([ar, rec, *apart, *lev]).splitlines()[2:]
+    assert rows[0].startswith("ar (for pld) ") and rows[2].startswith("ar ") and not rows[2].startswith("ar (")
+    assert ["unpaired" in r for r in rows[:5]] == [False, False, False, True, True]
 
 
 def test_first_divergence_bookkeeping():
@@ -575,6 +678,8 @@ def test_the_recorded_K_is_the_methods_own(tiny_dirs, tmp_path, monkeypatch):
 
     class Unshaped(PromptLookup):  # drafts like PLD, reports no fixed length (as REST does)
         name = "unshaped"
+        Settings = dataclasses.make_dataclass("Settings", [("name", str, "unshaped"), ("max_ngram", int, 3),
+                                                           ("min_ngram", int, 1)])  # PLD's keys, declared
 
         @classmethod
         def spec_len(cls, cfg, device):
@@ -591,8 +696,8 @@ def test_the_recorded_K_is_the_methods_own(tiny_dirs, tmp_path, monkeypatch):
     table = tables.sweep_table(df).set_index("method")
     assert table.loc["pld", "K"] == 3 and table.loc["unshaped", "K"] is pd.NA
     cats = tables.per_category(df).reset_index()
-    assert set(cats["method"]) == {"pld", "unshaped"}
-    assert cats.loc[cats["method"] == "unshaped", "K"].isna().all()
+    assert set(cats["method"]) == {"pld (unpaired)", "unshaped (unpaired)"}  # ar_baseline=sweep
+    assert cats.loc[cats["method"] == "unshaped (unpaired)", "K"].isna().all()
 
 
 def test_ctx_prompts_have_exact_length(tiny_dirs, tmp_path, monkeypatch):
@@ -626,7 +731,7 @@ def test_cli_sweep_end_to_end(tiny_dirs, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "specbench", "method=medusa9"], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2
-    assert bad.stderr.strip() == ("specbench: error: unknown method 'medusa9'; choices: ar, combo, dflash, dspark, eagle, leviathan, lookahead, medusa, "
+    assert bad.stderr.strip() == ("specbench: error: unknown method 'medusa9'; did you mean medusa? choices: ar, combo, dflash, dspark, eagle, leviathan, lookahead, medusa, "
                                    "mtp, peagle, pld, recycle, reject, rest, sam, specdec, suffix, or module:Class (a proposer from "
                                    "your own package)")
 

@@ -286,3 +286,28 @@ def test_cache_is_sized_once_per_batch_and_rows_leave_in_place(model):
         a = c.forward(nxt, torch.zeros(2, 1, dtype=torch.long), None).logits
         b = ref.forward(nxt, torch.zeros(2, 1, dtype=torch.long), None).logits
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_forward_nodes_are_the_verify_width_with_ragged_drafts(model):
+    """At bs 8 PLD's drafts are ragged (rows find continuations of different lengths, or none), and
+    every row runs the verify forward's width [B, n + 1] whatever it drafted: each step records, per
+    row, the n nodes it ran (``nodes``: the record's ``forward_nodes``) and apart its own real ones
+    (``valid_nodes``)."""
+    prompts = [[5 + b, 6, 7, 8, 9, 5 + b, 6, 7] if b % 3 == 0 else [5 + b, 6 + b, 7, 8 + b] * (1 + b % 3)
+               if b % 3 == 1 else [10 + 7 * j + b for j in range(6)] for b in range(8)]
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                           with_kwargs=True)
+    try:
+        res = run_engine(model, PromptLookup(cfg_for(K=4), model, None, DEVICE, torch.float32), prompts, 12)
+    finally:
+        hook.remove()
+    verifies = shapes[1:]  # after the batch's prefill, one verify forward a step
+    assert len(verifies) == max(r.steps for r in res)
+    for s, (rows, width) in enumerate(verifies):
+        live = [r for r in res if r.steps > s]  # a static batch: finished rows have left it
+        assert rows == len(live)
+        assert [r.nodes[s] for r in live] == [width - 1] * rows  # the width run, whatever the row drafted
+        assert all(r.valid_nodes[s] <= width - 1 for r in live)
+    assert any(v < n for r in res for v, n in zip(r.valid_nodes, r.nodes))  # the drafts were ragged
+    assert any(v > 0 for r in res for v in r.valid_nodes)

@@ -122,3 +122,14 @@ def test_no_two_texts_of_a_figure_overlap(any_set):
         if hits:
             bad[p.name] = hits[:3]
     assert not bad, bad
+
+
+def test_a_speedup_on_an_ar_run_apart_is_marked_unpaired_in_the_figures(tmp_path, monkeypatch):
+    """The fixture's records were run with ar_baseline=sweep: every series says so."""
+    from specbench.analysis import report
+
+    figs = {}
+    monkeypatch.setattr(figures, "save", lambda fig, out, name, written: figs.setdefault(name, fig))
+    report.build(Path(__file__).parent / "fixtures" / "records.jsonl", tmp_path / "rep")
+    ticks = [t.get_text() for ax in figs["speedup_vs_bound"].axes for t in ax.get_xticklabels()]
+    assert ticks and all("(unpaired)" in t for t in ticks), ticks

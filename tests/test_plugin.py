@@ -63,6 +63,30 @@ def test_bad_outside_methods_are_refused_in_one_line(installed):
         store_outside_methods(["method=ar,no_such_pkg.mod:X"])
 
 
+def test_an_outside_methods_unknown_key_is_refused_in_one_line(installed, tmp_path, monkeypatch):
+    """A plug-in's keys are its ``Settings`` dataclass's fields or its ``config_file``'s keys: any
+    other is refused in both forms (``bigram.kk=3``, ``+method.kk=3``), as a built-in method's."""
+    from specbench.__main__ import preprocess
+
+    for argv, msg in ((["method=bigram", "bigram.max_drafts=2"],
+                       "unknown key bigram.max_drafts; did you mean max_draft? bigram's keys: successor, max_draft"),
+                      (["method=bigram", "+method.kk=3"], "unknown key method.kk; bigram's keys: successor, max_draft"),
+                      ([f"method={TARGET}", "method.successr=first"],
+                       f"unknown key method.successr; did you mean successor? {TARGET}'s keys: successor, max_draft")):
+        with pytest.raises(ConfigError) as e:
+            preprocess(argv)
+        assert str(e.value) == msg
+    (tmp_path / "filed.py").write_text(
+        "from specbench.api import Proposer\n"
+        "class Filed(Proposer):\n    name = 'filed'\n    config_file = 'filed.yaml'\n")
+    (tmp_path / "filed.yaml").write_text("depth: 2\nwidth: 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as e:
+        preprocess(["method=filed:Filed", "method.dept=3"])
+    assert str(e.value) == "unknown key method.dept; did you mean depth? filed:Filed's keys: depth, width"
+    assert preprocess(["method=filed:Filed", "method.depth=3"]) == ["method=filed:Filed", "method.depth=3"]
+
+
 @pytest.mark.parametrize("successor", ["latest", "first"])
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity_through_the_engine(installed, successor, bs):

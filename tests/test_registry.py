@@ -5,6 +5,7 @@ A new method is held to this by being registered; no list here names it."""
 
 import sys
 import tomllib
+from collections import Counter
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ from omegaconf import OmegaConf
 from specbench import methods
 from conftest import REPO, save_tiny_hf
 from helpers import DEVICE, greedy_cases, run_engine, serve_engine
+from specbench.decode.engine import Engine
+from specbench.decode.timing import PhaseTimer
+from specbench.decode.verify import Sampling
 
 PLUGIN = REPO / "examples" / "plugin"
 PLUGINS = tomllib.loads((PLUGIN / "pyproject.toml").read_text())["project"]["entry-points"]["specbench.methods"]
@@ -38,13 +42,13 @@ def build(tiny, tmp_path, monkeypatch):
     for name, target in PLUGINS.items():
         monkeypatch.setitem(methods.REGISTRY, name, target)
 
-    def make(name):
+    def make(name, over=None):  # over: settings over the tiny ones ({"method": {"paths": 2}})
         cls = methods.get(name)
         cfg = OmegaConf.create({"K": 3, "progress": False, "temperature": 0.0, "seed": 0,
                                 "model": {"name": "tiny", "path": str(folder)},
                                 "draft_model": {"name": "auto", "layers": None, "path": None},
                                 "method": methods.defaults(name)})
-        cfg = OmegaConf.merge(cfg, cls.tiny(model, tok, tmp_path / name))
+        cfg = OmegaConf.merge(cfg, cls.tiny(model, tok, tmp_path / name), over or {})
         cls.check(cfg, model.config)
         return cls(cfg, model, tok, DEVICE, torch.float32)
 
@@ -81,36 +85,206 @@ def test_the_registry_lists_every_built_in_method():
     assert {p.stem for p in (CONF_DIR / "method").glob("*.yaml")} <= set(methods.builtin())
 
 
-@pytest.fixture
-def documented():
-    """docs/adding-a-method.md's method, written where a newcomer writes it: its module and its
-    yaml, nothing else (removed afterwards)."""
+DOC = REPO / "docs" / "adding-a-method.md"
+
+
+def doc_block(section: str, lang: str) -> str:
+    """The first ``lang`` code block of docs/adding-a-method.md's section ``section`` ("1", "6")."""
     import re
 
+    text = DOC.read_text()
+    body = re.search(rf"^## {section}\.(.*?)(?=^## |\Z)", text, re.S | re.M).group(1)
+    return re.search(rf"```{lang}\n(.*?)```", body, re.S).group(1)
+
+
+@pytest.fixture
+def documented():
+    """docs/adding-a-method.md's two methods, written where a newcomer writes them: each a module
+    and a yaml, nothing else (removed afterwards). Section 1 and 2: last_token (a chain); section
+    6: last_token_tree (a tree)."""
     from specbench.paths import CONF_DIR
 
-    text = (REPO / "docs" / "adding-a-method.md").read_text()
-    code = re.search(r"## 1\..*?```python\n(.*?)```", text, re.S).group(1)
-    yaml = re.search(r"## 2\..*?```yaml\n(.*?)```", text, re.S).group(1)
-    files = [REPO / "methods" / "last_token.py", CONF_DIR / "method" / "last_token.yaml"]
+    files = {REPO / "methods" / "last_token.py": doc_block("1", "python"),
+             CONF_DIR / "method" / "last_token.yaml": doc_block("2", "yaml"),
+             REPO / "methods" / "last_token_tree.py": doc_block("6", "python"),
+             CONF_DIR / "method" / "last_token_tree.yaml": doc_block("6", "yaml")}
     assert not any(f.exists() for f in files)
     try:
-        files[0].write_text(code)
-        files[1].write_text(yaml)
-        yield "last_token"
+        for f, text in files.items():
+            f.write_text(text)
+        yield "last_token", "last_token_tree"
     finally:
         for f in files:
             f.unlink(missing_ok=True)
-        sys.modules.pop("specbench.methods.last_token", None)
+        for name in ("last_token", "last_token_tree"):
+            sys.modules.pop(f"specbench.methods.{name}", None)
 
 
 def test_the_documented_method_is_one_module_and_one_yaml(tiny, build, documented):
     """The worked example runs as written: found beside its yaml, its drafts accepted, greedy
     identity at bs 4 and with rows joining."""
-    assert documented in methods.names()
+    name = documented[0]
+    assert name in methods.names()
     _, model, _, cases = tiny
     prompts, refs = cases[4]
-    res = run_engine(model, build(documented), prompts, N_NEW)
+    res = run_engine(model, build(name), prompts, N_NEW)
     assert [r.tokens for r in res] == refs and sum(sum(r.accept_lens) for r in res) > 0
-    res, _ = serve_engine(model, build(documented), prompts + prompts[:2], N_NEW, concurrency=3)
+    res, _ = serve_engine(model, build(name), prompts + prompts[:2], N_NEW, concurrency=3)
     assert [r.tokens for r in res] == refs + refs[:2]
+
+
+def test_the_documented_method_records_the_K_it_drafts(tiny, build, documented):
+    """With its cap below K (max_draft=2, K=3) the record's K (``spec_len``, as the runner reads it)
+    is the longest draft it proposes, and ``describe()`` (the record's method_cfg) names the cap."""
+    from specbench.run.measure import _spec_len
+
+    name = documented[0]
+    _, model, _, cases = tiny
+    prompts, refs = cases[4]
+    prop = build(name, {"method": {"max_draft": 2}})
+    res = run_engine(model, prop, prompts, N_NEW)
+    assert [r.tokens for r in res] == refs
+    assert _spec_len(prop.cfg, name, DEVICE) == 2 == max(max(r.drafted) for r in res)
+    assert prop.describe() == {"max_draft": 2}
+    assert _spec_len(build(name).cfg, name, DEVICE) == 3  # max_draft 0: K
+
+
+def test_the_documented_tree_method_drafts_trees_and_decodes_as_greedy(tiny, build, documented):
+    """The tree example runs as written: its drafts branch, no path is deeper than its recorded K,
+    some drafts are accepted, and it is greedy-identical at bs 1 and 4 and with rows joining."""
+    from specbench.run.measure import _spec_len
+
+    name = documented[1]
+    assert name in methods.names()
+    _, model, _, cases = tiny
+    prop = build(name)
+    K = _spec_len(prop.cfg, name, DEVICE)
+    drafts, propose = [], prop.propose
+
+    def watched(state):
+        d = propose(state)
+        if d is not None:
+            drafts.append(d)
+        return d
+
+    prop.propose = watched
+    for bs in (1, 4):
+        prompts, refs = cases[bs]
+        res = run_engine(model, prop, prompts, N_NEW)
+        assert [r.tokens for r in res] == refs
+        if bs == 4:
+            assert sum(sum(r.accept_lens) for r in res) > 0
+    chain = [torch.arange(d.n)[None].expand_as(d.parents) for d in drafts]
+    assert any(bool(((d.parents.cpu() != c) & d.valid.cpu()).any()) for d, c in zip(drafts, chain))  # trees
+    assert max(int(d.geometry()[0][:, 1:][d.valid].max()) for d in drafts) <= K
+    prompts, refs = cases[4]
+    res, _ = serve_engine(model, build(name), prompts + prompts[:2], N_NEW, concurrency=3)
+    assert [r.tokens for r in res] == refs + refs[:2]
+
+
+def owned_modules(prop) -> dict:
+    """Every ``nn.Module`` a method can run, found from its attributes rather than its ``modules()``:
+    through lists, dicts, wrapped methods and specbench's own objects (``TargetParts``, caches), each
+    module's submodules and the modules it borrows outside its tree (``drafters.Borrowed``)."""
+    from specbench.drafters import Borrowed
+    from specbench.methods.base import Proposer
+
+    found, seen, stack = {}, set(), [prop]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.nn.Module):
+            for m in o.modules():
+                found[id(m)] = m
+                stack.extend(vars(m).values())  # what it holds outside its tree (Borrowed, TargetParts)
+        elif isinstance(o, Borrowed):
+            stack.append(o.module)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif hasattr(o, "__dict__") and (isinstance(o, Proposer) or
+                                         type(o).__module__.startswith(("specbench", "methods"))):
+            stack.extend(vars(o).values())
+    return found
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_model_forward_a_method_runs_is_timed(tiny, build, name):
+    """The timer charges to ``time_s.forward`` every forward of every module the method owns, whatever
+    its entry (DFlash's ``block``/``logits``, P-EAGLE's ``run``, EAGLE's ``step``): the forwards a hook
+    on each of those modules counts equal those it counts while the timer charges a forward (watched
+    as a run watches them)."""
+    from specbench.decode.timing import PhaseTimer
+
+    _, model, _, cases = tiny
+    prop = build(name)
+    prompts, refs = cases[4]
+    timer = PhaseTimer(DEVICE)
+    eng = Engine(model, prop, Sampling(), DEVICE, torch.float32, set(), timer)
+    counts = {"all": Counter(), "charged": Counter()}
+
+    def seen(mod, _args):
+        counts["all"][type(mod).__name__] += 1
+        counts["charged"][type(mod).__name__] += timer.charging
+
+    with timer.watching([model, *prop.modules()]):
+        hooks = [m.register_forward_pre_hook(seen) for m in owned_modules(prop).values()]
+        try:
+            res = eng.generate(prompts, N_NEW)
+        finally:
+            for h in hooks:
+                h.remove()
+    assert [r.tokens for r in res] == refs
+    assert counts["charged"] == counts["all"], f"forwards not timed: {dict(counts['all'] - counts['charged'])}"
+    assert timer.totals()["forward"] > 0
+
+
+def held_tensors(prop) -> int:
+    """Bytes of every tensor storage the method holds outside its models' weights (its drafter's cache,
+    per-row states): through its attributes, lists, dicts, wrapped methods and specbench's own objects."""
+    from transformers import Cache
+
+    from specbench.methods.base import Proposer
+
+    storages, seen, stack = {}, set(), [prop]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, torch.nn.Module):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            s = o.untyped_storage()
+            storages[(o.device, s.data_ptr())] = s.nbytes()
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif hasattr(o, "__dict__") and (isinstance(o, (Proposer, Cache)) or
+                                         type(o).__module__.startswith(("specbench", "methods"))):
+            stack.extend(vars(o).values())
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_cpu_peak_counts_the_methods_caches(tiny, build, monkeypatch, name):
+    """On the CPU a run's own peak memory is its weights plus the caches it holds (``own_peak``): the
+    target's KV cache and the method's own tensors (DFlash's and P-EAGLE's ContextCache, MTP's cache,
+    EAGLE's keys and values). The engine's peak holds at least the target's cache and the most the
+    method held after any step."""
+    from specbench.decode.kv import RaggedCache
+
+    _, model, _, cases = tiny
+    prop = build(name)
+    prompts, refs = cases[4]
+    kv, nbytes = [0], RaggedCache.nbytes
+    monkeypatch.setattr(RaggedCache, "nbytes", lambda self: (n := nbytes(self),
+                                                              kv.append(n) if self.model is model else None)[0])
+    held, update = [0], prop.update
+    prop.update = lambda state, accepted, hidden=None: (update(state, accepted, hidden), held.append(held_tensors(prop)))[0]
+    eng = Engine(model, prop, Sampling(), DEVICE, torch.float32, set(), PhaseTimer(DEVICE))
+    assert [r.tokens for r in eng.generate(prompts, N_NEW)] == refs
+    assert max(kv) > 0
+    assert eng.peak_cache_bytes >= max(kv) + max(held), (eng.peak_cache_bytes, max(kv), max(held))

@@ -1,7 +1,8 @@
 """accept=synthetic: acceptance drawn at given per-depth rates instead of the target's verdict
 (performance modelling on random-weight models). Measured acceptance per position matches the
-rates (binomial bounds), tau matches the closed form, the walk follows each depth's first
-candidate, every method runs under it, and the record says it is lossy."""
+rates (binomial bounds), tau matches the closed form for chains and for trees (whose lower-ranked
+children pass at the published sibling profile), a wider tree gains over a chain exactly what the
+rule implies, every method runs under it, and the record says it is lossy and with which rates."""
 
 import math
 
@@ -61,7 +62,7 @@ def test_a_scalar_rate_holds_at_every_depth_and_rates_past_the_list_repeat_the_l
             assert close(int((n_acc >= i).sum()), B, p)
 
 
-def test_tree_walk_follows_the_first_candidate_child_at_each_depth():
+def test_with_sibling_rates_0_a_tree_walks_its_first_candidate_children():
     # root -> 1 (invalid), 2, 3;  2 -> 4, 5;  4 -> 6;  3 -> 7.  First-candidate path: 2, 4, 6
     B, V = 20000, 11
     parents = torch.tensor([[0, 0, 0, 2, 2, 4, 3]]).expand(B, -1).clone()
@@ -70,8 +71,8 @@ def test_tree_walk_follows_the_first_candidate_child_at_each_depth():
     tokens = torch.randint(0, V, (B, 7), generator=g)
     logits = torch.randn(B, 8, V, generator=g)
     rates = [0.8, 0.5, 0.9]
-    v = verify(logits, Draft(tokens=tokens, parents=parents, valid=valid), Sampling(synthetic=Synthetic(rates, 2)),
-               None)
+    v = verify(logits, Draft(tokens=tokens, parents=parents, valid=valid),
+               Sampling(synthetic=Synthetic(rates, 2, sibling_rates=0.0)), None)
     path = [2, 4, 6]
     n_acc = torch.tensor([len(a) for a in v.accepted])
     for b in range(B):
@@ -82,6 +83,128 @@ def test_tree_walk_follows_the_first_candidate_child_at_each_depth():
             assert int(v.extra[b]) == int(logits[b, ([0] + path)[k]].argmax())
     for i, p in enumerate([0.8, 0.4, 0.36], start=1):
         assert close(int((n_acc >= i).sum()), B, p)
+
+
+# Published sibling profile (the default): Medusa's first head on Vicuna-7B v1.3, top-1..top-5
+# accuracy (FasterDecoding/Medusa, assets/medusa_acc.csv,
+# run test_medusa_mlp_vicuna-7b-v1.3_medusa_5_lr_0.001_layers_1).
+MEDUSA_7B_HEAD0_TOPK = [0.5603876709938049, 0.6717196702957153, 0.7271371483802795, 0.7599403262138367,
+                        0.7799453139305115]
+PUBLISHED = [0.253, 0.169, 0.120, 0.083]  # rank k's conditional: (top_k - top_{k-1}) / (1 - top_{k-1})
+
+# A fixed tree three deep, 1-3 candidate children a node; node 1 is padding (never a candidate,
+# so it takes no rank). Nodes 1..16, node i's parent at TREE[i-1].
+#   root -> 2 (rank 1), 3 (2), 4 (3);  2 -> 5, 6;  3 -> 7, 8;  4 -> 9;
+#   5 -> 10, 11, 12;  6 -> 13;  7 -> 14, 15;  9 -> 16
+TREE = [0, 0, 0, 0, 2, 2, 3, 3, 4, 5, 5, 5, 6, 7, 7, 9]
+TREE_VALID = [False] + [True] * 15
+RANK = {2: 1, 3: 2, 4: 3, 5: 1, 6: 2, 7: 1, 8: 2, 9: 1, 10: 1, 11: 2, 12: 3, 13: 1, 14: 1, 15: 2, 16: 1}
+
+
+def implied(parents, valid, rates, sib):
+    """The rule's probability that each node (1..n) is on the accepted path, by hand: the parent's,
+    times its earlier-ranked siblings all failing, times its own rate (rank 1: its depth's rate;
+    rank k: sib[k-2]; the last entry of each list repeats)."""
+    reach, depth, kids = {0: 1.0}, {0: 0}, {}
+    for i, p in enumerate(parents, start=1):
+        depth[i] = depth[p] + 1
+        if not valid[i - 1]:
+            reach[i] = 0.0
+            continue
+        kids[p] = kids.get(p, 0) + 1
+        k = kids[p]
+        rs = [rates[min(depth[i] - 1, len(rates) - 1)]] + [sib[min(j, len(sib) - 1)] for j in range(k - 1)]
+        reach[i] = reach[p] * math.prod(1 - r for r in rs[:-1]) * rs[-1]
+    return [reach[i] for i in range(1, len(parents) + 1)]
+
+
+def _run_tree(parents, valid, syn, B=20000, V=11, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    n = len(parents)
+    tokens = torch.randint(0, V, (B, n), generator=g)
+    logits = torch.randn(B, n + 1, V, generator=g)
+    d = Draft(tokens=tokens, parents=torch.tensor([parents]).expand(B, -1).clone(),
+              valid=torch.tensor([valid]).expand(B, -1).clone())
+    return verify(logits, d, Sampling(synthetic=syn), None), tokens, logits
+
+
+def test_sibling_rates_default_to_the_published_profile():
+    prev, want = MEDUSA_7B_HEAD0_TOPK[0], []
+    for t in MEDUSA_7B_HEAD0_TOPK[1:]:
+        want.append(round((t - prev) / (1 - prev), 3))
+        prev = t
+    assert want == PUBLISHED
+    assert Synthetic(0.5).sibling_rates == PUBLISHED
+    from omegaconf import OmegaConf
+
+    from specbench.paths import CONF_DIR
+
+    assert list(OmegaConf.load(CONF_DIR / "accept" / "synthetic.yaml").sibling_rates) == PUBLISHED
+
+
+def test_tree_acceptance_at_every_node_and_tau_match_what_the_rates_imply():
+    """The rule at every node of a fixed tree (three deep, 1-3 children a node), default sibling
+    profile: each node is on the accepted path as often as the product along its path says
+    (within 5 sigma over 20000 rows), tau matches 1 + their sum, and so does ``expected_tau``."""
+    B, rates = 20000, [0.6, 0.5, 0.4]
+    v, tokens, logits = _run_tree(TREE, TREE_VALID, Synthetic(rates, seed=11), B)
+    p = implied(TREE, TREE_VALID, rates, PUBLISHED)
+    # by hand: node 3 (rank 2 at depth 1), node 12 (rank 3 under 5, rank 1 under 2), node 16
+    assert p[2] == pytest.approx(0.4 * 0.253)
+    assert p[11] == pytest.approx(0.6 * 0.5 * (0.6 * 0.747 * 0.169))
+    assert p[15] == pytest.approx(0.4 * 0.747 * 0.169 * 0.5 * 0.4)
+    kept = torch.arange(v.keep.shape[1])[None] < v.counts[:, None]  # keep's entries past counts: padding
+    on = torch.zeros(B, len(TREE) + 1, dtype=torch.long).scatter_(1, torch.where(kept, v.keep, 0), 1)
+    for i in range(1, len(TREE) + 1):
+        assert close(int(on[:, i].sum()), B, p[i - 1]), (i, int(on[:, i].sum()) / B, p[i - 1])
+    n_acc = torch.tensor([len(a) for a in v.accepted], dtype=torch.double)
+    want = 1 + sum(p)
+    assert abs(1 + n_acc.mean().item() - want) < 5 * n_acc.std().item() / math.sqrt(B)
+    assert Synthetic(rates).expected_tau(TREE, candidate=TREE_VALID) == pytest.approx(want)
+    for b in range(50):  # accepted: the path's tokens; extra: the target's argmax at its end
+        path = v.keep[b, 1:int(v.counts[b])].tolist()
+        assert v.accepted[b] == [int(tokens[b, i - 1]) for i in path]
+        assert all(TREE[c - 1] == a for a, c in zip([0] + path, path))  # a path from the root
+        assert int(v.extra[b]) == int(logits[b, ([0] + path)[-1]].argmax())
+
+
+def test_a_wider_tree_gains_over_a_chain_at_the_same_rates_exactly_what_the_rule_implies():
+    """At the same per-depth rates a chain three deep and the tree above (the chain is its
+    first-child path) differ in tau by the sibling nodes' summed probabilities; with sibling rates
+    0 the tree is priced as the chain (the rule before siblings counted)."""
+    B, rates = 20000, [0.7, 0.6, 0.5]
+    chain = Synthetic(rates).expected_tau(3)
+    assert chain == pytest.approx(1 + 0.7 + 0.42 + 0.21)
+    p = implied(TREE, TREE_VALID, rates, PUBLISHED)
+    gain = sum(p) - (0.7 + 0.42 + 0.21)
+    assert gain == pytest.approx(sum(p[i - 1] for i in RANK if i not in (2, 5, 10)))  # the first-child path: 2, 5, 10
+    assert gain > 0.25
+    g = torch.Generator().manual_seed(3)
+    tc = verify(torch.randn(B, 4, 7, generator=g), Draft.chain(torch.randint(0, 7, (B, 3), generator=g)),
+                Sampling(synthetic=Synthetic(rates, seed=4)), None)
+    tt, _, _ = _run_tree(TREE, TREE_VALID, Synthetic(rates, seed=5), B)
+    lc, lt = (torch.tensor([len(a) for a in v.accepted], dtype=torch.double) for v in (tc, tt))
+    assert abs((lt.mean() - lc.mean()).item() - gain) < 5 * math.sqrt(lc.var().item() / B + lt.var().item() / B), \
+        ((lt.mean() - lc.mean()).item(), gain)
+    tz, _, _ = _run_tree(TREE, TREE_VALID, Synthetic(rates, seed=6, sibling_rates=0.0), B)
+    lz = torch.tensor([len(a) for a in tz.accepted], dtype=torch.double)
+    assert abs((lz.mean() - lc.mean()).item()) < 5 * math.sqrt(lc.var().item() / B + lz.var().item() / B)
+    assert Synthetic(rates, sibling_rates=0.0).expected_tau(TREE, candidate=TREE_VALID) == pytest.approx(chain)
+    assert Synthetic(rates).expected_tau(TREE, candidate=TREE_VALID) == pytest.approx(chain + gain)
+
+
+def test_a_tree_of_single_children_is_accepted_as_the_same_chain():
+    """A tree whose nodes have one child each is the chain: the same seed accepts the same
+    lengths whichever way the draft is written."""
+    B, n, V = 4000, 5, 9
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, V, (B, n), generator=g)
+    logits = torch.randn(B, n + 1, V, generator=g)
+    rates = [0.9, 0.7, 0.5]
+    chain = verify(logits, Draft.chain(tokens), Sampling(synthetic=Synthetic(rates, seed=8)), None)
+    tree = verify(logits, Draft(tokens=tokens, parents=torch.arange(n)[None].expand(B, n).clone()),
+                  Sampling(synthetic=Synthetic(rates, seed=8)), None)
+    assert tree.accepted == chain.accepted and tree.extra.tolist() == chain.extra.tolist()
 
 
 def test_non_candidate_nodes_are_never_accepted():
@@ -98,6 +221,8 @@ def test_rates_are_checked():
     for bad in ([], [1.5], -0.1):
         with pytest.raises(ValueError, match="accept.rates"):
             Synthetic(bad)
+        with pytest.raises(ValueError, match="accept.sibling_rates"):
+            Synthetic(0.5, sibling_rates=bad)
 
 
 @pytest.mark.parametrize("name", ["pld", "leviathan_self", "eagle", "medusa", "lookahead", "rest", "specdec",
@@ -124,7 +249,8 @@ def test_a_synthetic_job_is_recorded_lossy_and_pairs_with_plain_ar(tiny_dirs, tm
                                          "ar_baseline": "paired", "K": 3})
     ar, rec = runner.job(cfg, sweep_id="synth")
     assert ar["method"] == "ar" and "accept" not in ar and ar["lossless"] is True
-    assert rec["accept"] == {"name": "synthetic", "rates": [0.9, 0.5]} and rec["lossless"] is False
+    assert rec["accept"] == {"name": "synthetic", "rates": [0.9, 0.5], "sibling_rates": PUBLISHED}
+    assert rec["lossless"] is False
     assert rec["ar_job_id"] == ar["job_id"] and rec["metrics"]["speedup"] > 0
     m = rec["metrics"]  # per position: the marginal rate and the conditional one; tau per step and per request
     a = m["accept_rate_per_pos"]
@@ -146,6 +272,10 @@ def test_a_synthetic_job_is_recorded_lossy_and_pairs_with_plain_ar(tiny_dirs, tm
 @pytest.mark.parametrize("over,msg", [
     ({"accept": {"name": "synthetic", "rates": 1.2}}, "accept.rates must be a probability"),
     ({"accept": {"name": "synthetic", "rates": []}}, "accept.rates must be a probability"),
+    ({"accept": {"name": "synthetic", "rates": 0.8, "sibling_rates": [0.3, 1.5]}},
+     "accept.sibling_rates must be a probability"),
+    ({"accept": {"name": "synthetic", "rates": 0.8, "sibling_rates": []}},
+     "accept.sibling_rates must be a probability"),
     ({"accept": {"name": "sometimes", "rates": None}}, "unknown accept.name 'sometimes'"),
 ])
 def test_bad_synthetic_settings_are_refused_in_one_line(tiny_dirs, tmp_path, over, msg):

@@ -126,3 +126,28 @@ def test_the_cost_of_a_verify_is_timed_in_the_shape_the_job_runs(monkeypatch):
         seen.clear()
         assert costs.forward_time(m, 3, 7, 16, CPU, torch.float32, 1, 96, **kw) > 0
         assert set(seen) == {want}, (kw, seen)
+
+
+def test_the_pilot_prices_the_verify_width_its_steps_ran(tiny_dirs, tmp_path, monkeypatch):
+    """K=auto prices a setting at the width its pilot's verify forwards ran (forward_nodes + 1: in a
+    ragged batch every row runs the widest row's draft), not at the rows' mean own draft
+    (valid_nodes + 1), which prices ragged drafts as if unpadded."""
+    import torch
+
+    from specbench.decode.kv import RaggedCache
+    from specbench.models import load_model, load_tokenizer
+    from specbench.run import metrics as M
+    from specbench.run.measure import build_requests
+
+    shapes, plain = [], RaggedCache.forward  # (rows, width) of every verify forward
+    monkeypatch.setattr(RaggedCache, "forward", lambda self, tokens, *a, **k: (
+        shapes.append(tuple(tokens.shape)), plain(self, tokens, *a, **k))[1])
+    seen, acceptance = [], M.acceptance
+    monkeypatch.setattr(M, "acceptance", lambda *a, **k: seen.append(acceptance(*a, **k)) or seen[-1])
+    cfg = tiny_cfg(tiny_dirs, tmp_path, bs=4, K=4, warmup=False, **PLD)
+    cpu = torch.device("cpu")
+    model, tok = load_model(cfg.model, cpu, torch.float32), load_tokenizer(cfg.model)
+    pilot = tune._pilot(cfg, "pld", model, tok, cpu, torch.float32, build_requests(cfg, tok))
+    ran = sum(b * w for b, w in shapes) / sum(b for b, _ in shapes)  # per row-step, the root included
+    assert pilot["width"] == pytest.approx(ran)
+    assert pilot["width"] > seen[-1]["valid_nodes"] + 1 + 0.1  # the rows' drafts were ragged

@@ -67,6 +67,15 @@ def test_a_paired_vllm_job_records_what_ours_records(tiny_dirs, tmp_path, fake_v
     assert v["tau_drafted"] == pytest.approx(1 + c["vllm:spec_decode_num_accepted_tokens"] /
                                              c["vllm:spec_decode_num_drafts"])
     assert v["tau_drafted"] >= m["tau"] - 1e-9 and 0 < v["drafted_step_share"] <= 1
+    # acceptance per position, both forms, counted as our engine counts them (over every step) ...
+    alphas = [sum(x >= i for x in lens) / len(lens) for i in range(1, max(lens + [3]) + 1)]
+    assert m["accept_rate_per_pos"] == pytest.approx(alphas)
+    assert m["accept_rate_per_pos_cond"] == pytest.approx([a / p if p else None for a, p in zip(alphas, [1.0] + alphas)])
+    # ... and vLLM's own (over drafted steps): its per-position rate is marginal, accepted at i over drafts
+    drafts, per_pos = c["vllm:spec_decode_num_drafts"], c["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    marg = [x / drafts for x in per_pos]
+    assert v["accept_rate_per_pos_drafted"] == pytest.approx(marg)
+    assert v["accept_rate_per_pos_cond_drafted"] == pytest.approx([a / p if p else None for a, p in zip(marg, [1.0] + marg)])
     assert pld["method_cfg"]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
                                                        "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     assert m["peak_mem_bytes"] > 0 and m["verify_share"] is None
@@ -85,6 +94,32 @@ def test_a_continuous_vllm_stream_serves_every_turn(tiny_dirs, tmp_path, fake_vl
             first = seconds[(i, 1)]
             assert q["arrival_s"] == pytest.approx(first["arrival_s"] + first["wall_s"], abs=1e-6)
     assert rec["metrics"]["in_flight"]["mean"] <= 2
+
+
+def test_the_hosts_work_between_turns_is_off_the_clock_on_vllm_as_on_ours(tiny_dirs, tmp_path, fake_vllm, monkeypatch):
+    """Rendering a next turn (here a tokenizer 0.3 s slow) is the harness's work: our engine leaves it
+    out of its clock (``harness_s``), and so must vLLM's worker, in wall, queue and TTFT alike."""
+    import time
+
+    from specbench.engines.vllm import engine as vllm_engine
+
+    render = vllm_engine.D.render
+    slow = 0.3
+
+    def slow_render(tokenizer, history, turn, chat):
+        if history:  # a next turn: rendered while the stream runs
+            time.sleep(slow)
+        return render(tokenizer, history, turn, chat)
+
+    monkeypatch.setattr(vllm_engine.D, "render", slow_render)
+    # one two-turn question: while its next turn renders, the engine has nothing else to do
+    rec, = runner.job(vcfg(tiny_dirs, tmp_path, method={"name": "ar"}, bs=1, limit=1, batching="continuous",
+                           warmup=False), sweep_id="s")
+    assert rec["status"] == "ok", rec["error"]
+    first, second = sorted(rec["requests"], key=lambda q: q["turn"])
+    assert second["arrival_s"] == pytest.approx(first["arrival_s"] + first["wall_s"], abs=1e-6)
+    assert second["queue_s"] < slow / 3, second  # it waited for no render (TTFT = this queue + its prefill)
+    assert rec["metrics"]["wall_s"] < first["wall_s"] + second["wall_s"] + slow / 3
 
 
 @pytest.mark.parametrize("over,msg", [

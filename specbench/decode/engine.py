@@ -25,6 +25,7 @@ from specbench.devices import to_device
 from specbench.decode.tree import Draft
 from specbench.decode.hidden import Hidden, Tap
 from specbench.decode.kv import RaggedCache
+from specbench.decode.memory import held_bytes
 from specbench.decode.timing import PhaseTimer, sync
 from specbench.decode.verify import Sampling, greedy_pick, sample, verify, warp
 
@@ -35,7 +36,9 @@ class RowResult:
     steps: int = 0  # decoding steps (the prefill's first token is not a step)
     accept_lens: list[int] = field(default_factory=list)  # accepted draft tokens per step
     drafted: list[int] = field(default_factory=list)  # candidate nodes proposed per step
-    nodes: list[int] = field(default_factory=list)  # draft nodes in the verify forward per step (+ non-candidates)
+    nodes: list[int] = field(default_factory=list)  # draft nodes it ran per step: the verify forward's width n of
+    # [B, n + 1], the same for every row (padding and non-candidate nodes included)
+    valid_nodes: list[int] = field(default_factory=list)  # of those, its own draft's per step (the rest is padding)
     t_first: float = 0.0  # seconds from the engine's start to the first token
     t_done: float = 0.0  # seconds from the engine's start to the last token
     hit_eos: bool = False
@@ -111,7 +114,9 @@ class Engine:
         self.timer = timer
         self.iterations = 0  # decoding steps of the batch (one target forward each), summed over calls
         self.harness_s = 0.0  # seconds spent in the caller's on_done (outside every phase), summed over calls
-        self.peak_cache_bytes = 0  # the most bytes the target's KV cache has held (its buffers, room included)
+        # the most bytes the caches have held at once: the target's KV cache (its buffers, room included)
+        # and the method's own tensors (its drafter's cache, its per-row state: ``decode.memory``)
+        self.peak_cache_bytes = 0
         self.widest = 64  # the most nodes a verify forward has had (at least 64): the cache's room per batch
         if prefill_chunk is not None and int(prefill_chunk) < 1:
             raise ValueError(f"prefill_chunk must be a positive number of tokens or None, got {prefill_chunk}")
@@ -291,13 +296,19 @@ class Engine:
                 self.proposer.add_rows(new_state, hidden)
         batch.live.extend(r.key for r in joining)
         batch.res.extend(new_res)
-        self.peak_cache_bytes = max(self.peak_cache_bytes, batch.cache.nbytes())  # buffers are made at joins
+        self._held(batch)  # the target's buffers are made at joins
+
+    def _held(self, batch: "_Batch") -> None:
+        """Note what the caches hold now (``peak_cache_bytes``): at joins, and before rows leave (a
+        method's cache grows from one to the other)."""
+        self.peak_cache_bytes = max(self.peak_cache_bytes, batch.cache.nbytes() + held_bytes(self.proposer))
 
     def _finish(self, batch: "_Batch", done: list[bool], results: dict) -> list:
         """Finished rows leave the batch (engine, cache and method) into ``results``; returns them
         as (key, result)."""
         gone = [(batch.live[i], batch.res[i]) for i, d in enumerate(done) if d]
         if gone:
+            self._held(batch)
             keep = [i for i, d in enumerate(done) if not d]
             batch.live[:] = [batch.live[i] for i in keep]
             batch.res[:] = [batch.res[i] for i in keep]
@@ -356,8 +367,8 @@ class Engine:
         extra = v.extra.tolist()  # waits for the step's work on the device: the tokens exist from here
         now = self._clock(t0)
         n_cand = draft.accept_mask().sum(1).tolist() if draft is not None else [0] * len(res)
-        n_all = [0] * len(res) if draft is None else [draft.n] * len(res) if draft.valid is None \
-            else draft.valid.sum(1).tolist()
+        width = 0 if draft is None else draft.n  # every row runs it, whatever it drafted
+        n_valid = [width] * len(res) if draft is None or draft.valid is None else draft.valid.sum(1).tolist()
         done = []
         emitted = 0
         for i, r in enumerate(res):
@@ -374,7 +385,8 @@ class Engine:
             r.steps += 1
             r.accept_lens.append(min(len(v.accepted[i]), len(new)))  # drafts kept: an EOS or the budget cuts the rest
             r.drafted.append(int(n_cand[i]))
-            r.nodes.append(int(n_all[i]))
+            r.nodes.append(width)
+            r.valid_nodes.append(int(n_valid[i]))
             r.t_done = now
             r.chunks.append(now)
             emitted += len(new)

@@ -40,39 +40,97 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), axis=-1)))
 
 
-class Synthetic:
-    """Synthetic acceptance (``accept=synthetic``; vLLM has it for performance modelling): the
-    first candidate child at depth d of the path so far is accepted with probability
-    ``rates[d-1]`` (the last rate for deeper nodes), seeded, whatever the target says; the extra
-    token is the target's own (argmax, or sampled) after the last accepted node. Drafting, the
-    verify forward over every node, the KV commit and the timers run as usual, so a random-weight
-    model costs what a trained one does at the acceptance a published profile gives. Lossy by
-    construction: the output is not the target's."""
+# Published profile of lower-ranked siblings (``accept.sibling_rates``' default): Medusa's first head
+# (Vicuna-7B v1.3, 5 heads, 1 layer; FasterDecoding/Medusa, assets/medusa_acc.csv, run
+# test_medusa_mlp_vicuna-7b-v1.3_medusa_5_lr_0.001_layers_1, the authors' training log of Aug 2023)
+# predicts the token one past the next with top-1..top-5 accuracy 0.5604, 0.6717, 0.7271, 0.7599, 0.7799.
+# The rank-k candidate is the right one given ranks < k were not: (top_k - top_{k-1}) / (1 - top_{k-1}).
+SIBLING_RATES = (0.253, 0.169, 0.120, 0.083)  # ranks 2, 3, 4, 5 (and lower: the last repeats)
 
-    def __init__(self, rates, seed: int = 0):
-        rates = [float(r) for r in (rates if isinstance(rates, (list, tuple)) else [rates])]
-        if not rates or any(not 0.0 <= r <= 1.0 for r in rates):
-            raise ValueError(f"accept.rates must be a probability or a non-empty list of them, got {rates}")
-        self.rates, self.seed = rates, int(seed)
+
+def _probabilities(x, what: str) -> list[float]:
+    xs = [float(r) for r in (x if isinstance(x, (list, tuple)) else [x])]
+    if not xs or any(not 0.0 <= r <= 1.0 for r in xs):
+        raise ValueError(f"{what} must be a probability or a non-empty list of them, got {xs}")
+    return xs
+
+
+class Synthetic:
+    """Synthetic acceptance (``accept=synthetic``; vLLM has it for performance modelling): whatever
+    the target says, a seeded draw decides each step how far the draft is accepted; the extra token
+    is the target's own (argmax, or sampled) after the last accepted node. Drafting, the verify
+    forward over every node, the KV commit and the timers run as usual, so a random-weight model
+    costs what a trained one does at the acceptance a published profile gives. Lossy by
+    construction: the output is not the target's.
+
+    The rule, for chains and trees alike (Sequoia's positional acceptance assumption, arXiv
+    2402.12374, tree construction: whether the k-th ranked child of an accepted node is accepted
+    depends only on k; here also on its depth): from the root, at each accepted node its candidate
+    children are tried in rank order (node index: methods list children best first) and the first
+    to pass is accepted, the walk going on from it. The child of rank 1 at depth d passes with
+    ``rates[d-1]`` (the last rate deeper); a child of rank k >= 2, its earlier siblings having
+    failed, with ``sibling_rates[k-2]`` (the last one for lower ranks). A chain (one child a
+    node) is accepted exactly as before siblings were priced: ``rates`` is the chain's conditional
+    rate per depth, the rate at which a tree's first child, its drafter's top-1, is the target's
+    token. The default ``sibling_rates`` is the published profile ``SIBLING_RATES`` (Medusa's
+    first head, Vicuna-7B); ``sibling_rates=0`` prices a tree as its first-child chain.
+
+    So a node v at depth d whose path takes ranks k_1..k_d is accepted with probability
+    prod_j P(k_j at depth j) where P(k at depth j) = c_{j,k} prod_{i<k} (1 - c_{j,i}) (Sequoia's
+    acceptance vector; c_{j,1} = rates[j-1], c_{j,k} = sibling_rates[k-2]), and the expected tokens
+    a step are 1 + the sum of that over the tree's candidate nodes (``expected_tau``)."""
+
+    def __init__(self, rates, seed: int = 0, sibling_rates=SIBLING_RATES):
+        self.rates = _probabilities(rates, "accept.rates")
+        self.sibling_rates = _probabilities(sibling_rates, "accept.sibling_rates")
+        self.seed = int(seed)
         self._gen: torch.Generator | None = None
         self._rates: torch.Tensor | None = None
+        self._sib: torch.Tensor | None = None
 
-    def draws(self, B: int, depth: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(uniforms [B, depth], the rate at each depth [depth]) on ``device``; one seeded stream."""
+    def _stream(self, device) -> torch.Generator:
         if self._gen is None:  # one engine, one device: the stream is made once and runs on
             self._gen = torch.Generator(device).manual_seed(self.seed)
             self._rates = torch.tensor(self.rates, dtype=torch.float32, device=device)
-        idx = torch.arange(depth, device=device).clamp(max=len(self.rates) - 1)
-        return torch.rand(B, depth, generator=self._gen, device=device), self._rates[idx]
+            self._sib = torch.tensor(self.sibling_rates, dtype=torch.float32, device=device)
+        return self._gen
 
-    def expected_tau(self, K: int) -> float:
-        """The mean accepted length of a chain (or a tree's first-child path) of depth ``K``:
-        1 + sum_i prod_{j<=i} a_j."""
-        tau, run = 1.0, 1.0
-        for d in range(K):
-            run *= self.rates[min(d, len(self.rates) - 1)]
-            tau += run
-        return tau
+    def draws(self, B: int, depth: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(uniforms [B, depth], the rate at each depth [depth]) on ``device``; one seeded stream."""
+        gen = self._stream(device)
+        idx = torch.arange(depth, device=device).clamp(max=len(self.rates) - 1)
+        return torch.rand(B, depth, generator=gen, device=device), self._rates[idx]
+
+    def node_rates(self, depth: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+        """The rate at which a node passes once its parent is accepted and its earlier-ranked
+        siblings failed: depth [..] >= 1, rank [..] >= 1 among its parent's candidate children."""
+        first = self._rates[(depth - 1).clamp(min=0, max=len(self.rates) - 1)]
+        other = self._sib[(rank - 2).clamp(min=0, max=len(self.sibling_rates) - 1)]
+        return torch.where(rank <= 1, first, other)
+
+    def expected_tau(self, tree, candidate=None) -> float:
+        """The mean accepted length (drafts accepted + 1) this rule gives a draft: ``tree`` an int
+        K (a chain K deep: 1 + sum_i prod_{j<=i} a_j) or one tree's parents (node i's parent at
+        ``tree[i-1]``, 0 the root, parents first; ``candidate``: False for nodes never accepted):
+        1 + sum over the candidate nodes of the probability of their whole path (class doc)."""
+        if isinstance(tree, int):
+            tree = list(range(tree))
+        parents = [int(p) for p in tree]
+        cand = [True] * len(parents) if candidate is None else [bool(c) for c in candidate]
+        reach, depth, kids = [1.0] + [0.0] * len(parents), [0] * (len(parents) + 1), {}
+        for i, p in enumerate(parents, start=1):
+            depth[i] = depth[p] + 1
+            if not cand[i - 1]:
+                continue
+            k = kids.get(p, 0) + 1  # its rank among its parent's candidate children
+            kids[p] = k
+            rates = [self.rates[min(depth[i] - 1, len(self.rates) - 1)]] + \
+                [self.sibling_rates[min(j, len(self.sibling_rates) - 1)] for j in range(k - 1)]
+            miss = 1.0
+            for c in rates[:-1]:
+                miss *= 1.0 - c
+            reach[i] = reach[p] * miss * rates[-1]
+        return 1.0 + sum(reach[1:])
 
 
 @dataclass
@@ -191,9 +249,11 @@ def _relaxed(logits: torch.Tensor, draft: Draft, beta: int, tol: float) -> Verdi
 
 
 def _synthetic(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
-    """``Synthetic``: from the root, the first candidate child (lowest node index) of the node
-    reached so far passes with its depth's rate; the walk stops at the first failure (or a node
-    without candidate children) and the target picks the extra token there."""
+    """``Synthetic``: from the root, the candidate children of the node reached so far are tried in
+    rank order (node index), rank 1 passing with its depth's rate and rank k >= 2 with the k-th
+    sibling rate; the first to pass is accepted and the walk goes on from it. It stops where every
+    child fails (or at a node without candidate children) and the target picks the extra token
+    there. One uniform per node, all on the device: no host read beyond the walk's own."""
     B, N, _ = logits.shape
     n = N - 1
     dev = logits.device
@@ -205,22 +265,16 @@ def _synthetic(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Gener
         keep, counts = chain_keep(n_acc)
         best = n_acc
     else:
-        depth, _ = draft.geometry()
-        D = int(depth.max())  # the tree's depth (one read a step)
-        u, rate = s.synthetic.draws(B, D, dev)
-        idx = torch.arange(1, N, device=dev)[None].expand(B, n)
-        first = torch.full((B, N), N, dtype=torch.long, device=dev)  # [B, N] first candidate child (N: none)
-        first.scatter_reduce_(1, draft.parents, torch.where(ok, idx, N), "amin")
-        first = torch.cat([first, torch.full((B, 1), N, dtype=torch.long, device=dev)], dim=1)  # row N: "none"
-        cur = torch.zeros(B, dtype=torch.long, device=dev)
-        on = torch.zeros(B, n + 1, dtype=torch.bool, device=dev)  # nodes on the accepted path (index 0: unused)
-        alive = torch.ones(B, dtype=torch.bool, device=dev)
-        for d in range(D):
-            child = first[rows, cur]
-            alive = alive & (child < N) & (u[:, d] < rate[d])
-            cur = torch.where(alive, child, cur)
-            on[rows, torch.where(alive, child, 0)] = True
-        keep, counts, best = walk(on[:, 1:], draft)
+        depth, _ = draft.geometry()  # [B, N]
+        par = draft.parents
+        idx = torch.arange(n, device=dev)
+        # earlier[b, i, j]: node j+1 is a candidate sibling of node i+1 listed before it
+        earlier = (par[:, :, None] == par[:, None, :]) & (idx[None, :, None] > idx[None, None, :]) & ok[:, None, :]
+        rank = earlier.sum(-1) + 1  # [B, n] among its parent's candidate children
+        u, _ = s.synthetic.draws(B, n, dev)  # one uniform per node
+        passes = ok & (u < s.synthetic.node_rates(depth[:, 1:], rank))
+        chosen = passes & ~(earlier & passes[:, None, :]).any(-1)  # the first sibling to pass
+        keep, counts, best = walk(chosen, draft)  # at most one chosen child a node: the path
         n_acc = counts - 1
     last = logits[rows, best]  # [B, V] the target at the last accepted node
     extra = greedy_pick(last) if s.greedy else sample(warp(last, s), gen)

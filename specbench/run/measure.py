@@ -23,7 +23,7 @@ from specbench.models import compiled_graphs, is_compiled
 from specbench.paths import CONF_DIR
 from specbench.run.monitor import NvmlMonitor, PeakMemory, weight_bytes
 from specbench.decode.timing import PhaseTimer, sync
-from specbench.decode.verify import Sampling, Synthetic
+from specbench.decode.verify import SIBLING_RATES, Sampling, Synthetic
 
 
 def build_requests(cfg, tokenizer):
@@ -104,7 +104,8 @@ class Tally:
             "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
             "prompt_sha": hashlib.sha1(str(prompt).encode()).hexdigest()[:16],
             "tokens": toks,
-            "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_text": text, "_itl": itl,
+            "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_vnodes": sum(r.valid_nodes),
+            "_text": text, "_itl": itl,
         }
         self.requests.append(rec)
         return rec
@@ -124,7 +125,7 @@ class Tally:
         fields). Memory and energy are the run's to add."""
         requests, wall = self.requests, self.wall
         lens = [x for rq in requests for x in rq.pop("_lens")]
-        nodes = sum(rq.pop("_nodes") for rq in requests), sum(rq.pop("_fnodes") for rq in requests)
+        nodes = [sum(rq.pop(k) for rq in requests) for k in ("_nodes", "_fnodes", "_vnodes")]
         itls = [x for rq in requests for x in rq.pop("_itl")]
         new_tokens = sum(rq["new_tokens"] for rq in requests)
         metrics = {
@@ -168,7 +169,7 @@ class MethodRun:
 
         def engine(timer):  # its own seeded stream of synthetic acceptance draws, if any
             sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p),
-                                None if acc is None else Synthetic(acc["rates"], int(cfg.seed)))
+                                None if acc is None else Synthetic(acc["rates"], int(cfg.seed), acc["sibling_rates"]))
             return Engine(model, self.proposer, sampling, device, dtype, eos, timer,
                           prefill_chunk=cfg.get("prefill_chunk"))
 
@@ -201,8 +202,9 @@ class MethodRun:
     def own_peak(self) -> int:
         """The run's own peak memory: its models' weights (shared ones once), plus on a GPU the most
         its units allocated on top of what was allocated when each began (other runs' models and
-        caches, present in a paired job or kept across jobs, are not counted), on the CPU its KV
-        cache's buffers (the process's RSS counts every run in it: ``process_peak_bytes``)."""
+        caches, present in a paired job or kept across jobs, are not counted), on the CPU the most its
+        caches held at once: the target's KV cache's buffers and the method's own tensors (its
+        drafter's cache; the process's RSS counts every run in it: ``process_peak_bytes``)."""
         extra = self.mem.transient if self.device.type == "cuda" else self.eng.peak_cache_bytes
         return self.weight_bytes + extra
 
@@ -319,13 +321,16 @@ class MethodRun:
 
 
 def accept_of(cfg) -> dict | None:
-    """``accept=synthetic``'s settings as a record keeps them (``{"name", "rates"}``); None when the
-    engine verifies as usual (``accept=exact``)."""
+    """``accept=synthetic``'s settings as a record keeps them (``{"name", "rates", "sibling_rates"}``,
+    the published sibling profile where the config leaves it null); None when the engine verifies as
+    usual (``accept=exact``)."""
     a = cfg.get("accept")
     if a is None or a.get("name", "exact") == "exact":
         return None
-    r = a.get("rates")
-    return {"name": str(a.name), "rates": [float(x) for x in (r if OmegaConf.is_list(r) else [r])]}
+    r, sib = a.get("rates"), a.get("sibling_rates")
+    sib = SIBLING_RATES if sib is None else sib if OmegaConf.is_list(sib) else [sib]
+    return {"name": str(a.name), "rates": [float(x) for x in (r if OmegaConf.is_list(r) else [r])],
+            "sibling_rates": [float(x) for x in sib]}
 
 
 def rate_of(cfg) -> float:

@@ -6,9 +6,10 @@
   accepted drafts and one token of the target's own (AR: tau = 1). ``tau_per_request`` is each
   request's own tau averaged over requests, so short requests weigh as much as long ones.
 - **alpha_i** (``accept_rate_per_pos``) is the share of steps whose accepted length reached draft
-  position i (marginal); ``accept_rate_per_pos_cond`` is alpha_i / alpha_{i-1}, accepted at i among
-  the steps that accepted i-1 (the conditional rate EAGLE's n-alpha and vLLM report). Both count
-  over every step, also those whose draft did not reach depth i.
+  position i (marginal: vLLM's per-position rate, accepted tokens at i over drafts, is this form
+  over its drafted steps); ``accept_rate_per_pos_cond`` is alpha_i / alpha_{i-1}, accepted at i
+  among the steps that accepted i-1 (the conditional rate of EAGLE's n-alpha). Both count over
+  every step, also those whose draft did not reach depth i.
 - **Phases** (``time_s``): prefill, draft, verify, accept as the timer measured them, ``other`` the
   rest of the wall; ``forward`` the time inside model forwards (it overlaps the phases).
   ``verify_share`` = verify / wall; ``engine_overhead`` = (wall - forward) / wall.
@@ -27,10 +28,12 @@ from collections import Counter
 from specbench.decode.timing import PHASES
 
 
-def acceptance(lens: list[int], K: int, requests: list[dict], draft_nodes: int = 0, forward_nodes: int = 0) -> dict:
+def acceptance(lens: list[int], K: int, requests: list[dict], draft_nodes: int = 0, forward_nodes: int = 0,
+               valid_nodes: int = 0) -> dict:
     """From every step's accepted draft count (``lens``) and the requests (``accepted``, ``steps``):
     steps, tau, the acceptance per position (marginal and conditional), tau per request, the
-    histogram of accepted lengths (0..max(K, longest)), and the draft and forward nodes per step."""
+    histogram of accepted lengths (0..max(K, longest)), and per step the candidate nodes drafted,
+    the nodes the verify forward ran and the row's own among them."""
     steps = len(lens)
     depth = max([K] + lens)
     hist = Counter(lens)
@@ -40,12 +43,20 @@ def acceptance(lens: list[int], K: int, requests: list[dict], draft_nodes: int =
         "steps": steps,
         "tau": 1.0 + sum(lens) / steps if steps else 1.0,
         "draft_nodes": draft_nodes / steps if steps else 0.0,  # candidates verified per row per step
-        "forward_nodes": forward_nodes / steps if steps else 0.0,  # + non-candidate nodes (Lookahead's window)
+        # the verify forward's width n of [B, n + 1] per row per step: every row runs the widest row's
+        # draft (padding), and non-candidate nodes (Lookahead's window) too; what its cost is priced at
+        "forward_nodes": forward_nodes / steps if steps else 0.0,
+        "valid_nodes": valid_nodes / steps if steps else 0.0,  # of those, the row's own draft nodes
         "accept_rate_per_pos": alphas,
-        "accept_rate_per_pos_cond": [a / p if p > 0 else None for a, p in zip(alphas, [1.0] + alphas[:-1])],
+        "accept_rate_per_pos_cond": conditional(alphas),
         "tau_per_request": sum(taus) / len(taus) if taus else None,
         "accept_len_hist": [hist.get(i, 0) for i in range(depth + 1)],
     }
+
+
+def conditional(alphas: list[float]) -> list[float | None]:
+    """The conditional rates alpha_i / alpha_{i-1} of marginal ones (None past a position no step reached)."""
+    return [a / p if p > 0 else None for a, p in zip(alphas, [1.0] + alphas[:-1])]
 
 
 def phases(times: dict, wall: float) -> dict:

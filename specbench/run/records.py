@@ -266,6 +266,14 @@ def current(rec: dict, k: str):
     return RENAMED[k].get(v, v) if k in RENAMED and isinstance(v, str) else v
 
 
+def nodes(metrics: dict) -> tuple:
+    """(``forward_nodes``, ``valid_nodes``): the verify width per row per step (padding included) and
+    each row's own nodes. Records before ``valid_nodes`` kept the latter as ``forward_nodes``: (None, it)."""
+    if "valid_nodes" in metrics:
+        return metrics.get("forward_nodes"), metrics["valid_nodes"]
+    return None, metrics.get("forward_nodes")
+
+
 def baseline_key(rec: dict) -> tuple:
     return tuple(json.dumps(current(rec, k), sort_keys=True) for k in BASELINE_KEYS)
 
@@ -300,6 +308,16 @@ def above_bound(rec: dict) -> str | None:
     how = ("the AR run beside it was slowed (rerun it on a quiet host)" if rec.get("paired_with") else
            "AR baseline slowed? rerun paired (ar_baseline=paired)")
     return f"speedup {s:.2f}x is above its bound tau={tau:.2f}: {how}"
+
+
+def ar_paired(rec: dict) -> bool | None:
+    """Whether a method's speedup stands on an AR run beside it, batch by batch (``ar_baseline=paired``);
+    False for one taken from an AR job run apart (``sweep``, ``any``: host drift between the two moves
+    it); None where there is no speedup against AR (AR itself, a failed job). Records written before
+    the field (``ar_paired``) say it through ``paired_with``."""
+    if rec.get("method") == "ar" or (rec.get("metrics") or {}).get("speedup") is None:
+        return None
+    return bool(rec.get("ar_paired", rec.get("paired_with")))
 
 
 def find_done(records: list[dict], probe: dict) -> dict | None:

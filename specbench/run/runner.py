@@ -214,6 +214,7 @@ def fill_against_ar(rec: dict, ar: dict) -> None:
         q["ar_value"] = qa.get("value")
     rec["ar_sweep_id"] = ar.get("sweep_id")
     rec["ar_job_id"] = ar.get("job_id")  # the exact AR record (a sweep can hold several with the same settings)
+    rec["ar_paired"] = rec.get("paired_with") == ar.get("job_id")  # run beside it, or an AR job run apart
 
 
 # ---------------------------------------------------------------------------- a job

@@ -1,8 +1,9 @@
 """The run config's schema: every setting of conf/config.yaml and of the model, dataset and draft_model
 groups, with its type and range, declared once as dataclasses. ``check`` holds a composed config
 to it before anything loads, strictly (Hydra reads ``K=true`` as a boolean and ``K=1.5`` as a
-float; neither is an integer here), and says what is wrong in one line. A method's own settings
-(``cfg.method``) are checked by the method (``Proposer.check``). The defaults are the configs'
+float; neither is an integer here; a key none declares is refused, not ignored), and says what is
+wrong in one line. A method's own settings (``cfg.method``) are checked by the method
+(``Proposer.check``), its keys against its yaml (``methods.check_keys``). The defaults are the configs'
 (conf/); the dataclasses hold types and ranges only and are never instantiated."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Literal, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from specbench.backends import ALIASES, KERNELS
-from specbench.errors import ConfigError
+from specbench.errors import ConfigError, did_you_mean, unknown_key
 from specbench.models import DTYPES
 
 def setting(*, lo=None, hi=None, above=None, required_by: tuple = (), doc: str = ""):
@@ -58,6 +59,7 @@ class DraftModel:
 class Accept:
     name: Literal["exact", "synthetic"]
     rates: Any  # a probability or a list of them, required by synthetic: checked in check()
+    sibling_rates: Any  # synthetic: the same, for a tree's children of rank 2, 3, ...: checked in check()
 
 
 @dataclass
@@ -153,10 +155,46 @@ def _in_range(v, meta: dict) -> bool:
     return (lo is None or v >= lo) and (hi is None or v <= hi) and (above is None or v > above)
 
 
+# Top-level keys an experiment preset carries beside the settings (read by specbench.bench, not by a job).
+PRESET_KEYS = ("bench",)
+
+
+def declared(path: str) -> list[str] | None:
+    """The keys the schema declares at ``path`` ("" for the top level, ``model``, ``slo``, ...);
+    None at a setting it does not describe key by key (a method's, a logger's, a value)."""
+    tp = Run
+    for part in path.split(".") if path else ():
+        tp = typing.get_type_hints(tp).get(part)
+        if not dataclasses.is_dataclass(tp):
+            return None
+    return [f.name for f in dataclasses.fields(tp)]
+
+
+def _owner(path: str) -> str:
+    return f"{path}'s" if path else "top-level"
+
+
+def check_key(key: str, shown: str | None = None) -> None:
+    """Refuse a dotted ``key`` (as a command line sets it) that the schema does not declare, in
+    one line with the declared keys; ``shown``: the key as the user wrote it."""
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        at = ".".join(parts[:i])
+        keys = declared(at)
+        if keys is None:
+            return
+        if part not in keys:
+            raise unknown_key(shown or key, keys, _owner(at))
+
+
 def _check_node(node: DictConfig, schema, prefix: str, group: str | None) -> None:
     hints = typing.get_type_hints(schema)
     option = node.get("name") if group else None
     present = set(node.keys())  # `in` says False for a missing (???) value
+    keys = [f.name for f in dataclasses.fields(schema)]
+    unknown = [k for k in node.keys() if k not in keys and (prefix or k not in PRESET_KEYS)]
+    if unknown:
+        raise unknown_key(prefix + str(unknown[0]), keys, _owner(prefix[:-1]))
     for f in dataclasses.fields(schema):
         key = prefix + f.name
         if f.name not in present:
@@ -180,7 +218,7 @@ def _check_node(node: DictConfig, schema, prefix: str, group: str | None) -> Non
         if typing.get_origin(tp) is Literal:
             choices = typing.get_args(tp)
             if v not in choices:
-                raise ConfigError(f"unknown {key} '{v}'; choices: {', '.join(map(str, choices))}")
+                raise ConfigError(f"unknown {key} '{v}';{did_you_mean(v, choices)} choices: {', '.join(map(str, choices))}")
             continue
         if tp is Any:
             continue
@@ -213,6 +251,12 @@ def check(cfg: DictConfig) -> None:
         if not rs or not all(_is(x, float) and 0 <= x <= 1 for x in rs):
             raise ConfigError(f"accept.rates must be a probability in [0, 1] or a non-empty list of them (one per "
                               f"draft depth), got {OmegaConf.to_container(r) if OmegaConf.is_list(r) else r!r}")
+        r = acc.get("sibling_rates")  # null or absent: the published default (conf/accept/synthetic.yaml)
+        rs = list(r) if OmegaConf.is_list(r) else [r]
+        if r is not None and not (rs and all(_is(x, float) and 0 <= x <= 1 for x in rs)):
+            raise ConfigError(f"accept.sibling_rates must be a probability in [0, 1] or a non-empty list of them (a "
+                              f"tree's children of rank 2, 3, ...), got "
+                              f"{OmegaConf.to_container(r) if OmegaConf.is_list(r) else r!r}")
     rate = cfg.get("rate", "inf")
     if not (str(rate).lower() in ("inf", "infinity") or (isinstance(rate, (int, float)) and not isinstance(rate, bool)
                                                          and rate > 0)):

@@ -15,6 +15,7 @@ def summary_table(recs: list[dict]) -> str:
     cols = ["method", "model", "dataset", "bs", *(["batching", "rate", "TPOT p50", "TTFT p99"] if serving else []),
             "K", "ctx", "tok/s", "speedup", "tau", "verify", "match_ar", "score", "status"]
     rows = []
+    by_id = {r.get("job_id"): r for r in recs}
     for r in recs:
         m = r.get("metrics") or {}
 
@@ -28,12 +29,15 @@ def summary_table(recs: list[dict]) -> str:
 
         load = [srv.get("batching", "static"), str(srv.get("rate", "-")), ms((lat.get("tpot_s") or {}).get("p50")),
                 ms((lat.get("ttft_s") or {}).get("p99"))] if serving else []
-        name = str(r.get("method")) + (f" [{r['backend']}]" if r.get("backend") else "")  # vLLM's jobs say so
+        name = str(r.get("method"))
+        if r.get("method") == "ar" and r.get("paired_with"):  # a paired job's own AR, named by its method
+            name += f" (for {by_id[r['paired_with']].get('method')})" if r["paired_with"] in by_id else " (paired)"
+        name += f" [{r['backend']}]" if r.get("backend") else ""  # vLLM's jobs say so
         name += " [synthetic accept]" if r.get("accept") else ""  # drawn acceptance, lossy by construction
         rows.append([name, str(r.get("model")).split("/")[-1], r.get("dataset"), str(r.get("bs")), *load,
                      ("auto:" if r.get("K_auto") else "") + f(r.get("K"), "d"), f(r.get("ctx"), "d"), f(m.get("tokens_per_s"), ".1f"),
                      f(m.get("speedup"), ".2f") + ("x" if m.get("speedup") is not None else "")
-                     + (" !" if R.above_bound(r) else ""),
+                     + (" unpaired" if R.ar_paired(r) is False else "") + (" !" if R.above_bound(r) else ""),
                      f(m.get("tau"), ".2f"), f(m.get("verify_share"), ".0%"), f(m.get("match_ar"), ".0%"),
                      f((m.get("quality") or {}).get("value"), ".0%"),
                      r.get("status") if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error')}"[:60]])
@@ -41,6 +45,9 @@ def summary_table(recs: list[dict]) -> str:
     line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
     out = [line, "-" * len(line)]
     out += ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in rows]
+    if any(R.ar_paired(r) is False for r in recs):
+        out += ["", "unpaired: against an AR job run apart (ar_baseline=sweep or any), so host drift between the two "
+                "moves it; ar_baseline=paired runs each job's own AR beside it"]
     flags = [(r, R.above_bound(r)) for r in recs]
     flags = [f"  ! {r.get('method')} bs={r.get('bs')}" + (f" K={r['K']}" if r.get("K") else "") + f": {why}"
              for r, why in flags if why]

@@ -6,13 +6,19 @@ For each setting the method lists (``Proposer.tune_space``: speculation lengths,
 method's own size keys), a short untimed pilot decodes held-out prompts, the questions after
 the job's ``limit`` (never the measured ones), at the job's batch size and measures the
 method's acceptance (tau, acceptance per position), its verify width and its draft time per
-step. The target's step cost T(bs, n) is profiled on the spot, in the host state of the job,
-at the widths the candidates verify. Each candidate is priced with the batch-aware bound
+step. The width is the one its verify forwards ran (``forward_nodes`` + 1): in a ragged batch
+every row runs the widest row's draft, so pricing at the rows' own drafts (``valid_nodes``)
+would favour settings that cut drafts short. The target's step cost T(bs, n) is profiled on the
+spot, in the host state of the job, at the widths the candidates verify. Each candidate is priced
+with the batch-aware bound
 
     S = tau T(bs, 1) / (T_draft + T(bs, width))
 
-and the largest S wins (the narrower setting on a tie). The record keeps every candidate's
-numbers under ``tuned``, so the choice can be checked and redone.
+and the largest S wins (the narrower setting on a tie). The pilot's own verify time per step is
+kept beside it (``t_verify_pilot``) but does not price: the pilots run one after another, minutes
+apart on a host whose speed drifts, over steps whose rows leave as they finish, while the profile
+times every width in one pass at the full batch. The record keeps every candidate's numbers under
+``tuned``, so the choice can be checked and redone.
 """
 
 from __future__ import annotations
@@ -103,7 +109,7 @@ def _pilot(cfg, name, model, tokenizer, device, dtype, questions) -> dict:
         run.run_unit(unit)
     m = run.metrics()[0]
     it = max(1, int(m["iterations"]))
-    width = (m.get("forward_nodes") or 0.0) + 1.0
+    width = (m.get("forward_nodes") or 0.0) + 1.0  # the width its verifies ran, the pending token included
     return {"tau": m["tau"], "accept_rate_per_pos": m["accept_rate_per_pos"], "width": width,
             "t_draft": m["time_s"]["draft"] / it, "t_verify_pilot": m["time_s"]["verify"] / it,
             "spec_len": run.K or None}

@@ -28,6 +28,7 @@ from pathlib import Path
 from specbench import methods
 from specbench.methods.base import Proposer
 from specbench.run import data as D
+from specbench.run import metrics as M
 from specbench.decode.engine import RowResult
 from specbench.errors import ConfigError
 from specbench.run.measure import Tally, rate_of
@@ -195,12 +196,14 @@ class Worker:
                 return done, msg
             done.append(msg)
             outstanding -= 1
-            nxt = follow(msg) if more else None
+            if not more:
+                continue
+            nxt = follow(msg)  # the worker waits for this answer off its clock (worker.py)
             if nxt is not None:
                 outstanding += 1
                 self.send({"op": "add", **nxt})
-            elif more and outstanding == 0:
-                self.send({"op": "end"})
+            else:
+                self.send({"op": "end"} if outstanding == 0 else {"op": "none"})
 
     def peak_rss(self) -> int:
         """Peak resident memory of the worker and its engine process(es), summed (bytes)."""
@@ -381,11 +384,14 @@ class VllmRun:
         drafted = c.get("vllm:spec_decode_num_draft_tokens", 0)
         accepted = c.get("vllm:spec_decode_num_accepted_tokens", 0)
         per_pos = c.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
-        m["draft_nodes"] = m["forward_nodes"] = drafted / m["steps"] if m["steps"] else 0.0
+        # vLLM verifies the drafted tokens alone, no padding: the nodes run are the nodes drafted
+        m["draft_nodes"] = m["forward_nodes"] = m["valid_nodes"] = drafted / m["steps"] if m["steps"] else 0.0
         m["verify_share"] = m["engine_overhead"] = None  # vLLM's phases are not timed here
         m["time_s"] = {"other": m["wall_s"]}
+        marginal = [x / drafts for x in per_pos] if drafts else []  # vLLM's per-position rate: accepted at i / drafts
         m["vllm"] = {"counters": c, "tau_drafted": 1 + accepted / drafts if drafts else None,
-                     "accept_rate_per_pos_drafted": [x / drafts for x in per_pos] if drafts else [],
+                     "accept_rate_per_pos_drafted": marginal,
+                     "accept_rate_per_pos_cond_drafted": M.conditional(marginal),
                      "drafted_step_share": drafts / m["steps"] if m["steps"] else None,
                      "load_s": self.worker.load_s}
         self.close()

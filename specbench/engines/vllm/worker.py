@@ -10,6 +10,7 @@ Messages in (one JSON object a line on stdin):
      "more": bool}                                                      a stream starts (its clock too): requests
                                                                         arriving ``at`` s after it; more: others follow
     {"op": "add", "id", "prompt", "at"}                                 one more (a next turn); only while more
+    {"op": "none"}                                                      no next turn for the request just done
     {"op": "end"}                                                       no more will be added to this stream
     {"op": "quit"}
 Messages out (stdout): a "done" object per finished request as it finishes (its tokens, the new tokens
@@ -17,7 +18,10 @@ of every engine step that gave it any, its arrival, admission, first-token and f
 the stream's end {"op": "stream", "wall_s", "trace", "counters"}: the steps' durations, rows and tokens,
 and vLLM's speculative-decoding counters over the stream. An error is {"op": "error", "error": line}.
 
-Times are the client's (this process's ``perf_counter``, from ``begin``), as our engine's are.
+Times are the client's (this process's ``perf_counter``, from ``begin``), as our engine's are. While
+``more``, the host answers every "done" with "add", "none" or "end", and the engine waits for that
+answer off the clock: the host's work between turns (decoding, rendering the next prompt) counts
+in no wall, queue or TTFT, as our engine leaves its caller's ``on_done`` out of its clock.
 vLLM's own log goes to stderr: stdout carries only these messages.
 """
 
@@ -107,11 +111,15 @@ class Worker:
         eng = self.llm.llm_engine
         before = counters(self.llm)
         t0 = time.perf_counter()
+        paused = 0.0  # seconds spent waiting for the host's answer to a "done" (off the clock)
+
+        def clock() -> float:
+            return time.perf_counter() - t0 - paused
         pending = sorted(requests, key=lambda m: m["at"])  # added, not yet arrived
         live: dict[str, dict] = {}
         ended = not more
         trace = []  # (step seconds, requests that got tokens, tokens)
-        last = t0
+        last = 0.0  # on the clock
 
         def take(msg) -> None:
             nonlocal ended
@@ -120,11 +128,11 @@ class Worker:
                 pending.sort(key=lambda m: m["at"])
             elif msg["op"] == "end":
                 ended = True
-            else:
+            elif msg["op"] != "none":
                 raise ValueError(f"unexpected message {msg['op']!r} inside a stream")
 
         while True:
-            now = time.perf_counter() - t0
+            now = clock()
             while pending and pending[0]["at"] <= now and len(live) < self.rows:  # arrived, and a row is free
                 m = pending.pop(0)
                 params_i = params.clone() if hasattr(params, "clone") else params
@@ -139,10 +147,10 @@ class Worker:
                 msg = read(wait)
                 if msg is not None:
                     take(msg)
-                last = time.perf_counter()
+                last = clock()
                 continue
             outs = eng.step()
-            t = time.perf_counter()
+            t = clock()
             rows = toks = 0
             for o in outs:
                 new = list(o.outputs[0].token_ids) if o.outputs else []
@@ -154,22 +162,21 @@ class Worker:
                     toks += len(new)
                     r["tokens"].extend(new)
                     r["steps"].append(len(new))
-                    r["chunks"].append(t - t0)
+                    r["chunks"].append(t)
                     if r["first_s"] is None:
-                        r["first_s"] = t - t0
+                        r["first_s"] = t
                 if o.finished:
-                    r["done_s"] = t - t0
+                    r["done_s"] = t
                     r["finish_reason"] = o.outputs[0].finish_reason if o.outputs else None
                     self.send({"op": "done", **live.pop(o.request_id)})
+                    if more and not ended:  # the host's answer (its next turn, or none), off the clock
+                        p0 = time.perf_counter()
+                        take(read(None))
+                        paused += time.perf_counter() - p0
             if rows:
                 trace.append((t - last, rows, toks))
             last = t
-            while True:  # messages sent meanwhile (a next turn), without waiting
-                msg = read(0.0)
-                if msg is None:
-                    break
-                take(msg)
-        wall = time.perf_counter() - t0
+        wall = clock()
         self.send({"op": "stream", "wall_s": wall, "trace": trace, "counters": delta(counters(self.llm), before)})
 
 
