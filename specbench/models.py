@@ -108,11 +108,39 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The torch dtype of a ``dtype=`` setting on ``device``. bf16 on a CPU without native bf16 matrix
+    units (``cpu_bf16_native``) prints one line, once a process: the validation resolves a job's dtype
+    before anything loads, so the line comes before the run."""
     if name in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in DTYPES:
         raise ConfigError(f"unknown dtype '{name}'; choices: auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    dtype = DTYPES[name]
+    if dtype == torch.bfloat16 and device.type == "cpu" and dtype not in _DTYPE_NOTES and not cpu_bf16_native():
+        _DTYPE_NOTES.add(dtype)
+        print(f"[specbench] dtype={name} on a CPU without AMX-BF16: specbench's CPU kernels are fp32 only, so bf16 "
+              "runs torch's path, at about 0.6x the tokens/s of fp32 on kernel=native (docs/cpu-backend.md)",
+              file=sys.stderr, flush=True)
+    return dtype
+
+
+_DTYPE_NOTES: set = set()  # the dtypes whose note this process has printed
+
+
+def cpu_bf16_native() -> bool:
+    """Whether this CPU has bf16 matrix units, AMX-BF16 (Intel Xeon since Sapphire Rapids): the one kind of
+    CPU where torch's bf16 linears might outrun specbench's fp32 kernels (not measured). Without them bf16
+    measured 0.63-0.65x fp32's tokens/s on a Zen 4 with AVX-512-BF16 and 0.49x on its AVX2 code paths
+    (docs/cpu-backend.md). Read from torch's CPU probe (cpuinfo), else from /proc/cpuinfo's flags."""
+    try:
+        return bool(torch._C._cpu._get_cpu_capability()["amx_bf16"])
+    except (AttributeError, KeyError, RuntimeError, TypeError):
+        pass
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any("amx_bf16" in line.split() for line in text.splitlines() if line.startswith("flags"))
 
 
 def _package_dir(package: str) -> Path:
@@ -247,11 +275,47 @@ def load_model(mcfg, device: torch.device, dtype: torch.dtype):
     return model
 
 
+# The std of a random target's attention logits (query . key, scaled as the model scales it).
+# HF's init (every matrix N(0, 0.02^2)) gives them a std of width * 0.02^2 (0.23 at SmolLM2's 576, 0.03
+# at tiny's 64): every head averages its whole prefix evenly, each layer adds nearly the same vector at
+# every position (rank collapse, Dong et al. 2021), and greedy decoding repeats 1-3 tokens whatever the
+# prompt, handing copying methods their own output back. At a std of 8, set whatever the width, each
+# head reads the few positions its query picks by content, as trained heads do, and 64 greedy tokens on
+# MT-Bench prompts are 48-64 distinct on every shape (tests/test_random_model.py; std 2: 2-30).
+ATTENTION_LOGIT_STD = 8.0
+
+
+def sharpen_attention(model, std: float = ATTENTION_LOGIT_STD) -> int:
+    """Scale every attention's query and key projections so that its logits' std is ``std`` for
+    inputs of unit RMS (what the layer's norm feeds it): with random projections the std is
+    ``scaling * sqrt(head_dim) * rms(q) * rms(k)``, ``rms(q) = sqrt(fan_in) * rms(W_q)``. Returns the
+    attentions scaled."""
+    n = 0
+    for m in model.modules():
+        q, k = getattr(m, "q_proj", None), getattr(m, "k_proj", None)
+        if not isinstance(q, torch.nn.Linear) or not isinstance(k, torch.nn.Linear):
+            continue
+        if getattr(m, "q_norm", None) is not None or getattr(m, "k_norm", None) is not None:
+            raise ConfigError(f"model=random: {type(m).__name__} normalises its queries and keys; "
+                              "sharpen_attention scales the projections of attentions without q/k norms")
+        head = int(getattr(m, "head_dim", 0) or 0) or q.out_features // int(model.config.num_attention_heads)
+        scaling = float(getattr(m, "scaling", head ** -0.5))
+        rms = [float(w.weight.float().pow(2).mean().sqrt()) * w.in_features ** 0.5 for w in (q, k)]
+        now = scaling * head ** 0.5 * rms[0] * rms[1]
+        f = (std / max(now, 1e-12)) ** 0.5
+        q.weight.mul_(f)
+        k.weight.mul_(f)
+        n += 1
+    return n
+
+
 @torch.no_grad()
 def random_model(mcfg, device: torch.device, dtype: torch.dtype):
     """A random-weight model of shape ``model.shape``, built on ``device`` in ``dtype`` (seed 0).
-    Its final norm is scaled so that the logits' standard deviation is ``model.logit_std``:
-    random weights otherwise give logits so flat that greedy decoding is a run of near-ties."""
+    Its attention logits get a std of ``ATTENTION_LOGIT_STD`` (``sharpen_attention``), so that its
+    greedy output depends on the context, and its final norm is scaled so that the logits' standard
+    deviation is ``model.logit_std``: random weights otherwise give logits so flat that greedy decoding
+    is a run of near-ties."""
     from transformers import AutoModelForCausalLM
 
     config = load_config(mcfg)
@@ -262,6 +326,8 @@ def random_model(mcfg, device: torch.device, dtype: torch.dtype):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
+    if not sharpen_attention(model):
+        raise ConfigError(f"model=random: {type(model).__name__} has no q_proj/k_proj attention to sharpen")
     norm = getattr(model.get_decoder(), "norm", None)
     if norm is None or getattr(norm, "weight", None) is None:
         raise ConfigError(f"model=random: {type(model).__name__} has no final norm to sharpen its logits with")
