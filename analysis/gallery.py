@@ -37,7 +37,7 @@ def build_set(name: str, out: Path, baselines: Path = BASELINES) -> tuple[list[P
             shutil.copy(baselines / f, Path(tmp) / f"records-{i}.jsonl.gz")
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
-            written = report.build(tmp, out)
+            written = report.build(tmp, out, where=str(baselines.relative_to(baselines.parents[1])))
     return written, err.getvalue()
 
 

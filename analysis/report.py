@@ -25,16 +25,17 @@ from specbench.analysis.bounds import STATE_GAP, batch_aware, curve_state_gap, s
 
 
 
-def missing_batch_bound(df, records) -> str | None:
+def missing_batch_bound(df, records, where: str | None = None) -> str | None:
     """One line for the jobs whose batch-aware bound cannot be drawn (no profiled cost curve of
     their model, device, dtype and kernel beside the records): how many, and the command that
-    profiles the curve; None when every job has its bound."""
+    profiles the curve (into ``where``: the records' folder unless named); None when every job has
+    its bound."""
     sd = method_rows(df)
     sd = sd[(sd["backend"] == "specbench") & sd["speedup"].notna() & sd["bound_batch"].isna()]
     if sd.empty:
         return None
     r = sd.iloc[0]
-    where = Path(records) if Path(records).is_dir() else Path(records).parent
+    where = where or (Path(records) if Path(records).is_dir() else Path(records).parent)
     widths = [spec_len(x) or 0 for _, x in sd.iterrows()] + [x for x in sd["forward_nodes"].fillna(0)]
     n = ",".join(str(i) for i in range(1, int(max(widths)) + 2))
     bs = ",".join(str(int(b)) for b in sorted(sd["bs"].unique()))
@@ -46,7 +47,9 @@ def missing_batch_bound(df, records) -> str | None:
 
 
 # ---------------------------------------------------------------------------- main
-def build(records, out: Path, **filters) -> list[Path]:
+def build(records, out: Path, where: str | None = None, **filters) -> list[Path]:
+    """The report of ``records`` into ``out``; ``where`` names the records' folder in the commands it
+    prints (default: its path)."""
     df = load(records, **filters)
     if df.empty:
         raise SystemExit(f"no ok records in {records} (after filters {filters})")
@@ -68,7 +71,7 @@ def build(records, out: Path, **filters) -> list[Path]:
               f"(make bench-cpu does, after its jobs)", file=sys.stderr)
     for _, r in df[df["above_bound"].map(lambda x: isinstance(x, str))].iterrows():
         print(f"[report] {r['label']} (bs={r['bs']}{k_label(r)}): {r['above_bound']}", file=sys.stderr)
-    note = missing_batch_bound(df, records)
+    note = missing_batch_bound(df, records, where)
     if note:
         print(f"[report] {note}", file=sys.stderr)
     fig_bounds(df, out, written, note=note)
