@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from specbench.analysis import theory
+from specbench.decode.verify import SIBLING_RATES
 from specbench.run import records as R
 
 KEY = list(R.BASELINE_KEYS)
@@ -59,6 +60,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         row["ar_paired"] = R.ar_paired(r)  # False: its speedup stands on an AR job run apart (sweep, any)
         row["accept"] = (r.get("accept") or {}).get("name")  # synthetic: acceptance drawn at given rates
         row["accept_rates"] = (r.get("accept") or {}).get("rates")
+        row["accept_sibling_rates"] = (r.get("accept") or {}).get("sibling_rates")
         row["K_auto"] = bool(r.get("K_auto"))  # K=auto: the setting was chosen per job (tuned.chosen)
         row["tuned_chosen"] = (r.get("tuned") or {}).get("chosen")
         row["alphas"] = m.get("accept_rate_per_pos") or []
@@ -95,7 +97,10 @@ def label(row) -> str:
     base = _label(row) + (" (K=auto)" if row.get("K_auto") else "")
     if row.get("accept") == "synthetic":  # drawn acceptance, not the target's: never mixed with real runs
         rates = row.get("accept_rates") or []
-        base += " (synthetic " + (f"{rates[0]:g}" if len(set(rates)) == 1 else "/".join(f"{r:g}" for r in rates)) + ")"
+        sib = row.get("accept_sibling_rates")  # a tree's lower-ranked children; records before it: first child only
+        sib = (", first-child rule" if sib is None else "" if list(sib) == list(SIBLING_RATES)
+               else ", siblings " + "/".join(f"{r:g}" for r in sib))
+        base += " (synthetic " + (f"{rates[0]:g}" if len(set(rates)) == 1 else "/".join(f"{r:g}" for r in rates)) + sib + ")"
     if row.get("backend") not in (None, "specbench"):  # another engine's job is its own series
         base += f" [{row['backend']}]"
     chunk = row.get("prefill_chunk")
@@ -118,6 +123,8 @@ def _label(row) -> str:
         return "medusa (typical)"
     if row["method"] == "sam" and mc.get("fallback") not in (None, "none"):  # the paper's SAM[Token Recycling]
         return f"sam[{mc['fallback']}]"
+    if row["method"] == "dspark" and float(row.get("temperature") or 0) > 0 and not mc.get("sample_drafts"):
+        return "dspark (argmax drafts)"  # at a temperature: drafts not drawn from q (records before sample_drafts)
     if row["method"] == "combo" and mc.get("of"):
         return "combo (" + "+".join(mc["of"]) + ")"
     if row["method"] == "eagle":  # EAGLE-3's drafter, and EAGLE-1's static tree, are their own series

@@ -178,17 +178,17 @@ def register(name: str, target: str) -> None:
 
 
 def member_cfg(cfg, name: str, opts=None, where: str | None = None):
-    """``cfg`` with ``method`` replaced by method ``name``'s own settings (its yaml), ``opts`` over them
-    (a key the yaml does not declare is refused; ``where``: how ``opts`` are reached, for the message)."""
+    """``cfg`` with ``method`` replaced by method ``name``'s own settings (``defaults``: its yaml, or an
+    outside method's), ``opts`` over them (a key it does not declare is refused; ``where``: how
+    ``opts`` are reached, for the message). A member's drafts are taken apart as deterministic
+    candidates (``Draft.rows``): ``deterministic_drafts`` tells a method that could sample them not to."""
     from omegaconf import OmegaConf
 
-    from specbench.paths import CONF_DIR
-
-    conf = OmegaConf.load(CONF_DIR / "method" / f"{name}.yaml") if (CONF_DIR / "method" / f"{name}.yaml").exists() \
-        else OmegaConf.create({"name": name})
+    conf = defaults(name)
     bad = [k for k in (opts or {}) if k not in conf]
     if bad:
-        raise unknown_key(f"{where or name + '.'}{bad[0]}", list(conf), f"{name}'s")
+        raise unknown_key(f"{where or name + '.'}{bad[0]}", [k for k in conf if k != "name"], f"{name}'s")
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # not struct: the member's own keys
     out.method = OmegaConf.merge(conf, opts or {})
+    out.deterministic_drafts = True
     return out

@@ -81,7 +81,8 @@ class DSpark(DFlash):
     def __init__(self, cfg, target, tokenizer, device, dtype, drafter=None):
         super().__init__(cfg, target, tokenizer, device, dtype, drafter)
         self.threshold = float(cfg.method.get("threshold", 0.0))
-        self.sample_drafts = bool(cfg.method.get("sample_drafts", True))
+        # a member of combo or SAM drafts deterministic candidates (methods.member_cfg)
+        self.sample_drafts = bool(cfg.method.get("sample_drafts", True)) and not cfg.get("deterministic_drafts", False)
         self.target_vocab = int(text_config(target.config).vocab_size)
 
     def _pick(self, state: BatchState):

@@ -296,3 +296,20 @@ def test_dspark_trainer_end_to_end(feature_setup, monkeypatch):
     got = run_engine(target, prop, ps, 16)
     assert [r.tokens for r in got] == [reference_greedy(target, p, 16) for p in ps]
     assert sum(sum(r.accept_lens) for r in got) > 0
+
+
+def test_as_a_member_of_combo_or_sam_it_drafts_deterministic_candidates(tmp_path):
+    """combo and SAM take their members' drafts apart (``Draft.rows``, no q): a DSpark member does not
+    sample its drafts, whatever dspark.sample_drafts says."""
+    from specbench.methods import member_cfg
+
+    target = tiny_llama(seed=0, layers=4, vocab=12, device=CPU)
+    folder = random_dspark(target, tmp_path / "d", block=4, layers=1)
+    cfg = member_cfg(OmegaConf.create({"K": 3, "temperature": 1.0, "model": {"name": "tiny", "path": None}}), "dspark",
+                     {"checkpoint": str(folder)})
+    prop = methods.get("dspark")(cfg, target, None, CPU, torch.float32)
+    assert not prop.sample_drafts
+    drafts, propose = [], prop.propose
+    prop.propose = lambda state: drafts.append(propose(state)) or drafts[-1]
+    run_engine(target, prop, [[3, 5, 7, 9]] * 4, 3, sampling=Sampling(1.0), gen=torch.Generator().manual_seed(1))
+    assert drafts and all(d.q is None and d.rows() for d in drafts)

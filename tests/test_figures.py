@@ -133,3 +133,19 @@ def test_a_speedup_on_an_ar_run_apart_is_marked_unpaired_in_the_figures(tmp_path
     report.build(Path(__file__).parent / "fixtures" / "records.jsonl", tmp_path / "rep")
     ticks = [t.get_text() for ax in figs["speedup_vs_bound"].axes for t in ax.get_xticklabels()]
     assert ticks and all("(unpaired)" in t for t in ticks), ticks
+
+
+def test_series_that_priced_or_drafted_differently_are_told_apart():
+    """A synthetic tree priced by the first-child rule (records before sibling_rates) or by other
+    sibling rates, and DSpark's argmax drafts at a temperature, are series of their own."""
+    from specbench.analysis.load import label
+    from specbench.decode.verify import SIBLING_RATES
+
+    syn = {"method": "eagle", "accept": "synthetic", "accept_rates": [0.743], "method_cfg": {}}
+    assert label({**syn, "accept_sibling_rates": list(SIBLING_RATES)}) == "eagle (synthetic 0.743)"
+    assert label({**syn, "accept_sibling_rates": None}) == "eagle (synthetic 0.743, first-child rule)"
+    assert label({**syn, "accept_sibling_rates": [0.3, 0.1]}) == "eagle (synthetic 0.743, siblings 0.3/0.1)"
+    ds = {"method": "dspark", "temperature": 1.0}
+    assert label({**ds, "method_cfg": {"sample_drafts": True}}) == "dspark"
+    assert label({**ds, "method_cfg": {}}) == "dspark (argmax drafts)"
+    assert label({**ds, "temperature": 0.0, "method_cfg": {}}) == "dspark"

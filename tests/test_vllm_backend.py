@@ -135,7 +135,7 @@ def test_the_hosts_work_between_turns_is_off_the_clock_on_vllm_as_on_ours(tiny_d
     ({"compile": True}, "compile=true is our engine's torch.compile: with backend=vllm set vllm.enforce_eager=false"),
     ({"vllm.python": "/no/such/python"}, "backend=vllm needs vLLM's environment, and /no/such/python does not exist: "
                                          "run `make setup-vllm`"),
-    ({"backend": "vlm"}, "unknown backend 'vlm'; choices: specbench, vllm"),
+    ({"backend": "vlm"}, "unknown backend 'vlm'; did you mean vllm? choices: specbench, vllm"),
 ])
 def test_vllm_refusals(tiny_dirs, tmp_path, over, msg):
     cfg = vcfg(tiny_dirs, tmp_path, method=PLD, **{k: v for k, v in over.items() if k != "method"})

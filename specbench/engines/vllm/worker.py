@@ -19,9 +19,11 @@ the stream's end {"op": "stream", "wall_s", "trace", "counters"}: the steps' dur
 and vLLM's speculative-decoding counters over the stream. An error is {"op": "error", "error": line}.
 
 Times are the client's (this process's ``perf_counter``, from ``begin``), as our engine's are. While
-``more``, the host answers every "done" with "add", "none" or "end", and the engine waits for that
-answer off the clock: the host's work between turns (decoding, rendering the next prompt) counts
-in no wall, queue or TTFT, as our engine leaves its caller's ``on_done`` out of its clock.
+``more``, the host answers every "done" with "add", "none" or "end", and the worker waits for that
+answer. With no other request in flight the wait is off the clock: the host's work between turns
+(decoding, rendering the next prompt) counts in no wall, queue or TTFT, as our engine leaves its
+caller's ``on_done`` out of its clock. With others in flight it stays on it: vLLM's engine core
+(a process of its own by default) goes on decoding them meanwhile.
 vLLM's own log goes to stderr: stdout carries only these messages.
 """
 
@@ -169,10 +171,11 @@ class Worker:
                     r["done_s"] = t
                     r["finish_reason"] = o.outputs[0].finish_reason if o.outputs else None
                     self.send({"op": "done", **live.pop(o.request_id)})
-                    if more and not ended:  # the host's answer (its next turn, or none), off the clock
+                    if more and not ended:  # the host's answer (its next turn, or none)
                         p0 = time.perf_counter()
                         take(read(None))
-                        paused += time.perf_counter() - p0
+                        if not live:  # nothing else to decode meanwhile: off the clock, as on our engine
+                            paused += time.perf_counter() - p0
             if rows:
                 trace.append((t - last, rows, toks))
             last = t
