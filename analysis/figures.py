@@ -78,17 +78,25 @@ def save(fig, out: Path, name: str, written: list) -> None:
 # ---------------------------------------------------------------------------- figures
 def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
     sd = method_rows(df).dropna(subset=["speedup"])
-    sd = sd[sd[xcol].notna()]
+    sd = sd[sd[xcol].notna()].copy()
+    for c in ("bs", "K", "ctx"):  # a series that varies in another setting too: one line per value, never a mean
+        many = (sd.groupby("series")[c].transform("nunique") > 1) & ~(sd["K_auto"] & (c == "K"))  # K=auto: one policy
+        if c != xcol and many.any():
+            sd.loc[many, "series"] = sd.loc[many].apply(
+                lambda r: r["series"] + (k_label(r, ", ") if c == "K" else f", {c}={int(r[c])}" if r[c] == r[c] else ""),
+                axis=1)
     sd = sd[sd.groupby("series")[xcol].transform("nunique") >= 2]  # a series with one point is no curve
     if sd.empty:
         return
     cmap, mk = colors(sd["series"]), markers(sd["series"])
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
+    drew_ci = False
     for lab, g in sd.groupby("series"):
         g = g.groupby(xcol, as_index=False)[["speedup", "speedup_lo", "speedup_hi"]].mean().sort_values(xcol)
         ax.plot(g[xcol], g["speedup"], marker=mk[lab], ms=4, lw=1.5, color=cmap[lab], label=lab)
         ci = g.dropna(subset=["speedup_lo", "speedup_hi"])
         if not ci.empty:  # 95% bootstrap interval over batches
+            drew_ci = True
             # a percentile interval of a ratio of ratios can miss its own point estimate (two batches
             # resampled): the bar then starts at the point
             ax.errorbar(ci[xcol], ci["speedup"], yerr=[(ci["speedup"] - ci["speedup_lo"]).clip(lower=0),
@@ -101,7 +109,8 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel(xlabel)
     ax.set_ylabel("speedup over AR (tokens/s ratio)")
-    ax.set_title(f"Speedup vs {xlabel.split(' (')[0]} (bars: 95% bootstrap CI)\n{subtitle(df)}")
+    ax.set_title(f"Speedup vs {xlabel.split(' (')[0]}" + (" (bars: 95% bootstrap CI)" if drew_ci else "")
+                 + f"\n{subtitle(df)}")
     if sd["series"].nunique() > 5:
         ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     else:
@@ -222,6 +231,8 @@ def fig_speedup_vs_concurrency(df, out, written):
     d = d[d.groupby("series")["bs"].transform("nunique") >= 2] if not d.empty else d
     if d.empty:
         return
+    many = (d.groupby("series")["K"].transform("nunique") > 1) & ~d["K_auto"]  # one line per fixed K, never a mean
+    d = d.assign(series=[r["series"] + (k_label(r, ", ") if m else "") for (_, r), m in zip(d.iterrows(), many)])
     cmap, mk = colors(d["series"]), markers(d["series"])
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
     for lab, g in d.groupby("series"):
@@ -235,7 +246,8 @@ def fig_speedup_vs_concurrency(df, out, written):
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("concurrency (requests in flight, log2)")
     ax.set_ylabel("speedup over AR at the same load")
-    ax.set_title(f"Serving speedup (dotted: batch-aware bound at the measured rows in flight)\n{subtitle(df)}")
+    dotted = " (dotted: batch-aware bound at the measured rows in flight)" if d["bound_batch"].notna().any() else ""
+    ax.set_title(f"Serving speedup{dotted}\n{subtitle(df)}")
     ax.legend(frameon=False, fontsize=7, loc="best")
     save(fig, out, "speedup_vs_concurrency", written)
 

@@ -42,7 +42,7 @@ def missing_batch_bound(df, records, where: str | None = None) -> str | None:
     cmd = (f"python -m specbench.analysis.profile --model {r['model']} --device {r['device']} --dtype {r['dtype']} "
            f"--kernel {r['kernel']} --bs {bs} --n {n}" + (" --ragged" if sd["bs"].max() > 1 else "")
            + f" --results-dir {where}")
-    what = "every job" if len(sd) == len(method_rows(df).dropna(subset=["speedup"])) else f"{len(sd)} jobs"
+    what = "any job" if len(sd) == len(method_rows(df).dropna(subset=["speedup"])) else f"{len(sd)} jobs"
     return f"batch-aware bound not drawn for {what}: no cost curve profiled beside the records; `{cmd}` records one"
 
 

@@ -17,7 +17,10 @@ def did_you_mean(word, choices) -> str:
 
 def unknown_key(key: str, keys, owner: str) -> ConfigError:
     """The error for a key ``owner`` (``pld's``, ``top-level``) does not declare: the key as
-    written, the closest declared key, and every declared one (``name`` is chosen by its group)."""
+    written, the closest declared key written the same way, and every declared one (``name`` is
+    chosen by its group)."""
     keys = [k for k in keys if k != "name"]
-    return ConfigError(f"unknown key {key};{did_you_mean(key.rpartition('.')[2], keys)} {owner} keys: "
-                       f"{', '.join(keys) or 'none'}")
+    prefix, _, last = key.rpartition(".")
+    best = difflib.get_close_matches(last, [str(k) for k in keys], n=1)  # suggested as written: pld.max_ngram
+    hint = f" did you mean {prefix + '.' if prefix else ''}{best[0]}?" if best else ""
+    return ConfigError(f"unknown key {key};{hint} {owner} keys: {', '.join(keys) or 'none'}")

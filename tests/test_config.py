@@ -101,9 +101,9 @@ TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, batchin
     (["method=pld", "pld.kk=3"], "unknown key pld.kk; pld's keys: max_ngram, min_ngram"),
     (["method=pld", "+method.kk=3"], "unknown key method.kk; pld's keys: max_ngram, min_ngram"),
     (["method=pld", "++method.kk=3"], "unknown key method.kk; pld's keys: max_ngram, min_ngram"),
-    (["method=pld", "method.max_ngrams=4"], "unknown key method.max_ngrams; did you mean max_ngram? pld's keys: "
+    (["method=pld", "method.max_ngrams=4"], "unknown key method.max_ngrams; did you mean method.max_ngram? pld's keys: "
                                             "max_ngram, min_ngram"),
-    (["method=eagle", "eagle.dpeth=4"], "unknown key eagle.dpeth; did you mean depth? eagle's keys: version, "
+    (["method=eagle", "eagle.dpeth=4"], "unknown key eagle.dpeth; did you mean eagle.depth? eagle's keys: version, "
                                         "checkpoint, top_k, depth, total_tokens, tree"),
     (["+method.kk=3"], "unknown key method.kk; ar's keys: none"),  # the default sweep's first method: ar
     (["method=pld,lookahead", "method.max_ngram=2"], "method.max_ngram is pld's, not lookahead's: set it with "
@@ -113,13 +113,13 @@ TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, batchin
     (["bss=4"], f"unknown key bss; did you mean bs? top-level keys: {TOP_KEYS}"),
     (["+bss=4"], f"unknown key bss; did you mean bs? top-level keys: {TOP_KEYS}"),
     (["~bss"], f"unknown key bss; did you mean bs? top-level keys: {TOP_KEYS}"),
-    (["+model.pathh=x"], "unknown key model.pathh; did you mean path? model's keys: package, file, path, chat, "
+    (["+model.pathh=x"], "unknown key model.pathh; did you mean model.path? model's keys: package, file, path, chat, "
                          "attn_implementation, shape, logit_std, tokenizer"),
-    (["draft.layer=2"], "unknown key draft.layer; did you mean layers? draft_model's keys: label, path, layers"),
-    (["slo.ttft=5"], "unknown key slo.ttft; did you mean ttft_ms? slo's keys: ttft_ms, tpot_ms"),
+    (["draft.layer=2"], "unknown key draft.layer; did you mean draft.layers? draft_model's keys: label, path, layers"),
+    (["slo.ttft=5"], "unknown key slo.ttft; did you mean slo.ttft_ms? slo's keys: ttft_ms, tpot_ms"),
     (["vllm.eager=true"], "unknown key vllm.eager; vllm's keys: python, enforce_eager, max_num_batched_tokens, "
                           "block_size, prefix_caching, kv_cache_gb, threads"),
-    (["accept=synthetic", "accept.rate=0.5"], "unknown key accept.rate; did you mean rates? accept's keys: rates"),
+    (["accept=synthetic", "accept.rate=0.5"], "unknown key accept.rate; did you mean accept.rates? accept's keys: rates"),
     (["method=eagel"], "unknown method 'eagel'; did you mean eagle? choices: ar, combo, dflash"),
     (["model=smollm2"], "unknown model 'smollm2'; did you mean smollm2-135m? choices: "),
 ])
@@ -157,8 +157,8 @@ def test_an_unknown_key_in_a_composed_config_is_refused_before_the_model_loads(t
     pld = {"name": "pld", "max_ngram": 3, "min_ngram": 1}
     for over, msg in (({"method": {**pld, "kk": 3}}, "unknown key method.kk; pld's keys: max_ngram, min_ngram"),
                       ({"bss": 4}, "unknown key bss; did you mean bs? top-level keys: "),
-                      ({"model.pathh": "x"}, "unknown key model.pathh; did you mean path? model's keys: "),
-                      ({"slo.ttft": 5}, "unknown key slo.ttft; did you mean ttft_ms? slo's keys: ttft_ms, tpot_ms"),
+                      ({"model.pathh": "x"}, "unknown key model.pathh; did you mean model.path? model's keys: "),
+                      ({"slo.ttft": 5}, "unknown key slo.ttft; did you mean slo.ttft_ms? slo's keys: ttft_ms, tpot_ms"),
                       ({"method": {"name": "eagel"}}, "unknown method 'eagel'; did you mean eagle? choices: ")):
         with pytest.raises(ConfigError) as e:
             runner.validate(tiny_cfg(tiny_dirs, tmp_path, **over))
@@ -242,11 +242,11 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
     ({"method": {"name": "rest", "datastore": "/no/such/store.jsonl", "num_draft": 64, "max_suffix": 16,
                  "min_suffix": 2}}, "rest.datastore '/no/such/store.jsonl' is neither sharegpt nor python_code"),
     ({"method": {"name": "combo", "of": ["pld", "suffix"], "opts": {"pld": {"max_ngam": 2}}, "max_nodes": "auto",
-                 "prior": 0.5}}, "unknown key combo.opts.pld.max_ngam; did you mean max_ngram? pld's keys: max_ngram, "
+                 "prior": 0.5}}, "unknown key combo.opts.pld.max_ngam; did you mean combo.opts.pld.max_ngram? pld's keys: max_ngram, "
                                  "min_ngram"),
     ({"method": {"name": "sam", "min_match": 2, "corpus": None, "corpus_tokens": 300000, "static_bias": 4,
                  "fallback": "recycle", "fallback_opts": {"tree_sise": 4}}},
-     "unknown key sam.fallback_opts.tree_sise; did you mean tree_size? recycle's keys: topk, tree_size, tree, warm"),
+     "unknown key sam.fallback_opts.tree_sise; did you mean sam.fallback_opts.tree_size? recycle's keys: topk, tree_size, tree, warm"),
     ({"method": {"name": "specdec", "beta": 0, "tol": 1.0, "checkpoint": "checkpoints/smollm2-135m/specdec"}},
      "specdec.beta must be an integer >= 1"),
     ({"method": {"name": "specdec", "beta": 2, "tol": -1, "checkpoint": "checkpoints/smollm2-135m/specdec"}},

@@ -69,10 +69,10 @@ def test_an_outside_methods_unknown_key_is_refused_in_one_line(installed, tmp_pa
     from specbench.__main__ import preprocess
 
     for argv, msg in ((["method=bigram", "bigram.max_drafts=2"],
-                       "unknown key bigram.max_drafts; did you mean max_draft? bigram's keys: successor, max_draft"),
+                       "unknown key bigram.max_drafts; did you mean bigram.max_draft? bigram's keys: successor, max_draft"),
                       (["method=bigram", "+method.kk=3"], "unknown key method.kk; bigram's keys: successor, max_draft"),
                       ([f"method={TARGET}", "method.successr=first"],
-                       f"unknown key method.successr; did you mean successor? {TARGET}'s keys: successor, max_draft")):
+                       f"unknown key method.successr; did you mean method.successor? {TARGET}'s keys: successor, max_draft")):
         with pytest.raises(ConfigError) as e:
             preprocess(argv)
         assert str(e.value) == msg
@@ -83,7 +83,7 @@ def test_an_outside_methods_unknown_key_is_refused_in_one_line(installed, tmp_pa
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError) as e:
         preprocess(["method=filed:Filed", "method.dept=3"])
-    assert str(e.value) == "unknown key method.dept; did you mean depth? filed:Filed's keys: depth, width"
+    assert str(e.value) == "unknown key method.dept; did you mean method.depth? filed:Filed's keys: depth, width"
     assert preprocess(["method=filed:Filed", "method.depth=3"]) == ["method=filed:Filed", "method.depth=3"]
 
 
