@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from specbench.analysis.figures import (fig_acceptance, fig_bounds, fig_engines, fig_hist, fig_quality, fig_serving,
+from specbench.analysis.bound_figure import fig_bounds
+from specbench.analysis.figures import (fig_acceptance, fig_engines, fig_hist, fig_quality, fig_serving,
                               fig_simulator, fig_speedup_vs, fig_speedup_vs_concurrency, fig_time_split, fig_tuned)
 from specbench.analysis.load import k_label, load, load_cost_curves, method_rows, spec_len
 from specbench.analysis.tables import (engines_table, identity_table, paper_per_category, paper_sweep, per_category,

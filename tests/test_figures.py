@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 from matplotlib.text import Text
 from PIL import Image
 
-from specbench.analysis import figures, gallery
+from specbench.analysis import bound_figure, figures, gallery
 
 def _build(name, tmp):
     """The report of one gallery set: its files, every PNG's drawn texts (text, extent in the
@@ -101,9 +101,9 @@ def test_the_bound_figure_says_what_it_leaves_out(built):
 
 
 def test_panels_split_evenly(built):
-    assert [s.stop - s.start for s in figures.panels_of(11)] == [6, 5]
-    assert [s.stop - s.start for s in figures.panels_of(10)] == [10]
-    assert [s.stop - s.start for s in figures.panels_of(21)] == [7, 7, 7]
+    assert [s.stop - s.start for s in bound_figure.panels_of(11)] == [6, 5]
+    assert [s.stop - s.start for s in bound_figure.panels_of(10)] == [10]
+    assert [s.stop - s.start for s in bound_figure.panels_of(21)] == [7, 7, 7]
     fig = built[2]["speedup_vs_bound"]
     sizes = [len(ax.get_xticks()) for ax in fig.axes]
     assert max(sizes) - min(sizes) <= 1, sizes
