@@ -107,14 +107,13 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(sd[xcol].unique()))
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    else:  # K and the like are whole numbers
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel(xlabel)
     ax.set_ylabel("speedup over AR (tokens/s ratio)")
     ax.set_title(f"Speedup vs {xlabel.split(' (')[0]}" + (" (bars: 95% bootstrap CI)" if drew_ci else "")
                  + f"\n{subtitle(df)}")
-    if sd["series"].nunique() > 5:
-        ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    else:
-        ax.legend(frameon=False, fontsize=7, loc="best")
+    ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside: never over a line
     save(fig, out, name, written)
 
 
@@ -219,7 +218,8 @@ def fig_serving(df, out, written):
                     xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("TPOT p50 (ms per output token)")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"Throughput against latency (points: concurrency; dashed: continuous)\n{subtitle(df)}")
+    dashed = "; dashed: continuous" if d["label"].str.contains(r"\[continuous").any() else ""
+    ax.set_title(f"Throughput against latency (points: concurrency{dashed})\n{subtitle(df)}")
     ax.legend(frameon=False, fontsize=6.5, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     save(fig, out, "throughput_vs_tpot", written)
 
