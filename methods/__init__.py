@@ -185,9 +185,7 @@ def member_cfg(cfg, name: str, opts=None, where: str | None = None):
     from omegaconf import OmegaConf
 
     conf = defaults(name)
-    bad = [k for k in (opts or {}) if k not in conf]
-    if bad:
-        raise unknown_key(f"{where or name + '.'}{bad[0]}", [k for k in conf if k != "name"], f"{name}'s")
+    check_keys(opts or {}, name, where or f"{name}.")
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # not struct: the member's own keys
     out.method = OmegaConf.merge(conf, opts or {})
     out.deterministic_drafts = True

@@ -43,31 +43,17 @@ DATA_DEPENDENT = {"aten.nonzero", "aten.masked_select", "aten._unique2", "aten.u
 HOST_METHODS = ("tolist", "cpu")
 
 
-def _tiny_target(folder: Path, seed: int = 0, words: int = 93):
-    """A tiny random Llama (2 layers, hidden 64) with a word-level tokenizer and a chat template,
-    saved as an HF folder (the methods' ``tiny`` settings read it), and loaded back."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def _tiny_target(folder: Path):
+    """The unit tests' tiny target (``specbench.tiny``), saved (the methods' ``tiny`` settings read the
+    folder) and loaded back, running its tokens to the end (no EOS)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i + 3 for i in range(words)}
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                         "{% if add_generation_prompt %}assistant {% endif %}")
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # sharper logits: text repeats enough for drafts to be accepted
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
+    from specbench.tiny import save_tiny_hf
+
+    save_tiny_hf(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # every row runs its tokens
-    return model, tok
+    return model, AutoTokenizer.from_pretrained(folder)
 
 
 class _Count(TorchDispatchMode):

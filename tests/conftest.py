@@ -4,30 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from specbench.tiny import save_tiny_hf  # noqa: F401 - the tiny target (shared with specbench.audit)
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def save_tiny_hf(folder: Path, seed: int = 0, words: int = 93, shift: int = 0, layers: int = 2) -> Path:
-    """A tiny Llama (``layers`` decoder layers) + word-level tokenizer (with a chat template) saved as an HF folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from helpers import tiny_llama
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    for i in range(words):
-        vocab[f"w{i + shift}"] = i + 3
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                         "{% if add_generation_prompt %}assistant {% endif %}")
-    model = tiny_llama(seed=seed, vocab=len(vocab), layers=layers, scale=4.0)
-    model.generation_config.eos_token_id = 2
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import os
 
 import torch
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
+import specbench.tiny
 
 from specbench.methods.base import Proposer
 from specbench.decode.engine import Engine
@@ -21,16 +21,7 @@ DEVICE = torch.device(os.environ.get("SPECBENCH_TEST_DEVICE", "cpu"))
 
 def tiny_llama(seed: int = 0, vocab: int = 96, layers: int = 2, hidden: int = 64, scale: float = 1.0,
                device: torch.device = DEVICE):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    m = LlamaForCausalLM(cfg).eval()
-    if scale != 1.0:  # sharper logits: more repetitive, more predictable text
-        with torch.no_grad():
-            m.lm_head.weight.mul_(scale)
-    m.generation_config.eos_token_id = None  # no EOS unless a test sets one
-    return m.to(device)
+    return specbench.tiny.tiny_llama(seed, vocab, layers, hidden, scale, device)  # on the test device by default
 
 
 def tiny_qwen3(seed: int = 0, vocab: int = 96, layers: int = 2, hidden: int = 32, device: torch.device = DEVICE):

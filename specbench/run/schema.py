@@ -246,17 +246,12 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"tune.K must be a list of integers >= 1 (the lengths K=auto chooses among), got {ks!r}")
     acc = cfg.get("accept")
     if acc is not None and acc.get("name") == "synthetic":
-        r = acc.get("rates")
-        rs = list(r) if OmegaConf.is_list(r) else [r]
-        if not rs or not all(_is(x, float) and 0 <= x <= 1 for x in rs):
-            raise ConfigError(f"accept.rates must be a probability in [0, 1] or a non-empty list of them (one per "
-                              f"draft depth), got {OmegaConf.to_container(r) if OmegaConf.is_list(r) else r!r}")
-        r = acc.get("sibling_rates")  # null or absent: the published default (conf/accept/synthetic.yaml)
-        rs = list(r) if OmegaConf.is_list(r) else [r]
-        if r is not None and not (rs and all(_is(x, float) and 0 <= x <= 1 for x in rs)):
-            raise ConfigError(f"accept.sibling_rates must be a probability in [0, 1] or a non-empty list of them (a "
-                              f"tree's children of rank 2, 3, ...), got "
-                              f"{OmegaConf.to_container(r) if OmegaConf.is_list(r) else r!r}")
+        for key, what in (("rates", "one per draft depth"), ("sibling_rates", "a tree's children of rank 2, 3, ...")):
+            r = acc.get(key)  # sibling_rates null or absent: the published default (conf/accept/synthetic.yaml)
+            rs = list(r) if OmegaConf.is_list(r) else [r]
+            if (key == "rates" or r is not None) and not (rs and all(_is(x, float) and 0 <= x <= 1 for x in rs)):
+                raise ConfigError(f"accept.{key} must be a probability in [0, 1] or a non-empty list of them ({what}), "
+                                  f"got {OmegaConf.to_container(r) if OmegaConf.is_list(r) else r!r}")
     rate = cfg.get("rate", "inf")
     if not (str(rate).lower() in ("inf", "infinity") or (isinstance(rate, (int, float)) and not isinstance(rate, bool)
                                                          and rate > 0)):
