@@ -19,7 +19,7 @@ from pathlib import Path
 from specbench.analysis.bound_figure import fig_bounds
 from specbench.analysis.figures import (fig_acceptance, fig_engines, fig_hist, fig_quality, fig_serving,
                               fig_simulator, fig_speedup_vs, fig_speedup_vs_concurrency, fig_time_split, fig_tuned)
-from specbench.analysis.load import k_label, load, load_cost_curves, method_rows
+from specbench.analysis.load import k_label, load, load_cost_curves, method_rows, spec_len
 from specbench.analysis.tables import (engines_table, identity_table, paper_per_category, paper_sweep, per_category,
                              sweep_table, to_latex, to_markdown, tuned_table)
 from specbench.analysis.bounds import STATE_GAP, batch_aware, curve_state_gap, simulated, verify_nodes
@@ -37,7 +37,8 @@ def missing_batch_bound(df, records, where: str | None = None) -> str | None:
         return None
     r = sd.iloc[0]
     where = where or (Path(records) if Path(records).is_dir() else Path(records).parent)
-    n = ",".join(str(i) for i in range(1, int(max(verify_nodes(x) for _, x in sd.iterrows())) + 2))
+    widest = max(max(spec_len(x) or 0, verify_nodes(x)) for _, x in sd.iterrows())  # a chain's K, a tree's nodes
+    n = ",".join(str(i) for i in range(1, int(widest) + 2))
     bs = ",".join(str(int(b)) for b in sorted(sd["bs"].unique()))
     cmd = (f"python -m specbench.analysis.profile --model {r['model']} --device {r['device']} --dtype {r['dtype']} "
            f"--kernel {r['kernel']} --bs {bs} --n {n}" + (" --ragged" if sd["bs"].max() > 1 else "")
