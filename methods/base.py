@@ -31,6 +31,8 @@ class BatchState:
     # (None: all); what the step verified, whoever drafted it (a wrapped method's members learn too)
     nodes: torch.Tensor | None = None
     node_valid: torch.Tensor | None = None
+    # during update(): what each proposer asked to have on the host (``Proposer.host``), by id()
+    host: dict | None = None
     max_new_tokens: int = 0  # the most tokens a row emits after its prompt (to size caches once)
     rows: int = 0  # the most rows the batch holds at once (its concurrency; to size caches for joiners)
 
@@ -169,6 +171,21 @@ class Proposer(MethodSpec):
         """After a step: ``accepted[b]`` are row b's accepted draft tokens; ``state.seqs``
         already hold them plus the extra token. ``hidden``: the states of the tokens just
         committed to the target cache (the step's root and its accepted drafts)."""
+
+    def host(self, state: BatchState) -> torch.Tensor | None:
+        """What this method needs on the host after a step, made from the step's ``state.logits`` /
+        ``nodes`` / ``node_valid`` (on the device): integers or booleans [B] or [B, k]. The engine
+        reads them with the step's verdict, in the step's one wait for the device, and ``update``
+        finds them as ``self.host_rows(state)``, a list a row. None (the default): nothing."""
+        return None
+
+    def host_rows(self, state: BatchState) -> list[list[int]] | None:
+        """During ``update``: this method's ``host`` tensor, read (one list of ints a row). Called
+        outside the engine's step (no ``state.host``), it reads ``host(state)`` itself."""
+        if state.host is not None and id(self) in state.host:
+            return state.host[id(self)]
+        t = self.host(state)
+        return None if t is None else t.reshape(t.shape[0], -1).tolist()
 
     def select_rows(self, keep: list[int]) -> None:
         """Finished rows left the batch: keep only the rows at these indices (by default, of the

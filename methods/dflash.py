@@ -126,14 +126,15 @@ class DFlash(Proposer):
         """A cache for the rows of ``state`` holding their prompts' context (room for the answers)."""
         dt = next(self.drafter.parameters()).dtype
         longest = max(len(s) for s in state.seqs)
-        cache = ContextCache(self.drafter, len(state.seqs), self.device, dt, longest + state.max_new_tokens)
+        cache = ContextCache(self.drafter, len(state.seqs), self.device, dt,
+                             longest + state.max_new_tokens + self.block_size + 1)  # a step's widest append too
         self._append(cache, hidden)
         return cache
 
     def _append(self, cache: ContextCache, hidden) -> None:
         feats = self.drafter.features(hidden)
         pos = cache.length[:, None] + torch.arange(feats.shape[1], device=self.device)[None]
-        cache.append(self.drafter.context(feats, pos), hidden.counts)
+        cache.append(self.drafter.context(feats, pos), hidden.counts, hidden.lens)
 
     def start(self, state: BatchState, hidden=None) -> None:
         self.cache = self._cache(state, hidden)
@@ -154,7 +155,7 @@ class DFlash(Proposer):
         tokens[:, :1] = pad_rows([s[-1:] for s in state.seqs], dev)
         pos = cache.length[:, None] + torch.arange(n, device=dev)[None]  # x_p sits at p = the cached length
         visible = torch.cat([cache.visible(n), torch.ones(B, n, n, dtype=torch.bool, device=dev)], dim=2)
-        h = self.drafter.block(tokens, pos, list(zip(cache.keys, cache.values)), visible)
+        h = self.drafter.block(tokens, pos, cache.context(), visible)
         return self.drafts(h, tokens[:, 0], state)
 
     def drafts(self, h, first, state: BatchState | None = None) -> Draft:

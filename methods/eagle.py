@@ -171,6 +171,7 @@ class Eagle(Proposer):
         self.keys = torch.zeros(B, blk.Hk, 0, blk.Dh, device=self.device, dtype=dt)
         self.values = torch.zeros_like(self.keys)
         self.cached = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.cached_ids = [0] * B  # the same on the host
         self._append(state, hidden)
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
@@ -183,7 +184,7 @@ class Eagle(Proposer):
         counts = hidden.counts
         B, new = feats.shape[:2]
         dev = self.device
-        toks = pad_rows([seq[len(seq) - c:] for seq, c in zip(state.seqs, counts.tolist())], dev, width=new)
+        toks = pad_rows([seq[len(seq) - c:] for seq, c in zip(state.seqs, hidden.lens)], dev, width=new)
         feats = feats.to(self.keys.dtype)
         width = self.keys.shape[2]
         j = torch.arange(new, device=dev)
@@ -193,24 +194,26 @@ class Eagle(Proposer):
         own = own | torch.eye(new, dtype=torch.bool, device=dev)[None]  # padded pairs see themselves
         mask = torch.cat([ctx, own], dim=2)
         h, new_keys, new_values = self.drafter.step(feats, toks, pos, self.keys, self.values, mask)
-        new_width = int((self.cached + counts).max())
+        # every row's `new` pairs are written after its own slots (those past its count are unseen,
+        # and the next append writes over them): sized on the host, written in place, nothing read
+        ends = [c + new for c in self.cached_ids]
+        new_width = max(max(ends, default=0), max((c + n for c, n in zip(self.cached_ids, hidden.lens)), default=0))
         if new_width > width:
             pad = self.keys.new_zeros(B, self.keys.shape[1], new_width - width, self.keys.shape[3])
             self.keys = torch.cat([self.keys, pad], dim=2)
             self.values = torch.cat([self.values, pad], dim=2)
-        sel = j[None] < counts[:, None]
-        rows = torch.arange(B, device=dev)[:, None].expand(B, new)[sel]
-        src = j[None].expand(B, new)[sel]
-        dst = (self.cached[:, None] + j[None])[sel]
-        self.keys[rows, :, dst] = new_keys[rows, :, src]
-        self.values[rows, :, dst] = new_values[rows, :, src]
+        at = (self.cached[:, None] + j[None])[:, None, :, None].expand(B, self.keys.shape[1], new, self.keys.shape[3])
+        self.keys.scatter_(2, at, new_keys.to(self.keys.dtype))
+        self.values.scatter_(2, at, new_values.to(self.values.dtype))
         self.cached = self.cached + counts
+        self.cached_ids = [c + n for c, n in zip(self.cached_ids, hidden.lens)]
         self.h_last = h[torch.arange(B, device=dev), counts - 1]
 
     def add_rows(self, state: BatchState, hidden=None) -> None:
         """The new rows' drafter caches are built from their prompts alone, then appended (the
         caches are right-padded to the wider one: a row sees only its first ``len`` slots)."""
         old = (self.keys, self.values, self.cached, self.h_last)
+        old_ids = self.cached_ids
         self.start(state, hidden)
         old_keys, old_values, old_cached, old_h = old
         width = max(old_keys.shape[2], self.keys.shape[2])
@@ -221,11 +224,13 @@ class Eagle(Proposer):
         self.keys = torch.cat([pad(old_keys), pad(self.keys)])
         self.values = torch.cat([pad(old_values), pad(self.values)])
         self.cached, self.h_last = torch.cat([old_cached, self.cached]), torch.cat([old_h, self.h_last])
+        self.cached_ids = old_ids + self.cached_ids
 
     def select_rows(self, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.cached = self.cached[idx]
-        width = int(self.cached.max()) if len(keep) else 0
+        self.cached_ids = [self.cached_ids[i] for i in keep]
+        width = max(self.cached_ids, default=0)
         self.keys = self.keys[idx, :, :width]
         self.values = self.values[idx, :, :width]
         self.h_last = self.h_last[idx]

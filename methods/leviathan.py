@@ -163,7 +163,8 @@ class Leviathan(Proposer):
         self.draft = draft_model
         self.V = int(text_config(target.config).vocab_size)
         self.dcache: RaggedCache | None = None
-        self.fed: list[list[int]] = []
+        self.fed: list[list[int]] = []  # per row, the tokens in its draft cache (those known on the host)
+        self.unread = 0  # drafts fed to the draft cache since, whose values the host has not read
 
     def modules(self):
         return [self.draft]
@@ -213,7 +214,7 @@ class Leviathan(Proposer):
         counts = to_device([len(x) for x in news], torch.long, self.device)
         depth = torch.arange(m, device=self.device)[None].expand(B, m)
         out = self.dcache.forward(toks, depth, None)
-        self.dcache.commit(depth, counts)
+        self.dcache.commit([list(range(m))] * B, [len(x) for x in news])  # host lists: nothing read back
         last = out.logits[torch.arange(B, device=self.device), counts - 1]
         for b, x in enumerate(news):
             self.fed[b].extend(x)
@@ -227,12 +228,18 @@ class Leviathan(Proposer):
             tok, q = self._pick(out.logits[:, -1], state)
             drafts.append(tok)
             qs.append(q)
-        if self.K > 1:  # the drafts fed to the draft cache, read back once
-            for b, row in enumerate(torch.stack(drafts[:-1], dim=1).tolist()):
-                self.fed[b].extend(row)
+        self.unread = self.K - 1  # the drafts fed to the draft cache: their values come with the verdict (update)
         tokens = torch.stack(drafts, dim=1)
         qt = None if state.sampling.greedy else torch.stack(qs, dim=1)
         return Draft.chain(tokens, q=qt)
+
+    def update(self, state: BatchState, accepted, hidden=None) -> None:
+        """The drafts fed to the draft cache that were accepted are what ``fed`` records of them; the
+        first one that was not differs from the committed token there (the target's correction), so
+        the cache keeps the accepted ones only and the next ``propose`` rolls the rest back."""
+        for fed, acc in zip(self.fed, accepted):
+            fed.extend(acc[:self.unread])
+        self.unread = 0
 
     def select_rows(self, keep: list[int]) -> None:
         self.fed = [self.fed[i] for i in keep]

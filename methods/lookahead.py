@@ -150,12 +150,15 @@ class Lookahead(Proposer):
         self.n_window = [sum(1 for c in r if not c) for r in rows_cand]
         return Draft.from_trees(rows_tok, rows_par, state.device, candidate=rows_cand)
 
+    def host(self, state: BatchState):
+        """The target's guess at each window node (read with the step's verdict)."""
+        if state.logits is not None and max(self.n_window, default=0) > 0:
+            return greedy_pick(state.logits[:, 1:1 + max(self.n_window)])
+        return None
+
     def update(self, state: BatchState, accepted, hidden=None) -> None:
         W = self.W
-        out = None
-        if state.logits is not None and max(self.n_window, default=0) > 0:
-            nw = max(self.n_window)
-            out = greedy_pick(state.logits[:, 1:1 + nw]).tolist()  # target's guess at each window node
+        out = self.host_rows(state)
         for b, s in enumerate(state.seqs):
             pool = self.pools[b]
             k = len(accepted[b]) + 1  # tokens committed this step: their N-grams join the pool

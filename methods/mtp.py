@@ -102,7 +102,7 @@ class MTP(Proposer):
         d = self.drafter
         dt = next(d.parameters()).dtype
         h = hidden.layers["final"].to(dt)  # [B, m, d]: row b's first counts[b] are its prompt's
-        lens = hidden.counts.tolist()
+        lens = hidden.lens
         P = max(lens)
         toks = [s[len(s) - c:] for s, c in zip(state.seqs, lens)]
         shift = (P - hidden.counts)[:, None]  # left-padded as prefill pads: slot j of row b holds its entry j - shift
@@ -133,7 +133,7 @@ class MTP(Proposer):
         """The committed tokens' entries (h_i, x_{i+1}) join the cache; the last drafts anew."""
         d, dev = self.drafter, self.device
         counts = hidden.counts
-        lens = counts.tolist()  # the step's one read of the device
+        lens = hidden.lens
         h = hidden.layers["final"].to(next(d.parameters()).dtype)
         B, m = h.shape[:2]
         toks = pad_rows([s[len(s) - c:] for s, c in zip(state.seqs, lens)], dev, width=m)

@@ -99,7 +99,7 @@ class PEagle(Proposer):
         dt = cache.keys[0].dtype
         feats = d.fuse(d.features(hidden).to(dt))  # [B, m, d]
         B, m = feats.shape[:2]
-        toks = pad_rows([s[len(s) - c:] for s, c in zip(state.seqs, counts.tolist())], dev, width=m)
+        toks = pad_rows([s[len(s) - c:] for s, c in zip(state.seqs, hidden.lens)], dev, width=m)
         j = torch.arange(m, device=dev)
         own = (j[None, :] <= j[:, None])[None] & (j[None, None, :] < counts[:, None, None])
         own = own | torch.eye(m, dtype=torch.bool, device=dev)[None]  # padded entries see themselves
@@ -114,15 +114,16 @@ class PEagle(Proposer):
             g, e = torch.cat([g, gm.to(dt)], 1), torch.cat([e, em.to(dt)], 1)
             pos = torch.cat([pos, (cache.length + counts)[:, None] - 1 + slots[None]], 1)
             visible = torch.cat([visible, torch.cat([cache.visible(n), entries, causal], dim=2)], dim=1)
-        out, kv = d.run(g, e, pos, list(zip(cache.keys, cache.values)), visible)
-        cache.append([(k[:, :, :m], v[:, :, :m]) for k, v in kv], counts)  # the entries' only, not the slots'
+        out, kv = d.run(g, e, pos, cache.context(), visible)
+        cache.append([(k[:, :, :m], v[:, :, :m]) for k, v in kv], counts, hidden.lens)  # the entries' only, not the slots'
         last = out[torch.arange(B, device=dev), (counts - 1).clamp(min=0)][:, None]
         return self.vocab_ids[d.logits(torch.cat([last, out[:, m:]], 1)).argmax(-1)]  # [B, K]
 
     def _start(self, state: BatchState, hidden):
         dt = next(self.drafter.parameters()).dtype
         longest = max(len(s) for s in state.seqs)
-        cache = ContextCache(self.drafter, len(state.seqs), self.device, dt, longest + state.max_new_tokens)
+        cache = ContextCache(self.drafter, len(state.seqs), self.device, dt,
+                             longest + state.max_new_tokens + self.K + 1)  # a step's widest append too
         return cache, self._step(cache, state, hidden)
 
     def start(self, state: BatchState, hidden=None) -> None:

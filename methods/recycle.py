@@ -132,16 +132,26 @@ class TokenRecycling(Proposer):
         return Draft(tokens=torch.from_numpy(tok[:, 1:].copy()).to(state.device), parents=parents.clone(),
                      valid=torch.from_numpy(ok[:, 1:].copy()).to(state.device))
 
+    def host(self, state: BatchState):
+        """Per node of the step: the target's top-k there, its token, whether it is real."""
+        if state.logits is None or state.nodes is None:
+            return None
+        top = state.logits.topk(self.topk, dim=-1).indices  # [B, n+1, topk]
+        real = torch.ones_like(state.nodes) if state.node_valid is None else state.node_valid.long()
+        return torch.cat([top, state.nodes[..., None], real[..., None]], dim=2)
+
     def update(self, state: BatchState, accepted, hidden=None) -> None:
         """Refresh the matrix rows of every token the step verified from the target's logits at
         its node (whoever drafted them: a method that wraps this one verifies its own drafts too);
         where a token sits at several nodes, one of them wins."""
-        if state.logits is None or state.nodes is None:
+        got = self.host_rows(state)
+        if got is None:
             return
-        top = state.logits.topk(self.topk, dim=-1).indices.cpu().numpy()  # [B, n+1, topk]
-        tok = state.nodes.cpu().numpy()
+        B, N = len(got), state.nodes.shape[1]
+        host = np.asarray(got, dtype=np.int64).reshape(B, N, self.topk + 2)
+        top, tok = host[..., :self.topk], host[..., self.topk]  # [B, n+1, topk], [B, n+1]
         if state.node_valid is not None:  # the real nodes only
-            ok = state.node_valid.cpu().numpy()
+            ok = host[..., self.topk + 1].astype(bool)
             tok, top = tok[ok], top[ok]
         self.next.numpy()[tok.reshape(-1)] = top.reshape(-1, self.topk)
         self.known.numpy()[tok.reshape(-1)] = True

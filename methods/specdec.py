@@ -94,7 +94,7 @@ class SpecDec(Proposer):
         anc[:, m:, m:] = True
         depth = torch.where(is_q[None], counts[:, None] + (i - m)[None], i[None].expand(B, -1))
         out = self.dcache.forward(toks, depth, anc)
-        self.dcache.commit(i[None, :m].expand(B, m), counts)  # the queries are never kept
+        self.dcache.commit([list(range(m))] * B, [len(x) for x in news])  # the queries are never kept
         self.fed = [f + len(x) for f, x in zip(self.fed, news)]
         logits = out.logits[:, m:]
         if state.sampling.greedy:

@@ -13,8 +13,10 @@ accept, commit, update) does besides the model forwards.
   and the method's ``propose`` trace with ``torch.compile(fullgraph=True)`` (no graph break), and
   the first break's reason where not.
 
-Counted with a ``TorchDispatchMode`` over every decoding step of the batch but the second (it runs
-the compile checks), per step. A method that truly cannot avoid a read says why in its
+Counted with a ``TorchDispatchMode`` over every decoding step of the batch but the first two (the
+first checks the draft's values once a batch, a read of its own; the second runs the compile
+checks), per step, on the device's code path (small trees are walked on host lists on the CPU only:
+``walk.LIST_WALK`` is off here). A method that truly cannot avoid a read says why in its
 ``audit_note`` (``Proposer.audit_note``), printed beside its row.
 
     python -m specbench.audit [--bs 1,8] [--tokens 24] [--methods pld eagle] [--no-compile] [--out results/audit.json]
@@ -72,7 +74,7 @@ class _Count(TorchDispatchMode):
         name = str(func.overloadpacket)
         inputs = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
         if name in DATA_DEPENDENT or (name in ("aten.index", "aten.index_put", "aten.index_put_") and any(
-                a.dtype == torch.bool for a in tree_leaves(args[1:]) if isinstance(a, torch.Tensor))) or (
+                a.dtype == torch.bool for a in tree_leaves(args[1]) if isinstance(a, torch.Tensor))) or (
                 name == "aten.repeat_interleave" and isinstance(args[1] if len(args) > 1 else args[0], torch.Tensor)
                 and (kwargs or {}).get("output_size") is None):  # repeats given as a tensor: its sum sizes the output
             self.reads[name.replace("aten._local_scalar_dense", "item/int/float/bool")] += 1
@@ -152,6 +154,7 @@ def audit_one(name: str, bs: int, tokens: int, folder: Path, model, tok, device,
     from omegaconf import OmegaConf
 
     from specbench import methods
+    from specbench.decode import walk
     from specbench.decode.engine import Engine
     from specbench.decode.timing import PhaseTimer
     from specbench.decode.verify import Sampling
@@ -177,12 +180,18 @@ def audit_one(name: str, bs: int, tokens: int, folder: Path, model, tok, device,
             steps.append(len(batch.res))
             if len(steps) == 2 and compile_check:  # the second step runs the compile checks, uncounted
                 return _checked(self, batch, tap, t0, row)
+            if len(steps) <= 2:  # the batch's first step: its draft's values checked once
+                return step(self, batch, tap, t0)
             with counter, _host_methods(counter):
                 return step(self, batch, tap, t0)
 
         eng._step = counted.__get__(eng)
-        eng.generate(prompts, tokens)
-    n = max(1, len(steps) - (compile_check and len(steps) >= 2))  # the engine steps counted
+        list_walk, walk.LIST_WALK = walk.LIST_WALK, 0  # the device's walk, as a GPU runs it
+        try:
+            eng.generate(prompts, tokens)
+        finally:
+            walk.LIST_WALK = list_walk
+    n = max(1, len(steps) - 2)  # the engine steps counted
     row.update(steps=n, host_reads_per_step=round(sum(counter.reads.values()) / n, 2),
                ops_per_step=round(counter.ops / n, 1), bytes_per_step=int(counter.bytes / n),
                reads={k: round(v / n, 2) for k, v in sorted(counter.reads.items())})

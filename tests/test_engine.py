@@ -311,3 +311,28 @@ def test_forward_nodes_are_the_verify_width_with_ragged_drafts(model):
         assert all(r.valid_nodes[s] <= width - 1 for r in live)
     assert any(v < n for r in res for v, n in zip(r.valid_nodes, r.nodes))  # the drafts were ragged
     assert any(v > 0 for r in res for v in r.valid_nodes)
+
+
+class BadParents(Proposer):
+    """Test-only: a two-node tree whose second node names itself as its parent, from step ``at`` on."""
+
+    name = "bad_parents"
+
+    def __init__(self, model, at: int):
+        super().__init__(cfg_for(), model, None, DEVICE, torch.float32)
+        self.at, self.steps = at, 0
+
+    def propose(self, state):
+        self.steps += 1
+        B = len(state.seqs)
+        par = [[0, 2 if self.steps >= self.at else 1]] * B
+        return Draft(tokens=torch.full((B, 2), 5, device=DEVICE), parents=torch.tensor(par, device=DEVICE))
+
+
+@pytest.mark.parametrize("at", [1, 3])
+def test_a_draft_whose_parent_is_not_earlier_is_refused(model, cases, at):
+    """On the batch's first step before the verify forward; later, with the step's one read (its
+    geometry is clamped meanwhile, so no index goes out of range first)."""
+    prompts, _ = cases[1]
+    with pytest.raises(ValueError, match="must point to an earlier node"):
+        run_engine(model, BadParents(model, at), prompts, 12)

@@ -22,7 +22,7 @@ import torch
 
 from specbench.methods.base import BatchState, Proposer
 from specbench.devices import to_device
-from specbench.decode.tree import Draft
+from specbench.decode.tree import Draft, check_parents
 from specbench.decode.hidden import Hidden, Tap
 from specbench.decode.kv import RaggedCache
 from specbench.decode.memory import held_bytes
@@ -79,6 +79,7 @@ class _Batch:
     state: BatchState | None = None
     cache: RaggedCache | None = None
     pending: torch.Tensor | None = None  # [B]
+    checked: bool = False  # a draft's values checked (one read, once a batch; then with each verdict)
 
 
 class Requests:
@@ -100,6 +101,13 @@ class Requests:
 
     def next_arrival(self) -> float | None:
         return self.q[0].arrival if self.q else None
+
+
+def _proposers(p: Proposer):
+    """``p`` and every proposer it wraps (``Proposer.inner``), depth first."""
+    yield p
+    for q in p.inner():
+        yield from _proposers(q)
 
 
 class Engine:
@@ -175,7 +183,7 @@ class Engine:
                 lens = torch.tensor([len(p) for p in prompts], device=self.device)
                 P = int(lens.max())
                 idx = (torch.arange(P, device=self.device)[None] + (P - lens)[:, None]).clamp(max=P - 1)
-                hidden = Hidden(tap.take(), torch.ones_like(lens)).gather(idx, lens)
+                hidden = Hidden(tap.take(), lens, [len(p) for p in prompts]).gather(idx, lens, [len(p) for p in prompts])
         firsts = first.tolist()  # waits for the prefill on the device: the first tokens exist from here
         now = self._clock(t0)
         for r, t in zip(res, firsts):
@@ -222,7 +230,7 @@ class Engine:
         for name in fills[0].hidden[0]:
             rows = [torch.cat([h[name] for h in f.hidden], dim=1) for f in fills]
             layers[name] = torch.cat([torch.nn.functional.pad(r, (0, 0, 0, P - r.shape[1])) for r in rows])
-        return Hidden(layers, torch.tensor(lens, device=self.device))
+        return Hidden(layers, torch.tensor(lens, device=self.device), lens)
 
     def _serve(self, requests, max_new_tokens, gen, concurrency, on_done, tap, together=False) -> dict:
         batch = _Batch(max_new_tokens, gen, concurrency, together)
@@ -329,7 +337,8 @@ class Engine:
         with self.timer.phase("draft"):
             draft = self.proposer.propose(state)
             if draft is not None:
-                draft.check(len(res))
+                draft.check(len(res), values=not batch.checked)
+                batch.checked = True
                 draft = self._trim(draft, [max_new_tokens - len(r.tokens) for r in res])
         with self.timer.phase("verify"):
             tokens, depth, anc = self._nodes(batch.pending, draft)
@@ -337,15 +346,30 @@ class Engine:
             out = cache.forward(tokens, depth, anc)
         with self.timer.phase("accept"):
             v = verify(out.logits, draft, self.sampling, batch.gen)
-            cache.commit(v.keep, v.counts)
-            done = self._emit(batch, v, draft, t0)
-            hidden = Hidden(tap.take(), v.counts).gather(v.keep, v.counts) if tap.names else None
         with self.timer.phase("draft"):  # the method's own work after a step (a drafter's cache) is drafting
             state.logits, state.nodes = out.logits, tokens
             state.node_valid = None if draft is None or draft.valid is None else \
                 torch.cat([torch.ones_like(draft.valid[:, :1]), draft.valid], dim=1)
+            asks = [(p, t) for p in _proposers(self.proposer) if (t := p.host(state)) is not None]
+        with self.timer.phase("accept"):
+            # the step's one wait for the device: the verdict, what the records say of the draft, and
+            # what the method asked for (``Proposer.host``)
+            own = () if draft is None else (draft.accept_mask().sum(1), self._valid(draft), draft.bad_parents())
+            widths = [t.reshape(len(res), -1).shape[1] for _, t in asks]
+            info = v.read(*own, *(t for _, t in asks))
+            if draft is not None:
+                check_parents(any(r[2] for r in info))
+            state.host, at = {}, len(own)
+            for (p, _), w in zip(asks, widths):
+                state.host[id(p)] = [r[at:at + w] for r in info]
+                at += w
+            cache.commit(v.keep_ids, v.count_ids)
+            done = self._emit(batch, v, info, draft, t0)
+            hidden = Hidden(tap.take(), v.counts, v.count_ids).gather(v.keep, v.counts, v.count_ids) \
+                if tap.names else None
+        with self.timer.phase("draft"):
             self.proposer.update(state, v.accepted, hidden)
-            state.logits = state.nodes = state.node_valid = None
+            state.logits = state.nodes = state.node_valid = state.host = None
         return v.extra, done
 
     def _nodes(self, pending: torch.Tensor, draft: Draft | None):
@@ -360,15 +384,22 @@ class Engine:
         depth, anc = draft.geometry()
         return tokens, depth, anc
 
-    def _emit(self, batch: "_Batch", v, draft: Draft | None, t0: float) -> list[bool]:
+    def _valid(self, draft: Draft) -> torch.Tensor:
+        """[B] each row's own draft nodes (the rest of the verify width is padding)."""
+        if draft.valid is None:
+            return torch.full((draft.tokens.shape[0],), draft.n, dtype=torch.long, device=draft.tokens.device)
+        return draft.valid.sum(1)
+
+    def _emit(self, batch: "_Batch", v, info: list, draft: Draft | None, t0: float) -> list[bool]:
         """Each row's accepted drafts and extra token into its result and sequence (cut at an EOS
-        and at the token budget), and the step's trace; returns which rows finished."""
+        and at the token budget), and the step's trace; returns which rows finished. ``v`` has been
+        read (the tokens exist from here); ``info``: per row its draft's candidates and own nodes."""
         res, max_new_tokens = batch.res, batch.max_new_tokens
-        extra = v.extra.tolist()  # waits for the step's work on the device: the tokens exist from here
+        extra = v.extra_ids
         now = self._clock(t0)
-        n_cand = draft.accept_mask().sum(1).tolist() if draft is not None else [0] * len(res)
         width = 0 if draft is None else draft.n  # every row runs it, whatever it drafted
-        n_valid = [width] * len(res) if draft is None or draft.valid is None else draft.valid.sum(1).tolist()
+        n_cand = [0] * len(res) if draft is None else [r[0] for r in info]
+        n_valid = [0] * len(res) if draft is None else [r[1] for r in info]
         done = []
         emitted = 0
         for i, r in enumerate(res):

@@ -6,7 +6,7 @@ the output of decoder layer ``i`` (negative counts from the end). ``Tap`` catche
 tensors with forward hooks during the target's forwards, so no forward returns every
 layer's states. ``Hidden`` is what the engine hands ``Proposer.start`` / ``update``: per
 layer a ``[B, m, d]`` tensor whose first ``counts[b]`` rows are row b's newly committed
-tokens, in order.
+tokens, in order; ``lens`` is ``counts`` on the host (no read: the engine knows them).
 """
 
 from __future__ import annotations
@@ -20,16 +20,23 @@ import torch
 class Hidden:
     layers: dict  # layer name -> [B, m, d] tensor
     counts: torch.Tensor  # [B] long
+    lens: list[int] | None = None  # counts as host ints
+
+    def __post_init__(self):
+        if self.lens is None:  # made outside the engine (which knows them): read once
+            self.lens = self.counts.tolist()
 
     def last(self, layer="final") -> torch.Tensor:
         """[B, d]: each row's hidden state at its last new token."""
         h = self.layers[layer]
         return h[torch.arange(h.shape[0], device=h.device), self.counts - 1]
 
-    def gather(self, index: torch.Tensor, counts: torch.Tensor) -> "Hidden":
-        """Rows of every layer at ``index`` [B, m] (node indices of the last forward)."""
+    def gather(self, index: torch.Tensor, counts: torch.Tensor, lens: list[int] | None = None) -> "Hidden":
+        """Rows of every layer at ``index`` [B, m] (node indices of the last forward); ``counts``
+        of them are row b's (``lens`` on the host)."""
         idx = index[..., None]
-        return Hidden({k: v.gather(1, idx.expand(-1, -1, v.shape[-1])) for k, v in self.layers.items()}, counts)
+        return Hidden({k: v.gather(1, idx.expand(-1, -1, v.shape[-1])) for k, v in self.layers.items()}, counts,
+                      lens)
 
 
 def decoder_layers(model):

@@ -34,6 +34,9 @@ class Draft:
     typical: tuple[float, float] | None = None  # (eps, delta): Medusa's lossy typical acceptance under sampling
     relaxed: tuple[int, float] | None = None  # (beta, tol): SpecDec's lossy top-beta acceptance when greedy
     _geometry: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    # (tokens, parents, valid) when the draft was made from host lists (``from_trees``,
+    # ``from_lists``): ``rows()`` then reads nothing back from the device while ``valid`` is that one
+    _lists: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def geometry(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``tree_geometry(self.parents)``, computed once per draft: the verify forward's mask
@@ -53,7 +56,9 @@ class Draft:
     @staticmethod
     def from_lists(rows: list[list[int]], device) -> "Draft":
         """A chain per row from plain token lists of different lengths."""
-        return Draft.chain(pad_rows(rows, device), pad_rows([[True] * len(r) for r in rows], device, False, torch.bool))
+        d = Draft.chain(pad_rows(rows, device), pad_rows([[True] * len(r) for r in rows], device, False, torch.bool))
+        d._lists = ([list(r) for r in rows], [list(range(len(r))) for r in rows], d.valid)
+        return d
 
     @staticmethod
     def from_rows(tokens: list[list[int]], parents: list[list[int]], device) -> "Draft | None":
@@ -73,9 +78,11 @@ class Draft:
         n = max((len(t) for t in tokens), default=0)
         if n == 0:
             return None
-        return Draft(tokens=pad_rows(tokens, device), parents=pad_rows(parents, device),
-                     valid=pad_rows([[True] * len(t) for t in tokens], device, False, torch.bool),
-                     candidate=None if candidate is None else pad_rows(candidate, device, False, torch.bool))
+        d = Draft(tokens=pad_rows(tokens, device), parents=pad_rows(parents, device),
+                  valid=pad_rows([[True] * len(t) for t in tokens], device, False, torch.bool),
+                  candidate=None if candidate is None else pad_rows(candidate, device, False, torch.bool))
+        d._lists = ([list(t) for t in tokens], [list(p) for p in parents], d.valid)
+        return d
 
     def rows(self) -> list[tuple[list[int], list[int]]]:
         """Each row's valid nodes as plain (tokens, parents) lists, renumbered 1.. in order (a
@@ -84,6 +91,8 @@ class Draft:
         (no ``q``, every node a candidate)."""
         if self.q is not None or self.candidate is not None:
             raise ValueError("Draft.rows() takes apart deterministic candidates only")
+        if self._lists is not None and self.valid is self._lists[2]:  # made from these lists (every node valid)
+            return [(list(t), list(p)) for t, p in zip(*self._lists[:2])]
         toks, pars = self.tokens.tolist(), self.parents.tolist()
         valid = [[True] * self.n] * len(toks) if self.valid is None else self.valid.tolist()
         out = []
@@ -108,15 +117,27 @@ class Draft:
             m = m & self.candidate
         return m
 
-    def check(self, batch_size: int) -> None:
+    def check(self, batch_size: int, values: bool = True) -> None:
+        """Refuse a draft of the wrong shape, and (``values``) one whose parents do not point to an
+        earlier node: that reads the device, so the engine checks the values once a batch and
+        then reads ``bad_parents()`` with the step's verdict (``check_parents``)."""
         B, n = self.tokens.shape
         if B != batch_size:
             raise ValueError(f"draft has {B} rows, batch has {batch_size}")
         if self.parents.shape != (B, n):
             raise ValueError("draft parents must have the shape of its tokens")
-        idx = torch.arange(1, n + 1, device=self.parents.device)
-        if bool(((self.parents >= idx[None]) | (self.parents < 0)).any()):  # one read a step
-            raise ValueError("draft parents must point to an earlier node (0 = root)")
+        if values:
+            check_parents(bool(self.bad_parents().any()))
+
+    def bad_parents(self) -> torch.Tensor:
+        """[B] bool: the rows with a parent that is not an earlier node (on the device, unread)."""
+        idx = torch.arange(1, self.n + 1, device=self.parents.device)
+        return ((self.parents >= idx[None]) | (self.parents < 0)).any(1)
+
+
+def check_parents(bad: bool) -> None:
+    if bad:
+        raise ValueError("draft parents must point to an earlier node (0 = root)")
 
 
 def pad_rows(rows, device, fill=0, dtype=torch.long, width: int | None = None) -> torch.Tensor:
@@ -154,7 +175,9 @@ def tree_geometry(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dev = parents.device
     N = n + 1
     par = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), parents], dim=1)
-    a = torch.eye(N, device=dev).expand(B, N, N).clone().scatter_(2, par[..., None], 1.0)
+    # clamped: a draft whose parents are out of range is refused after its step (Draft.check), not
+    # met first by an index out of range on the device
+    a = torch.eye(N, device=dev).expand(B, N, N).clone().scatter_(2, par.clamp(0, n)[..., None], 1.0)
     for _ in range(max(1, (N - 1).bit_length())):  # 0/1 entries, sums below N: exact in fp32
         a = (torch.bmm(a, a) > 0).float()
     anc = a > 0

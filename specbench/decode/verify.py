@@ -190,11 +190,8 @@ def verify(logits: torch.Tensor, draft: Draft | None, s: Sampling, gen: torch.Ge
     if draft is None or draft.n == 0:
         last = logits[:, 0]
         extra = greedy_pick(last) if s.greedy else sample(warp(last, s), gen)
-        return Verdict(
-            keep=torch.zeros(B, 1, dtype=torch.long, device=dev),
-            counts=torch.ones(B, dtype=torch.long, device=dev),
-            accepted=[[] for _ in range(B)], extra=extra,
-        )
+        return Verdict(torch.zeros(B, 1, dtype=torch.long, device=dev), torch.ones(B, dtype=torch.long, device=dev),
+                       extra, accepted=[[] for _ in range(B)])
     if s.synthetic is not None:  # it pays the real rule's work (warping, sorting, picking over every
         # node, its host reads) and overrides only the decision, so it costs what a real verify does
         _rule(logits, draft, s, gen)
@@ -220,14 +217,12 @@ def _greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
     rows = torch.arange(B, device=dev)
     if draft.is_chain:
         match = (draft.tokens == amax[:, :-1]) & draft.accept_mask()
-        n_acc = match.long().cumprod(dim=1).sum(dim=1)  # accepted drafts per row
-        best = n_acc
-        keep, counts = chain_keep(n_acc)
+        best = match.long().cumprod(dim=1).sum(dim=1)  # accepted drafts per row
+        keep, counts = chain_keep(best, draft.n)
     else:
         ok = (draft.tokens == amax.gather(1, draft.parents)) & draft.accept_mask()
         keep, counts, best = walk(ok, draft)
-        n_acc = counts - 1
-    return verdict(draft, keep, counts, n_acc, amax[rows, best])
+    return verdict(draft, keep, counts, amax[rows, best])
 
 
 def _relaxed(logits: torch.Tensor, draft: Draft, beta: int, tol: float) -> Verdict:
@@ -245,7 +240,7 @@ def _relaxed(logits: torch.Tensor, draft: Draft, beta: int, tol: float) -> Verdi
     lp = logp[rows[:, None], par, draft.tokens]
     close = lp >= top.values[..., 0].gather(1, par) - tol
     keep, counts, best = walk(in_top & close & draft.accept_mask(), draft)
-    return verdict(draft, keep, counts, counts - 1, top.indices[rows, best, 0])
+    return verdict(draft, keep, counts, top.indices[rows, best, 0])
 
 
 def _synthetic(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
@@ -262,7 +257,7 @@ def _synthetic(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Gener
     if draft.is_chain:
         u, rate = s.synthetic.draws(B, n, dev)
         n_acc = ((u < rate[None]) & ok).long().cumprod(1).sum(1)  # [B]
-        keep, counts = chain_keep(n_acc)
+        keep, counts = chain_keep(n_acc, n)
         best = n_acc
     else:
         depth, _ = draft.geometry()  # [B, N]
@@ -275,10 +270,9 @@ def _synthetic(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Gener
         passes = ok & (u < s.synthetic.node_rates(depth[:, 1:], rank))
         chosen = passes & ~(earlier & passes[:, None, :]).any(-1)  # the first sibling to pass
         keep, counts, best = walk(chosen, draft)  # at most one chosen child a node: the path
-        n_acc = counts - 1
     last = logits[rows, best]  # [B, V] the target at the last accepted node
     extra = greedy_pick(last) if s.greedy else sample(warp(last, s), gen)
-    return verdict(draft, keep, counts, n_acc, extra)
+    return verdict(draft, keep, counts, extra)
 
 
 def _typical(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
@@ -294,7 +288,7 @@ def _typical(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generat
     px = p[rows[:, None], par, draft.tokens]
     ok = (px > thr.gather(1, par)) & draft.accept_mask()
     keep, counts, best = walk(ok, draft)
-    return verdict(draft, keep, counts, counts - 1, sample(p[rows, best], gen))
+    return verdict(draft, keep, counts, sample(p[rows, best], gen))
 
 
 def _sampled_chain(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | None) -> Verdict:
@@ -323,8 +317,8 @@ def _sampled_chain(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | Non
         resid = (p_end - q[rows, at]).clamp(min=0.0)
     tot = resid.sum(1, keepdim=True)
     resid = torch.where(rejected[:, None] & (tot > 0), resid / tot.clamp(min=1e-30), p_end)
-    keep, counts = chain_keep(n_acc)
-    return verdict(draft, keep, counts, n_acc, sample(resid, gen))
+    keep, counts = chain_keep(n_acc, n)
+    return verdict(draft, keep, counts, sample(resid, gen))
 
 
 def _sampled_tree(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | None) -> Verdict:
@@ -381,7 +375,7 @@ def _sampled_tree(p_all: torch.Tensor, draft: Draft, gen: torch.Generator | None
         tot = resid.sum(1, keepdim=True)
         resid = torch.where(tot > 0, resid / tot.clamp(min=1e-30), p_end)  # p == rejected mass: cannot happen
     keep, counts = path_tensors(keeps, dev)
-    return Verdict(keep=keep, counts=counts, accepted=accepted, extra=sample(resid, gen))
+    return Verdict(keep, counts, sample(resid, gen), accepted=accepted)
 
 
 def _sampled(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generator | None) -> Verdict:
@@ -440,4 +434,4 @@ def _sampled(logits: torch.Tensor, draft: Draft, s: Sampling, gen: torch.Generat
         accepted.append(acc)
         extras.append(extra)
     keep, counts = path_tensors(keeps, dev)
-    return Verdict(keep=keep, counts=counts, accepted=accepted, extra=torch.stack(extras).to(dev))
+    return Verdict(keep, counts, torch.stack(extras).to(dev), accepted=accepted)

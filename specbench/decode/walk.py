@@ -3,26 +3,61 @@ tree (or chain) that passes, as the kept node indices the cache commits, and the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from specbench.decode.tree import Draft
 
 
-@dataclass
 class Verdict:
-    keep: torch.Tensor  # [B, m] forward node indices to keep (root first), padded
-    counts: torch.Tensor  # [B] number of kept nodes = accepted drafts + 1 (the root)
-    accepted: list[list[int]]  # per row, accepted draft tokens
-    extra: torch.Tensor  # [B] the correction / bonus token
-    depth_of_kept: list[list[int]] | None = None
+    """A verification's outcome. On the device: ``keep`` [B, m] (forward node indices to keep, root
+    first, padded past ``counts[b]``), ``counts`` [B] (kept nodes = accepted drafts + 1), ``extra``
+    [B] (the correction / bonus token) and ``path`` [B, m] (the token at each kept node). ``read``
+    brings them to the host in one transfer, the step's one wait for the device: ``accepted``
+    (per row, its accepted draft tokens), ``keep_ids`` and ``count_ids`` (what the cache commits),
+    ``extra_ids``. Reading ``accepted`` first reads them all."""
+
+    def __init__(self, keep: torch.Tensor, counts: torch.Tensor, extra: torch.Tensor,
+                 path: torch.Tensor | None = None, accepted: list[list[int]] | None = None):
+        self.keep, self.counts, self.extra, self.path = keep, counts, extra, path
+        self._accepted = accepted  # known on the host already where the rule walked there
+        self.keep_ids: list[list[int]] | None = None
+        self.count_ids: list[int] | None = None
+        self.extra_ids: list[int] | None = None
+
+    @property
+    def accepted(self) -> list[list[int]]:
+        if self.count_ids is None:
+            self.read()
+        return self._accepted
+
+    def read(self, *more: torch.Tensor) -> list[list[int]]:
+        """The one host read of a step: the verdict and ``more`` (tensors [B] or [B, k] of integers
+        or booleans the caller needs on the host too) in one transfer. Returns ``more`` as one list
+        a row (its columns side by side). ``keep`` is then narrowed (a view) to the longest kept
+        path, as a walk that read the counts first would have made it."""
+        B, m = self.keep.shape
+        cols = [self.counts[:, None], self.extra[:, None], self.keep]
+        if self._accepted is None:
+            cols.append(self.path)
+        cols += [t.reshape(B, -1) for t in more]
+        rows = torch.cat([c.to(torch.long) for c in cols], dim=1).tolist()
+        self.count_ids = [r[0] for r in rows]
+        self.extra_ids = [r[1] for r in rows]
+        self.keep_ids = [r[2:2 + c] for r, c in zip(rows, self.count_ids)]
+        off = 2 + m
+        if self._accepted is None:
+            self._accepted = [r[off + 1:off + c] for r, c in zip(rows, self.count_ids)]
+            off += m
+        w = max(self.count_ids, default=1)
+        if w < m:
+            self.keep = self.keep[:, :w]
+        return [r[off:] for r in rows]
 
 
-def chain_keep(n_acc: torch.Tensor):
-    """A chain keeps its root and the first n_acc[b] drafts: keep [B, m] (padded), counts [B]."""
-    m = int(n_acc.max()) + 1
-    keep = torch.arange(m, device=n_acc.device)[None].expand(n_acc.shape[0], m).clone()
+def chain_keep(n_acc: torch.Tensor, n: int):
+    """A chain of ``n`` drafts keeps its root and the first n_acc[b]: keep [B, n + 1] (entries past
+    counts[b] are padding: no read of the longest), counts [B]."""
+    keep = torch.arange(n + 1, device=n_acc.device)[None].expand(n_acc.shape[0], n + 1)
     return keep, n_acc + 1
 
 
@@ -34,7 +69,8 @@ LIST_WALK = 256
 
 def walk(ok: torch.Tensor, draft: Draft):
     """The deepest node (lowest index on ties) of ``draft``'s tree whose whole path passes ``ok``
-    [B, n]. Returns keep [B, m] (the path, root first, padded), counts [B], best node [B]."""
+    [B, n]. Returns keep [B, m] (the path, root first, padded), counts [B], best node [B]. On the
+    device nothing is read (m = n + 1); small trees on the CPU are walked on host lists."""
     B, n = ok.shape
     if ok.device.type == "cpu" and B * (n + 1) <= LIST_WALK:
         return walk_lists(ok, draft)
@@ -50,14 +86,15 @@ def walk(ok: torch.Tensor, draft: Draft):
     on_path = anc[rows, best]  # [B, N]
     counts = on_path.sum(1)
     order = torch.where(on_path, idx[None], idx[None] + N).sort(dim=1).values
-    keep = order[:, :int(counts.max())] % N  # entries past counts[b] are padding
+    keep = order % N  # entries past counts[b] are padding (every node's width: no read of the longest)
     return keep, counts, best
 
 
 def walk_lists(ok: torch.Tensor, draft: Draft):
     """``walk`` on Python lists (a parent comes before its children: Draft.check)."""
     B, n = ok.shape
-    passes, par = ok.tolist(), draft.parents.tolist()
+    host = torch.cat([ok.long(), draft.parents], dim=1).tolist()  # one read
+    passes, par = [r[:n] for r in host], [r[n:] for r in host]
     paths = []
     for b in range(B):
         good, depth, best = [True] + [False] * n, [0] * (n + 1), 0
@@ -82,10 +119,9 @@ def path_tensors(paths: list[list[int]], dev) -> tuple[torch.Tensor, torch.Tenso
     return keep, torch.tensor([len(x) for x in paths], dtype=torch.long, device=dev)
 
 
-def verdict(draft: Draft, keep, counts, n_acc, extra) -> Verdict:
+def verdict(draft: Draft, keep, counts, extra) -> Verdict:
+    """The verdict of a walk on the device: the tokens along each kept path stay there until
+    ``Verdict.read``."""
     B = keep.shape[0]
     tok_all = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=keep.device), draft.tokens], dim=1)
-    acc_lists = tok_all.gather(1, keep).tolist()
-    n_list = n_acc.tolist()
-    accepted = [acc_lists[b][1 : 1 + n_list[b]] for b in range(B)]
-    return Verdict(keep=keep, counts=counts, accepted=accepted, extra=extra)
+    return Verdict(keep, counts, extra, path=tok_all.gather(1, keep))

@@ -192,13 +192,16 @@ class DFlashDrafter(Drafter):
 
 class ContextCache:
     """The drafter's keys and values of every verified token, per layer [B, Hk, width, Dh],
-    right-padded: row b's first ``length[b]`` slots are its tokens at positions 0..length-1."""
+    right-padded: row b's first ``length[b]`` slots are its tokens at positions 0..length-1.
+    ``lens`` holds the lengths on the host too, so nothing is read back from the device to append
+    or to size what a block attends over (``keys_upto``)."""
 
     def __init__(self, drafter: DFlashDrafter, rows: int, device, dtype, width: int = 0):
         lay = drafter.layers[0]
         self.keys = [torch.zeros(rows, lay.Hk, width, lay.Dh, device=device, dtype=dtype) for _ in drafter.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.length = torch.zeros(rows, dtype=torch.long, device=device)
+        self.lens = [0] * rows
 
     @property
     def width(self) -> int:
@@ -213,25 +216,33 @@ class ContextCache:
         self.keys = [F.pad(k, pad) for k in self.keys]
         self.values = [F.pad(v, pad) for v in self.values]
 
-    def append(self, kv, counts) -> None:
-        """Per layer (k, v) [B, Hk, m, Dh] of new tokens, row b's first ``counts[b]`` real."""
+    def append(self, kv, counts: torch.Tensor, lens: list[int]) -> None:
+        """Per layer (k, v) [B, Hk, m, Dh] of new tokens, row b's first ``counts[b]`` real (``lens``:
+        the same on the host). Every row's m slots are written in place after its own (the padded
+        ones past its new length are unseen, and the next append writes over them)."""
         m = kv[0][0].shape[2]
-        B = counts.shape[0]
-        dev = counts.device
-        j = torch.arange(m, device=dev)
-        sel = j[None] < counts[:, None]
-        rows = torch.arange(B, device=dev)[:, None].expand(B, m)[sel]
-        src = j[None].expand(B, m)[sel]
-        dst = (self.length[:, None] + j[None])[sel]
-        self.grow(int((self.length + counts).max()) if B else 0)
+        B = len(lens)
+        self.grow(max((n + m for n in self.lens), default=0))
+        idx = self.length[:, None] + torch.arange(m, device=self.length.device)[None]  # [B, m]
         for (k, v), K, V in zip(kv, self.keys, self.values):
-            K[rows, :, dst] = k[rows, :, src]
-            V[rows, :, dst] = v[rows, :, src]
+            at = idx[:, None, :, None].expand(B, K.shape[1], m, K.shape[3])
+            K.scatter_(2, at, k.to(K.dtype))
+            V.scatter_(2, at, v.to(V.dtype))
         self.length = self.length + counts
+        self.lens = [n + c for n, c in zip(self.lens, lens)]
+
+    def upto(self) -> int:
+        """The slots some row holds: what a block need attend over (its keys narrowed to them)."""
+        return max(self.lens, default=0)
+
+    def context(self) -> list:
+        """Per layer (keys, values) [B, Hk, upto, Dh]: views of the slots rows hold, no copy."""
+        w = self.upto()
+        return [(k[:, :, :w], v[:, :, :w]) for k, v in zip(self.keys, self.values)]
 
     def visible(self, n: int) -> torch.Tensor:
-        """[B, n, width]: which cached slots a block of ``n`` slots sees (each row's own)."""
-        ok = torch.arange(self.width, device=self.length.device)[None] < self.length[:, None]
+        """[B, n, upto]: which of those slots a block of ``n`` slots sees (each row's own)."""
+        ok = torch.arange(self.upto(), device=self.length.device)[None] < self.length[:, None]
         return ok[:, None].expand(-1, n, -1)
 
     def select(self, keep) -> None:
@@ -239,6 +250,7 @@ class ContextCache:
         self.keys = [k[idx] for k in self.keys]
         self.values = [v[idx] for v in self.values]
         self.length = self.length[idx]
+        self.lens = [self.lens[i] for i in keep]
 
     def extend(self, other: "ContextCache") -> None:
         """Append ``other``'s rows after these (rows joining a running batch)."""
@@ -248,6 +260,7 @@ class ContextCache:
         self.keys = [torch.cat([a[:, :, :width], b[:, :, :width]]) for a, b in zip(self.keys, other.keys)]
         self.values = [torch.cat([a[:, :, :width], b[:, :, :width]]) for a, b in zip(self.values, other.values)]
         self.length = torch.cat([self.length, other.length])
+        self.lens = self.lens + other.lens
 
 
 def layer_config(target_config, layers: int, mask_token_id: int, block_size: int, layer_ids):
