@@ -23,7 +23,8 @@ import torch
 
 from specbench.decode.tree import Draft, pad_rows
 from specbench.drafters import formats, randomize
-from specbench.drafters.dflash import ContextCache
+from specbench.drafters.cache import DrafterCache
+from specbench.drafters.dflash import context_cache
 from specbench.errors import ConfigError
 from specbench.methods.base import BatchState, Proposer
 from specbench.paths import resolve_path
@@ -117,21 +118,22 @@ class DFlash(Proposer):
         self.hidden_layers = tuple(self.drafter.taps)
         # target ids of its own head's outputs (speculators' draft vocabulary); the target's head needs none
         self.vocab_ids = self.drafter.vocab_ids.to(device) if self.drafter.lm_head is not None else None
-        self.cache: ContextCache | None = None
+        self.cache: DrafterCache | None = None
 
     def modules(self):
         return [self.drafter]
 
-    def _cache(self, state: BatchState, hidden) -> ContextCache:
+    def _cache(self, state: BatchState, hidden) -> DrafterCache:
         """A cache for the rows of ``state`` holding their prompts' context (room for the answers)."""
         dt = next(self.drafter.parameters()).dtype
         longest = max(len(s) for s in state.seqs)
-        cache = ContextCache(self.drafter, len(state.seqs), self.device, dt,
-                             longest + state.max_new_tokens + self.block_size + 1)  # a step's widest append too
+        # room for every token the batch may add, and a step's widest append or block after them
+        cache = context_cache(self.drafter, len(state.seqs), self.device, dt,
+                              longest + state.max_new_tokens + 2 * self.block_size + 2)
         self._append(cache, hidden)
         return cache
 
-    def _append(self, cache: ContextCache, hidden) -> None:
+    def _append(self, cache: DrafterCache, hidden) -> None:
         feats = self.drafter.features(hidden)
         pos = cache.length[:, None] + torch.arange(feats.shape[1], device=self.device)[None]
         cache.append(self.drafter.context(feats, pos), hidden.counts, hidden.lens)
@@ -143,10 +145,10 @@ class DFlash(Proposer):
         self._append(self.cache, hidden)
 
     def add_rows(self, state: BatchState, hidden=None) -> None:
-        self.cache.extend(self._cache(state, hidden))
+        self.cache.add_rows(self._cache(state, hidden))
 
     def select_rows(self, keep: list[int]) -> None:
-        self.cache.select(keep)
+        self.cache.select_rows(keep)
 
     def propose(self, state: BatchState) -> Draft:
         cache, n, dev = self.cache, self.block_size, self.device
@@ -155,7 +157,7 @@ class DFlash(Proposer):
         tokens[:, :1] = pad_rows([s[-1:] for s in state.seqs], dev)
         pos = cache.length[:, None] + torch.arange(n, device=dev)[None]  # x_p sits at p = the cached length
         visible = torch.cat([cache.visible(n), torch.ones(B, n, n, dtype=torch.bool, device=dev)], dim=2)
-        h = self.drafter.block(tokens, pos, cache.context(), visible)
+        h = self.drafter.block(tokens, pos, cache.scratch(n), visible)
         return self.drafts(h, tokens[:, 0], state)
 
     def drafts(self, h, first, state: BatchState | None = None) -> Draft:

@@ -24,6 +24,7 @@ import torch
 from specbench.methods.base import BatchState, Proposer
 from specbench import drafters
 from specbench.drafters import formats
+from specbench.drafters.cache import DrafterCache
 from specbench.decode.tree import Draft, pad_rows
 from specbench.errors import ConfigError
 from specbench.paths import resolve_path
@@ -149,6 +150,10 @@ class Eagle(Proposer):
                             torch.tensor([index[p[:-1]] for p in paths if len(p) == dd], device=device),
                             torch.tensor([p[-1] for p in paths if len(p) == dd], device=device))
                            for dd in range(1, self.depth + 1)]  # per depth: nodes, parents, ranks
+            # per depth but the last, its nodes that have children (each runs a drafter step), known here
+            # so the tree needs no data-dependent op (``unique``) a step
+            self.expand = [torch.tensor(sorted({index[p[:-1]] for p in paths if len(p) == dd + 1}), device=device)
+                           for dd in range(1, self.depth)]
             self.parents = torch.tensor([index[p[:-1]] for p in paths], device=device)
             anc = torch.eye(len(paths) + 1, dtype=torch.bool)
             for p in paths:
@@ -162,16 +167,20 @@ class Eagle(Proposer):
         return [self.drafter]
 
     # ------------------------------------------------------------------ drafter cache
+    def _tree_room(self) -> int:
+        """Drafter slots a propose's tree steps write after the context (``DrafterCache.scratch``)."""
+        if self.tree is not None:
+            return sum(int(x.numel()) for x in self.expand)
+        return (self.depth - 1) * self.top_k
+
     def start(self, state: BatchState, hidden=None) -> None:
-        B = len(state.seqs)
         blk = self.drafter.block
         dt = next(self.drafter.parameters()).dtype
-        # the drafter's own cache: keys and values [B, Hk, width, Dh], right-padded; a row's first
-        # `cached` [B] slots are its own
-        self.keys = torch.zeros(B, blk.Hk, 0, blk.Dh, device=self.device, dtype=dt)
-        self.values = torch.zeros_like(self.keys)
-        self.cached = torch.zeros(B, dtype=torch.long, device=self.device)
-        self.cached_ids = [0] * B  # the same on the host
+        longest = max(len(s) for s in state.seqs)
+        # the drafter's own cache, a pair (f_i, x_{i+1}) a verified token: room for every token the
+        # batch may add, a step's widest append and a propose's tree after them
+        self.cache = DrafterCache(1, blk.Hk, blk.Dh, len(state.seqs), self.device, dt,
+                                  longest + state.max_new_tokens + self.depth + 2 + self._tree_room())
         self._append(state, hidden)
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
@@ -180,60 +189,32 @@ class Eagle(Proposer):
     def _append(self, state: BatchState, hidden) -> None:
         """Append pairs (f_i, x_{i+1}) for the newly committed tokens: their features and
         the tokens that followed them (the last ``counts[b]`` tokens of each sequence)."""
+        cache = self.cache
         feats = self.drafter.features(hidden)
         counts = hidden.counts
         B, new = feats.shape[:2]
         dev = self.device
         toks = pad_rows([seq[len(seq) - c:] for seq, c in zip(state.seqs, hidden.lens)], dev, width=new)
-        feats = feats.to(self.keys.dtype)
-        width = self.keys.shape[2]
+        feats = feats.to(cache.keys[0].dtype)
         j = torch.arange(new, device=dev)
-        pos = self.cached[:, None] + j[None]
-        ctx = (torch.arange(width, device=dev)[None] < self.cached[:, None])[:, None].expand(B, new, width)
+        pos = cache.length[:, None] + j[None]
         own = (j[None, :] <= j[:, None])[None] & (j[None, None, :] < counts[:, None, None])
         own = own | torch.eye(new, dtype=torch.bool, device=dev)[None]  # padded pairs see themselves
-        mask = torch.cat([ctx, own], dim=2)
-        h, new_keys, new_values = self.drafter.step(feats, toks, pos, self.keys, self.values, mask)
-        # every row's `new` pairs are written after its own slots (those past its count are unseen,
-        # and the next append writes over them): sized on the host, written in place, nothing read
-        ends = [c + new for c in self.cached_ids]
-        new_width = max(max(ends, default=0), max((c + n for c, n in zip(self.cached_ids, hidden.lens)), default=0))
-        if new_width > width:
-            pad = self.keys.new_zeros(B, self.keys.shape[1], new_width - width, self.keys.shape[3])
-            self.keys = torch.cat([self.keys, pad], dim=2)
-            self.values = torch.cat([self.values, pad], dim=2)
-        at = (self.cached[:, None] + j[None])[:, None, :, None].expand(B, self.keys.shape[1], new, self.keys.shape[3])
-        self.keys.scatter_(2, at, new_keys.to(self.keys.dtype))
-        self.values.scatter_(2, at, new_values.to(self.values.dtype))
-        self.cached = self.cached + counts
-        self.cached_ids = [c + n for c, n in zip(self.cached_ids, hidden.lens)]
+        mask = torch.cat([cache.visible(new), own], dim=2)
+        h, new_keys, new_values = self.drafter.step(feats, toks, pos, cache.scratch(new)[0], mask)
+        cache.append([(new_keys, new_values)], counts, hidden.lens)
         self.h_last = h[torch.arange(B, device=dev), counts - 1]
 
     def add_rows(self, state: BatchState, hidden=None) -> None:
-        """The new rows' drafter caches are built from their prompts alone, then appended (the
-        caches are right-padded to the wider one: a row sees only its first ``len`` slots)."""
-        old = (self.keys, self.values, self.cached, self.h_last)
-        old_ids = self.cached_ids
+        """The new rows' drafter caches are built from their prompts alone, then appended."""
+        old, old_h = self.cache, self.h_last
         self.start(state, hidden)
-        old_keys, old_values, old_cached, old_h = old
-        width = max(old_keys.shape[2], self.keys.shape[2])
-
-        def pad(t):
-            return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]))
-
-        self.keys = torch.cat([pad(old_keys), pad(self.keys)])
-        self.values = torch.cat([pad(old_values), pad(self.values)])
-        self.cached, self.h_last = torch.cat([old_cached, self.cached]), torch.cat([old_h, self.h_last])
-        self.cached_ids = old_ids + self.cached_ids
+        old.add_rows(self.cache)
+        self.cache, self.h_last = old, torch.cat([old_h, self.h_last])
 
     def select_rows(self, keep: list[int]) -> None:
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.cached = self.cached[idx]
-        self.cached_ids = [self.cached_ids[i] for i in keep]
-        width = max(self.cached_ids, default=0)
-        self.keys = self.keys[idx, :, :width]
-        self.values = self.values[idx, :, :width]
-        self.h_last = self.h_last[idx]
+        self.cache.select_rows(keep)
+        self.h_last = self.h_last[torch.tensor(keep, dtype=torch.long, device=self.device)]
 
     # ------------------------------------------------------------------ the static tree
     def _propose_static(self) -> Draft:
@@ -249,25 +230,20 @@ class Eagle(Proposer):
         out[:, 0] = h0
         top = drafter.logits(h0).topk(top_k, dim=-1).indices[:, None]  # [B, 1, top_k] ranked candidates of the root
         ran = torch.zeros(1, dtype=torch.long, device=dev)  # the nodes whose step produced `top`
-        tree_keys = self.keys.new_zeros(B, self.keys.shape[1], 0, self.keys.shape[3])
-        tree_values = tree_keys
+        scratch = self.cache.scratch(self._tree_room())[0]  # the tree's pairs go after the context
         pending = torch.zeros(0, dtype=torch.long, device=dev)
-        width = self.keys.shape[2]
         for depth, (nodes, parents, ranks) in enumerate(self.static, start=1):
             slot = (ran[:, None] == parents[None]).float().argmax(0)  # each node's parent among `ran`
             tok[:, nodes] = vocab_ids[top[:, slot, ranks]]
             if depth == self.depth:
                 break
-            nxt = self.static[depth][1].unique()  # this depth's nodes that have children
+            nxt = self.expand[depth - 1]  # this depth's nodes that have children
             F = nxt.numel()
-            ctx = (torch.arange(width, device=dev)[None] < self.cached[:, None])[:, None].expand(B, F, width)
             seen = self.anc[nxt][:, pending][None].expand(B, F, pending.numel())
-            mask = torch.cat([ctx, seen, torch.eye(F, dtype=torch.bool, device=dev)[None].expand(B, F, F)], dim=2)
-            pos = (self.cached + depth - 1)[:, None].expand(B, F)
-            h, step_keys, step_values = drafter.step(out[:, self.parents[nxt - 1]], tok[:, nxt], pos,
-                                                     torch.cat([self.keys, tree_keys], 2),
-                                                     torch.cat([self.values, tree_values], 2), mask)
-            tree_keys, tree_values = torch.cat([tree_keys, step_keys], 2), torch.cat([tree_values, step_values], 2)
+            mask = torch.cat([self.cache.visible(F), seen, torch.eye(F, dtype=torch.bool, device=dev)[None].expand(B, F, F)],
+                             dim=2)
+            pos = (self.cache.length + depth - 1)[:, None].expand(B, F)
+            h, _, _ = drafter.step(out[:, self.parents[nxt - 1]], tok[:, nxt], pos, scratch, mask)
             pending = torch.cat([pending, nxt])
             out[:, nxt] = h
             top, ran = drafter.logits(h).topk(top_k, dim=-1).indices, nxt
@@ -297,23 +273,18 @@ class Eagle(Proposer):
         n = top_k + 1
         frontier = first[None].expand(B, top_k)
         feat = h0[:, None].expand(B, top_k, D)
-        # the tree's own drafter keys and values [B, Hk, pairs so far, Dh], beside the cache
-        tree_keys = self.keys.new_zeros(B, self.keys.shape[1], 0, self.keys.shape[3])
-        tree_values = tree_keys
+        # the tree's own drafter keys and values go after the context (its pairs so far)
+        scratch = self.cache.scratch(self._tree_room())[0]
         pending = torch.zeros(B, 0, dtype=torch.long, device=dev)  # tree node of each pending pair
-        width = self.keys.shape[2]
-        ctx = (torch.arange(width, device=dev)[None] < self.cached[:, None])[:, None].expand(B, top_k, width)
+        ctx = self.cache.visible(top_k)
         eye = torch.eye(top_k, dtype=torch.bool, device=dev)[None].expand(B, top_k, top_k)
         rows = torch.arange(B, device=dev)[:, None]
         for depth in range(2, self.depth + 1):
             a = anc.gather(1, frontier[..., None].expand(B, top_k, N))  # ancestors of each frontier node
             seen = a.gather(2, pending[:, None, :].expand(B, top_k, pending.shape[1]))
             mask = torch.cat([ctx, seen, eye], dim=2)
-            pos = (self.cached + depth - 2)[:, None].expand(B, top_k)
-            h, step_keys, step_values = drafter.step(feat, tok.gather(1, frontier), pos,
-                                                     torch.cat([self.keys, tree_keys], 2),
-                                                     torch.cat([self.values, tree_values], 2), mask)
-            tree_keys, tree_values = torch.cat([tree_keys, step_keys], 2), torch.cat([tree_values, step_values], 2)
+            pos = (self.cache.length + depth - 2)[:, None].expand(B, top_k)
+            h, _, _ = drafter.step(feat, tok.gather(1, frontier), pos, scratch, mask)
             pending = torch.cat([pending, frontier], 1)
             logp = torch.log_softmax(drafter.logits(h).float(), dim=-1)
             child_logp, child_ids = logp.topk(top_k, dim=-1)  # [B, top_k, top_k]

@@ -21,7 +21,7 @@ import torch
 
 from specbench.decode.tree import Draft, pad_rows
 from specbench.drafters import formats, randomize
-from specbench.drafters.dflash import ContextCache
+from specbench.drafters.cache import DrafterCache
 from specbench.errors import ConfigError
 from specbench.methods.base import BatchState, Proposer
 from specbench.paths import resolve_path
@@ -83,13 +83,13 @@ class PEagle(Proposer):
         self.K = int(cfg.method.get("K") or self.drafter.depths)
         self.hidden_layers = tuple(self.drafter.taps)
         self.vocab_ids = self.drafter.vocab_ids.to(device)
-        self.cache: ContextCache | None = None
+        self.cache: DrafterCache | None = None
         self.drafts: torch.Tensor | None = None  # [B, K] the step's drafts, from its one forward
 
     def modules(self):
         return [self.drafter]
 
-    def _step(self, cache: ContextCache, state: BatchState, hidden) -> torch.Tensor:
+    def _step(self, cache: DrafterCache, state: BatchState, hidden) -> torch.Tensor:
         """One drafter forward a step (vLLM's parallel drafting): every row's newly verified entries
         (h_i, x_{i+1}), causal over its kept ones, then K-1 mask slots after the last of them. The
         entries' keys and values are kept; the last entry's argmax is the first draft and slot d's
@@ -114,7 +114,7 @@ class PEagle(Proposer):
             g, e = torch.cat([g, gm.to(dt)], 1), torch.cat([e, em.to(dt)], 1)
             pos = torch.cat([pos, (cache.length + counts)[:, None] - 1 + slots[None]], 1)
             visible = torch.cat([visible, torch.cat([cache.visible(n), entries, causal], dim=2)], dim=1)
-        out, kv = d.run(g, e, pos, cache.context(), visible)
+        out, kv = d.run(g, e, pos, cache.scratch(m + n), visible)
         cache.append([(k[:, :, :m], v[:, :, :m]) for k, v in kv], counts, hidden.lens)  # the entries' only, not the slots'
         last = out[torch.arange(B, device=dev), (counts - 1).clamp(min=0)][:, None]
         return self.vocab_ids[d.logits(torch.cat([last, out[:, m:]], 1)).argmax(-1)]  # [B, K]
@@ -122,8 +122,9 @@ class PEagle(Proposer):
     def _start(self, state: BatchState, hidden):
         dt = next(self.drafter.parameters()).dtype
         longest = max(len(s) for s in state.seqs)
-        cache = ContextCache(self.drafter, len(state.seqs), self.device, dt,
-                             longest + state.max_new_tokens + self.K + 1)  # a step's widest append too
+        lay = self.drafter.layers[0]  # room for every token the batch may add, and a step's entries and slots after them
+        cache = DrafterCache(len(self.drafter.layers), lay.Hk, lay.Dh, len(state.seqs), self.device, dt,
+                             longest + state.max_new_tokens + 2 * self.K + 2)
         return cache, self._step(cache, state, hidden)
 
     def start(self, state: BatchState, hidden=None) -> None:
@@ -134,11 +135,11 @@ class PEagle(Proposer):
 
     def add_rows(self, state: BatchState, hidden=None) -> None:
         cache, drafts = self._start(state, hidden)
-        self.cache.extend(cache)
+        self.cache.add_rows(cache)
         self.drafts = torch.cat([self.drafts, drafts])
 
     def select_rows(self, keep: list[int]) -> None:
-        self.cache.select(keep)
+        self.cache.select_rows(keep)
         self.drafts = self.drafts[torch.tensor(keep, dtype=torch.long, device=self.device)]
 
     def propose(self, state: BatchState) -> Draft:

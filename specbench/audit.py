@@ -64,7 +64,7 @@ class _Count(TorchDispatchMode):
     def __init__(self, depth: dict):
         super().__init__()
         self.depth = depth  # {"target": calls open, "method": calls open}
-        self.reads, self.ops, self.bytes = Counter(), 0, 0
+        self.reads, self.ops, self.bytes, self.bytes_by = Counter(), 0, 0, Counter()
         self.quiet = 0  # inside a counted host method (.tolist() on a device tensor copies first)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -88,6 +88,7 @@ class _Count(TorchDispatchMode):
             for o in tree_leaves(out):
                 if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in seen:
                     self.bytes += o.untyped_storage().nbytes()
+                    self.bytes_by[name] += o.untyped_storage().nbytes()
                     seen.add(o.untyped_storage().data_ptr())
         return out
 
@@ -149,7 +150,8 @@ def _fullgraph(fn, *args) -> tuple[bool, str | None, object]:
         dynamo.reset()
 
 
-def audit_one(name: str, bs: int, tokens: int, folder: Path, model, tok, device, compile_check: bool = True) -> dict:
+def audit_one(name: str, bs: int, tokens: int, folder: Path, model, tok, device, compile_check: bool = True,
+              ctx: int | None = None) -> dict:
     """One method at one batch size: its per-step counts (see the module's docstring)."""
     from omegaconf import OmegaConf
 
@@ -169,8 +171,9 @@ def audit_one(name: str, bs: int, tokens: int, folder: Path, model, tok, device,
     prop = cls(cfg, model, tok, device, torch.float32)
     eng = Engine(model, prop, Sampling(), device, torch.float32, set(), PhaseTimer(device))
     g = torch.Generator().manual_seed(bs)
-    prompts = [torch.randint(3, 96, (int(n),), generator=g).tolist() for n in torch.randint(4, 24, (bs,), generator=g)]
-    row = {"method": name, "bs": bs, "host_reads_per_step": None, "ops_per_step": None, "bytes_per_step": None,
+    lo, hi = (4, 24) if ctx is None else (max(1, ctx - 8), ctx + 1)  # ragged prompts (``ctx``: up to that long)
+    prompts = [torch.randint(3, 96, (int(n),), generator=g).tolist() for n in torch.randint(lo, hi, (bs,), generator=g)]
+    row = {"method": name, "bs": bs, "ctx": ctx, "host_reads_per_step": None, "ops_per_step": None, "bytes_per_step": None,
            "fullgraph": None, "reads": {}, "steps": 0, "note": getattr(prop, "audit_note", None)}
     step, steps = Engine._step, []
     with _depths(model, prop.modules()) as depth:
@@ -194,7 +197,8 @@ def audit_one(name: str, bs: int, tokens: int, folder: Path, model, tok, device,
     n = max(1, len(steps) - 2)  # the engine steps counted
     row.update(steps=n, host_reads_per_step=round(sum(counter.reads.values()) / n, 2),
                ops_per_step=round(counter.ops / n, 1), bytes_per_step=int(counter.bytes / n),
-               reads={k: round(v / n, 2) for k, v in sorted(counter.reads.items())})
+               reads={k: round(v / n, 2) for k, v in sorted(counter.reads.items())},
+               bytes_by_op={k: int(v / n) for k, v in counter.bytes_by.most_common(6)})
     return row
 
 
@@ -224,7 +228,10 @@ def _checked(eng, batch, tap, t0, row) -> tuple:
         row["fullgraph"] = result
 
 
-def audit(names=None, bss=(1, 8), tokens: int = 24, device="cpu", compile_check: bool = True, progress=True) -> list:
+def audit(names=None, bss=(1, 8), tokens: int = 24, device="cpu", compile_check: bool = True, progress=True,
+          ctxs=(None,)) -> list:
+    """Every method (``names``: default every built-in one) at every batch size and context length
+    (``ctxs``: prompts up to that many tokens; None: 4-23)."""
     from specbench import methods
 
     names = names or methods.builtin()
@@ -236,20 +243,22 @@ def audit(names=None, bss=(1, 8), tokens: int = 24, device="cpu", compile_check:
         model.to(device)
         for name in names:
             for bs in bss:
-                try:
-                    rows.append(audit_one(name, bs, tokens, folder, model, tok, device, compile_check))
-                except Exception as e:  # noqa: BLE001 - one method's failure is its row, not the audit's end
-                    rows.append({"method": name, "bs": bs, "error": f"{type(e).__name__}: {e}"[:200]})
-                if progress:
-                    r = rows[-1]
-                    print(f"audit {name} bs={bs}: " + (r.get("error") or f"{r['host_reads_per_step']} reads/step"),
-                          file=sys.stderr)
+                for ctx in ctxs:
+                    try:
+                        rows.append(audit_one(name, bs, tokens, folder, model, tok, device, compile_check, ctx))
+                    except Exception as e:  # noqa: BLE001 - one method's failure is its row, not the audit's end
+                        rows.append({"method": name, "bs": bs, "ctx": ctx, "error": f"{type(e).__name__}: {e}"[:200]})
+                    if progress:
+                        r = rows[-1]
+                        print(f"audit {name} bs={bs} ctx={ctx or '4-23'}: "
+                              + (r.get("error") or f"{r['host_reads_per_step']} reads/step"), file=sys.stderr)
     return rows
 
 
 def table(rows: list) -> str:
     """The rows as a Markdown table."""
-    head = "| method | bs | host reads/step | ops/step | bytes/step | fullgraph (verify, draft) | reads |\n|---|---|---|---|---|---|---|\n"
+    head = "| method | bs | ctx | host reads/step | ops/step | bytes/step | fullgraph (verify, draft) | reads |\n" \
+        "|---|---|---|---|---|---|---|---|\n"
 
     def fg(v):
         if v is None:
@@ -259,10 +268,10 @@ def table(rows: list) -> str:
     out = []
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['method']} | {r['bs']} | error: {r['error']} | | | | |")
+            out.append(f"| {r['method']} | {r['bs']} | {r.get('ctx') or '4-23'} | error: {r['error']} | | | | |")
             continue
         reads = ", ".join(f"{k} {v}" for k, v in sorted(r["reads"].items()))
-        out.append(f"| {r['method']} | {r['bs']} | {r['host_reads_per_step']} | {r['ops_per_step']} | "
+        out.append(f"| {r['method']} | {r['bs']} | {r.get('ctx') or '4-23'} | {r['host_reads_per_step']} | {r['ops_per_step']} | "
                    f"{r['bytes_per_step']} | {fg(r['fullgraph'])} | {reads}" + (f" ({r['note']})" if r.get("note") else "") + " |")
     return head + "\n".join(out) + "\n"
 
@@ -271,13 +280,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bs", default="1,8", help="batch sizes (ragged prompts)")
     ap.add_argument("--tokens", type=int, default=24, help="new tokens a row (its steps)")
+    ap.add_argument("--ctx", default="", help="context lengths: prompts up to that long (default 4-23 tokens), "
+                                              "e.g. 16,256: do a method's bytes a step grow with its context?")
     ap.add_argument("--methods", nargs="*", help="registered methods (default: every built-in one)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-compile", action="store_true", help="skip the fullgraph checks (the slow part)")
     ap.add_argument("--out", default="results/audit.json")
     a = ap.parse_args(argv)
-    rows = audit(a.methods, [int(b) for b in a.bs.split(",")], a.tokens, a.device, not a.no_compile)
-    keep = ("method", "bs", "host_reads_per_step", "ops_per_step", "bytes_per_step", "fullgraph", "reads", "note", "error")
+    ctxs = [int(c) for c in a.ctx.split(",") if c.strip()] or [None]
+    rows = audit(a.methods, [int(b) for b in a.bs.split(",")], a.tokens, a.device, not a.no_compile, ctxs=ctxs)
+    keep = ("method", "bs", "ctx", "host_reads_per_step", "ops_per_step", "bytes_per_step", "fullgraph", "reads", "bytes_by_op", "note",
+            "error")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps([{k: r[k] for k in keep if k in r} for r in rows], indent=1) + "\n")
     print(table(rows))

@@ -75,3 +75,22 @@ def test_every_method_reads_the_host_once_a_step():
     over = [(r["method"], r["bs"], r.get("error") or (r["host_reads_per_step"], r["reads"])) for r in rows
             if "error" in r or r["host_reads_per_step"] > 1]
     assert not over, over
+
+
+def test_a_drafters_bytes_a_step_do_not_grow_with_its_context():
+    """Issue 56 item 3: a drafter's cache grows in place and a forward attends over a view of it
+    (with grouped KV heads, none repeated), so the bytes a step makes grow with the context by its
+    masks only (a few bytes a context token), not by a copy of the context's keys and values: the
+    commit before this test concatenated each layer's whole context (and repeated its heads) every
+    drafter forward, at least one copy of the keys and values of one layer a context token."""
+    from specbench.tiny import tiny_llama
+
+    cfg = tiny_llama().config
+    one_copy = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # K+V, a token, fp32
+    short, long_, bs = 16, 208, 2
+    rows = audit.audit(["dflash", "peagle", "eagle", "mtp", "leviathan"], (bs,), tokens=8, compile_check=False,
+                       progress=False, ctxs=(short, long_))
+    assert not [r for r in rows if "error" in r], rows
+    by = {(r["method"], r["ctx"]): r["bytes_per_step"] for r in rows}
+    growth = {m: (by[m, long_] - by[m, short]) / ((long_ - short) * bs) for m, _ in by}
+    assert all(g < one_copy for g in growth.values()), (growth, one_copy)

@@ -271,8 +271,8 @@ def held_tensors(prop) -> int:
 @pytest.mark.parametrize("name", NAMES)
 def test_the_cpu_peak_counts_the_methods_caches(tiny, build, monkeypatch, name):
     """On the CPU a run's own peak memory is its weights plus the caches it holds (``own_peak``): the
-    target's KV cache and the method's own tensors (DFlash's and P-EAGLE's ContextCache, MTP's cache,
-    EAGLE's keys and values). The engine's peak holds at least the target's cache and the most the
+    target's KV cache and the method's own tensors (DFlash's, P-EAGLE's and EAGLE's DrafterCache, MTP's cache,
+    Leviathan's draft model's). The engine's peak holds at least the target's cache and the most the
     method held after any step."""
     from specbench.decode.kv import RaggedCache
 

@@ -1,5 +1,5 @@
-"""What a method holds between steps, in bytes: its drafter's cache (DFlash's and P-EAGLE's
-``ContextCache``, MTP's and Leviathan's ``RaggedCache``, EAGLE's keys and values) and its per-row
+"""What a method holds between steps, in bytes: its drafter's cache (DFlash's, P-EAGLE's and EAGLE's
+``DrafterCache``, MTP's and Leviathan's ``RaggedCache``) and its per-row
 state. On the CPU a run's own peak memory is its weights plus these and the target's KV cache
 (``Engine.peak_cache_bytes``); on a GPU the allocator counts them itself."""
 

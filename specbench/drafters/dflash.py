@@ -15,7 +15,7 @@ attention takes its queries from the block only and its keys/values from ``[cont
 and the target's ``lm_head`` (or, in vLLM's speculators format, the drafter's own draft-vocabulary
 head) reads ``norm(x)``. The context features are the same in every layer (only the block is a
 residual stream), so a verified token's keys and values are computed once, when the target hands
-over its states, and kept (``ContextCache``); the block's are dropped after each forward.
+over its states, and kept (``cache.DrafterCache``); the block's are written to its scratch slots.
 
 Which slot drafts which token is the checkpoint's ``anchor``: ``bonus`` (Z Lab's, speculators'
 ``sample_from_anchor: false``) -- slot 0 holds x_p, slot k drafts x_{p+k}, B-1 drafts; ``next``
@@ -30,6 +30,7 @@ from torch import nn
 
 from specbench import backends
 from specbench.drafters import Drafter, borrow, layer_shape
+from specbench.drafters.cache import DrafterCache, join
 from specbench.drafters.eagle import rotate_half
 from specbench.drafters.layers import LlamaLayer
 from specbench.hf import text_config
@@ -79,15 +80,16 @@ class DFlashLayer(LlamaLayer):
         cos, sin = cos[:, None].to(k.dtype), sin[:, None].to(k.dtype)
         return k * cos + rotate_half(k) * sin, v
 
-    def forward(self, x, ctx_k, ctx_v, cos, sin, visible):
-        """The block x [B, n, d] at rotary (cos, sin) [B, n, Dh] over the context keys/values
-        [B, Hk, W, Dh]; ``visible`` [B, n, W + n] (True: attended). Returns [B, n, d]."""
+    def forward(self, x, ctx, cos, sin, visible):
+        """The block x [B, n, d] at rotary (cos, sin) [B, n, Dh] over the context ``ctx`` (keys and
+        values [B, Hk, W, Dh]: a ``cache.Scratch`` or a plain pair); ``visible`` [B, n, W + n]
+        (True: attended). Returns [B, n, d]."""
         B, n, _ = x.shape
         h = self.input_layernorm(x)
         q = self.q_norm(self.q_proj(h).view(B, n, self.H, self.Dh)).transpose(1, 2)
         q = q * cos[:, None].to(q.dtype) + rotate_half(q) * sin[:, None].to(q.dtype)
         k, v = self.keys_values(h, cos, sin)
-        a = backends.attention_like(q, torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2), visible, self.q_proj)
+        a = backends.attention_like(q, *join(ctx, k, v), visible, self.q_proj)
         x = x + self.o_proj(a.reshape(B, n, self.H * self.Dh))
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
@@ -161,12 +163,13 @@ class DFlashDrafter(Drafter):
         return [layer.keys_values(feats, cos, sin) for layer in self.layers]
 
     def block(self, tokens, pos, ctx, visible):
-        """The block ``tokens`` [B, n] at ``pos`` [B, n] over the context ``ctx`` (per layer (k, v)
-        [B, Hk, W, Dh]) where ``visible`` [B, n, W + n]. Returns the normed states [B, n, d]."""
+        """The block ``tokens`` [B, n] at ``pos`` [B, n] over the context ``ctx`` (per layer a
+        ``cache.Scratch``, or (k, v) [B, Hk, W, Dh]) where ``visible`` [B, n, W + n]. Returns the
+        normed states [B, n, d]."""
         x = self.embed(tokens).to(self.fc.weight.dtype)
         cos, sin = self.rope(x, pos)
-        for layer, (k, v) in zip(self.layers, ctx):
-            x = layer(x, k, v, cos, sin, visible)
+        for layer, c in zip(self.layers, ctx):
+            x = layer(x, c, cos, sin, visible)
         return self.norm(x)
 
     def train_forward(self, taps, tokens, valid, anchors):
@@ -190,77 +193,10 @@ class DFlashDrafter(Drafter):
         return self.block(blk.reshape(Bt, A * Bk), pos, ctx, visible).view(Bt, A, Bk, -1)
 
 
-class ContextCache:
-    """The drafter's keys and values of every verified token, per layer [B, Hk, width, Dh],
-    right-padded: row b's first ``length[b]`` slots are its tokens at positions 0..length-1.
-    ``lens`` holds the lengths on the host too, so nothing is read back from the device to append
-    or to size what a block attends over (``keys_upto``)."""
-
-    def __init__(self, drafter: DFlashDrafter, rows: int, device, dtype, width: int = 0):
-        lay = drafter.layers[0]
-        self.keys = [torch.zeros(rows, lay.Hk, width, lay.Dh, device=device, dtype=dtype) for _ in drafter.layers]
-        self.values = [torch.zeros_like(k) for k in self.keys]
-        self.length = torch.zeros(rows, dtype=torch.long, device=device)
-        self.lens = [0] * rows
-
-    @property
-    def width(self) -> int:
-        return self.keys[0].shape[2]
-
-    def grow(self, width: int) -> None:
-        """Room for ``width`` slots a row (doubling, so appends copy rarely)."""
-        if width <= self.width:
-            return
-        width = max(width, 2 * self.width)
-        pad = (0, 0, 0, width - self.width)
-        self.keys = [F.pad(k, pad) for k in self.keys]
-        self.values = [F.pad(v, pad) for v in self.values]
-
-    def append(self, kv, counts: torch.Tensor, lens: list[int]) -> None:
-        """Per layer (k, v) [B, Hk, m, Dh] of new tokens, row b's first ``counts[b]`` real (``lens``:
-        the same on the host). Every row's m slots are written in place after its own (the padded
-        ones past its new length are unseen, and the next append writes over them)."""
-        m = kv[0][0].shape[2]
-        B = len(lens)
-        self.grow(max((n + m for n in self.lens), default=0))
-        idx = self.length[:, None] + torch.arange(m, device=self.length.device)[None]  # [B, m]
-        for (k, v), K, V in zip(kv, self.keys, self.values):
-            at = idx[:, None, :, None].expand(B, K.shape[1], m, K.shape[3])
-            K.scatter_(2, at, k.to(K.dtype))
-            V.scatter_(2, at, v.to(V.dtype))
-        self.length = self.length + counts
-        self.lens = [n + c for n, c in zip(self.lens, lens)]
-
-    def upto(self) -> int:
-        """The slots some row holds: what a block need attend over (its keys narrowed to them)."""
-        return max(self.lens, default=0)
-
-    def context(self) -> list:
-        """Per layer (keys, values) [B, Hk, upto, Dh]: views of the slots rows hold, no copy."""
-        w = self.upto()
-        return [(k[:, :, :w], v[:, :, :w]) for k, v in zip(self.keys, self.values)]
-
-    def visible(self, n: int) -> torch.Tensor:
-        """[B, n, upto]: which of those slots a block of ``n`` slots sees (each row's own)."""
-        ok = torch.arange(self.upto(), device=self.length.device)[None] < self.length[:, None]
-        return ok[:, None].expand(-1, n, -1)
-
-    def select(self, keep) -> None:
-        idx = torch.tensor(keep, dtype=torch.long, device=self.length.device)
-        self.keys = [k[idx] for k in self.keys]
-        self.values = [v[idx] for v in self.values]
-        self.length = self.length[idx]
-        self.lens = [self.lens[i] for i in keep]
-
-    def extend(self, other: "ContextCache") -> None:
-        """Append ``other``'s rows after these (rows joining a running batch)."""
-        width = max(self.width, other.width)
-        self.grow(width)
-        other.grow(width)
-        self.keys = [torch.cat([a[:, :, :width], b[:, :, :width]]) for a, b in zip(self.keys, other.keys)]
-        self.values = [torch.cat([a[:, :, :width], b[:, :, :width]]) for a, b in zip(self.values, other.values)]
-        self.length = torch.cat([self.length, other.length])
-        self.lens = self.lens + other.lens
+def context_cache(drafter: DFlashDrafter, rows: int, device, dtype, width: int) -> DrafterCache:
+    """A ``DrafterCache`` for ``drafter``'s layers."""
+    lay = drafter.layers[0]
+    return DrafterCache(len(drafter.layers), lay.Hk, lay.Dh, rows, device, dtype, width)
 
 
 def layer_config(target_config, layers: int, mask_token_id: int, block_size: int, layer_ids):

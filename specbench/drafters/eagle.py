@@ -28,6 +28,7 @@ from torch import nn
 
 from specbench import backends
 from specbench.drafters import Drafter, TargetParts, borrow, layer_shape
+from specbench.drafters.cache import join
 from specbench.hf import text_config
 
 
@@ -156,16 +157,14 @@ class EagleDrafter(Drafter):
         """Logits over the draft vocabulary [.., V']."""
         return self.parts.logits(h)
 
-    def step(self, feats, tokens, pos, k_ctx, v_ctx, mask):
-        """Run pairs (feats, tokens) at positions ``pos`` [B, n] over context keys/values
-        ``k_ctx, v_ctx`` [B, Hk, S, Dh] and themselves; ``mask`` [B, n, S + n].
-        Returns (h [B, n, d], k_new, v_new)."""
+    def step(self, feats, tokens, pos, ctx, mask):
+        """Run pairs (feats, tokens) at positions ``pos`` [B, n] over the context ``ctx`` (keys and
+        values [B, Hk, S, Dh]: a ``cache.Scratch`` or a plain pair) and themselves; ``mask``
+        [B, n, S + n]. Returns (h [B, n, d], k_new, v_new)."""
         x = self.pair(feats, tokens)
         cos, sin = self.rope(x, pos)
         q, k, v = self.block.qkv(x, cos, sin)
-        K = torch.cat([k_ctx, k], dim=2)
-        V = torch.cat([v_ctx, v], dim=2)
-        return self.block.attend(x, q, K, V, mask), k, v
+        return self.block.attend(x, q, *join(ctx, k, v), mask), k, v
 
     # ---------------------------------------------------------------- training
     def train_forward(self, feats: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, steps: int = 1):

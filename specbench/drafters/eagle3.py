@@ -22,6 +22,7 @@ from torch import nn
 
 from specbench import backends
 from specbench.drafters import Drafter, borrow, layer_shape
+from specbench.drafters.cache import join
 from specbench.hf import text_config
 
 
@@ -127,16 +128,14 @@ class Eagle3Drafter(Drafter):
         """What a step returns and feeds back: the layer's output, or (EAGLE 3.1) its post-norm state."""
         return self.norm(h) if self.norm_output else h
 
-    def step(self, feats, tokens, pos, k_ctx, v_ctx, mask):
+    def step(self, feats, tokens, pos, ctx, mask):
         """As ``EagleDrafter.step``; ``feats`` either the target's concatenated taps (fused by
         ``fc``) or the drafter's own earlier output (H wide)."""
         g = self.fuse(feats) if feats.shape[-1] != self.fc.out_features else feats
         e = self.embed(tokens).to(g.dtype)
         cos, sin = self.own_rope(g, pos)
         q, k, v = self.block.qkv(e, g, cos, sin)
-        K = torch.cat([k_ctx, k], dim=2)
-        V = torch.cat([v_ctx, v], dim=2)
-        return self.output(self.block.attend(g, q, K, V, mask)), k, v
+        return self.output(self.block.attend(g, q, *join(ctx, k, v), mask)), k, v
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary [.., V'] of a step's output."""

@@ -11,7 +11,7 @@ slot d also sees the slots 1..d of its own step:
     step at the last verified position p-1 (its entry (h_{p-1}, x_p)):
       entry p-1 drafts x_{p+1};  slot d (at position p-1+d) drafts x_{p+1+d},  d = 1..K-1
 
-so the verified entries' keys and values are kept per layer (``dflash.ContextCache``) and a step
+so the verified entries' keys and values are kept per layer (``cache.DrafterCache``) and a step
 runs the K-1 mask slots over them. Trained with the speculators recipe: every position a depth-0
 entry, and for sampled anchors a chain of mask slots (``train_forward``).
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specbench.drafters.cache import join
 from specbench.drafters.eagle3 import Eagle3Drafter
 from specbench.drafters.layers import LlamaLayer
 
@@ -39,21 +40,21 @@ class PEagleDrafter(Eagle3Drafter):
 
     @property
     def layers(self) -> list[nn.Module]:
-        """Every layer, first to last (what ``ContextCache`` keeps keys and values for)."""
+        """Every layer, first to last (what ``DrafterCache`` keeps keys and values for)."""
         return [self.block, *self.more]
 
     def run(self, g, e, pos, ctx, visible):
         """Entries with features ``g`` [B, n, d] and embeddings ``e`` at ``pos`` [B, n] over the
-        kept keys/values ``ctx`` (per layer (k, v) [B, Hk, W, Dh]) where ``visible`` [B, n, W + n].
+        kept keys/values ``ctx`` (per layer a ``cache.Scratch`` or (k, v) [B, Hk, W, Dh]) where ``visible`` [B, n, W + n].
         Returns the last layer's output [B, n, d] and the entries' own (k, v) per layer."""
         cos, sin = self.own_rope(g, pos)
         q, k, v = self.block.qkv(e, g, cos, sin)
         kv = [(k, v)]
-        x = self.block.attend(g, q, torch.cat([ctx[0][0], k], 2), torch.cat([ctx[0][1], v], 2), visible)
-        for layer, (K, V) in zip(self.more, ctx[1:]):
+        x = self.block.attend(g, q, *join(ctx[0], k, v), visible)
+        for layer, c in zip(self.more, ctx[1:]):
             q, k, v = layer.qkv(x, cos, sin)
             kv.append((k, v))
-            x = layer.attend(x, q, torch.cat([K, k], 2), torch.cat([V, v], 2), visible)
+            x = layer.attend(x, q, *join(c, k, v), visible)
         return self.output(x), kv
 
     def mask_entries(self, rows: int, n: int):

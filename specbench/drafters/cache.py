@@ -1,0 +1,118 @@
+"""A drafter's own cache of keys and values, per row, that grows in place (DFlash, P-EAGLE, EAGLE).
+
+Per layer one buffer [B, Hk, width, Dh], made once a batch with room for the prompts, every token
+the batch may add and a step's own scratch: row b's first ``lens[b]`` slots are its verified
+tokens at positions 0..lens[b]-1 (right-padded). Lengths are kept on the host too (``lens``), so
+appending and sizing what a forward attends over read nothing back from the device.
+
+A drafter forward attends over ``context()`` (views of the slots some row holds, no copy) followed
+by its own new keys and values: ``scratch(n)`` hands each layer a ``Scratch`` that writes those
+into the free slots right after the context and returns one view of both, so the context is never
+concatenated (copied) again. Keys are stored with their KV heads; attention repeats none
+(``backends.attention_like``: SDPA's grouped-query attention)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class Scratch:
+    """One layer's context (its first ``w`` slots) and, after it, the keys and values of this
+    propose's forwards, each ``join`` adding its own after the earlier ones'."""
+
+    def __init__(self, K: torch.Tensor, V: torch.Tensor, w: int):
+        self.K, self.V, self.w, self.at = K, V, w, 0
+
+    def join(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, Hk, n, Dh] after what is there; returns views of everything so far."""
+        s, n = self.w + self.at, k.shape[2]
+        self.K[:, :, s:s + n].copy_(k)
+        self.V[:, :, s:s + n].copy_(v)
+        self.at += n
+        return self.K[:, :, :s + n], self.V[:, :, :s + n]
+
+
+def join(ctx, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's context (a ``Scratch``, or plain (keys, values) as training passes) followed by a
+    forward's own k, v [B, Hk, n, Dh]."""
+    if isinstance(ctx, Scratch):
+        return ctx.join(k, v)
+    return torch.cat([ctx[0], k], 2), torch.cat([ctx[1], v], 2)
+
+
+class DrafterCache:
+    def __init__(self, layers: int, heads: int, head_dim: int, rows: int, device, dtype, width: int = 0):
+        self.keys = [torch.zeros(rows, heads, width, head_dim, device=device, dtype=dtype) for _ in range(layers)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.length = torch.zeros(rows, dtype=torch.long, device=device)  # [B] on the device
+        self.lens = [0] * rows  # the same on the host
+
+    @property
+    def width(self) -> int:
+        return self.keys[0].shape[2]
+
+    def grow(self, width: int) -> None:
+        """Room for ``width`` slots a row (doubling: a batch sized right never gets here)."""
+        if width <= self.width:
+            return
+        width = max(width, 2 * self.width)
+        pad = (0, 0, 0, width - self.width)
+        self.keys = [F.pad(k, pad) for k in self.keys]
+        self.values = [F.pad(v, pad) for v in self.values]
+
+    def upto(self) -> int:
+        """The slots some row holds: what a forward attends over."""
+        return max(self.lens, default=0)
+
+    def context(self) -> list:
+        """Per layer (keys, values) [B, Hk, upto, Dh]: views, no copy."""
+        w = self.upto()
+        return [(k[:, :, :w], v[:, :, :w]) for k, v in zip(self.keys, self.values)]
+
+    def scratch(self, n: int) -> list[Scratch]:
+        """Per layer the context and room for ``n`` more slots of a propose's own (``Scratch``)."""
+        w = self.upto()
+        self.grow(w + n)
+        return [Scratch(k, v, w) for k, v in zip(self.keys, self.values)]
+
+    def visible(self, n: int) -> torch.Tensor:
+        """[B, n, upto]: which context slots each of ``n`` queries of a row sees (its own)."""
+        ok = torch.arange(self.upto(), device=self.length.device)[None] < self.length[:, None]
+        return ok[:, None].expand(-1, n, -1)
+
+    def append(self, kv, counts: torch.Tensor, lens: list[int]) -> None:
+        """Per layer (k, v) [B, Hk, m, Dh] of new tokens, row b's first ``counts[b]`` real (``lens``:
+        the same on the host). Every row's m slots are written in place after its own (those past
+        its new length are unseen, and the next append writes over them)."""
+        m = kv[0][0].shape[2]
+        B = len(lens)
+        self.grow(max((n + m for n in self.lens), default=0))
+        idx = self.length[:, None] + torch.arange(m, device=self.length.device)[None]  # [B, m]
+        for (k, v), K, V in zip(kv, self.keys, self.values):
+            at = idx[:, None, :, None].expand(B, K.shape[1], m, K.shape[3])
+            K.scatter_(2, at, k.to(K.dtype))
+            V.scatter_(2, at, v.to(V.dtype))
+        self.length = self.length + counts
+        self.lens = [n + c for n, c in zip(self.lens, lens)]
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Keep the rows ``keep`` (finished rows leave the batch)."""
+        idx = torch.tensor(keep, dtype=torch.long, device=self.length.device)
+        self.keys = [k[idx] for k in self.keys]
+        self.values = [v[idx] for v in self.values]
+        self.length = self.length[idx]
+        self.lens = [self.lens[i] for i in keep]
+
+    def add_rows(self, other: "DrafterCache") -> None:
+        """``other``'s rows after these (rows joining a running batch)."""
+        width = max(self.width, other.width)
+        self.grow(width)
+        other.grow(width)
+        self.keys = [torch.cat([a[:, :, :width], b[:, :, :width]]) for a, b in zip(self.keys, other.keys)]
+        self.values = [torch.cat([a[:, :, :width], b[:, :, :width]]) for a, b in zip(self.values, other.values)]
+        self.length = torch.cat([self.length, other.length])
+        self.lens = self.lens + other.lens
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
