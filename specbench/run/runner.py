@@ -26,7 +26,7 @@ from specbench.engines.vllm import engine as vllm_engine
 from specbench.errors import ConfigError
 from specbench.models import cached_model, load_tokenizer, resolve_device, resolve_dtype
 from specbench.paths import file_lock
-from specbench.run import quality, tune
+from specbench.run import data as D, quality, tune
 from specbench.run import records as R
 from specbench.run.measure import MethodRun, _spec_len, accept_of, build_requests, rate_of, run_methods
 from specbench.run.validation import check_prompts, validate
@@ -97,8 +97,7 @@ def _record_base(cfg, method_name, device, dtype, sweep_id, refused: bool = Fals
         "draft": of(lambda: _draft_label(cfg, method_name)),
         "K": of(lambda: _spec_len(cfg, method_name, device), "K"), "bs": of(lambda: int(cfg.bs), "bs"),
         "ctx": of(lambda: cfg.ctx, "ctx"),
-        "dataset": of(lambda: cfg.dataset.name if cfg.dataset.name != "jsonl" else f"jsonl:{cfg.dataset.path}",
-                      "dataset.name"),
+        "dataset": of(lambda: D.label(cfg.dataset), "dataset.name"),
         "limit": of(lambda: cfg.limit, "limit"), "temperature": of(lambda: float(cfg.temperature), "temperature"),
         "top_k": of(lambda: int(cfg.top_k), "top_k"), "top_p": of(lambda: float(cfg.top_p), "top_p"),
         "max_new_tokens": of(lambda: int(cfg.max_new_tokens), "max_new_tokens"),

@@ -19,9 +19,9 @@ from specbench.backends import ALIASES, KERNELS
 from specbench.errors import ConfigError, did_you_mean, unknown_key
 from specbench.models import DTYPES
 
-def setting(*, lo=None, hi=None, above=None, required_by: tuple = (), doc: str = ""):
+def setting(*, lo=None, hi=None, above=None, required_by: tuple = (), doc: str | dict = ""):
     """A field with its range: ``lo`` <= v <= ``hi``, v > ``above``; ``required_by``: the
-    group options (``name``) for which it must be given."""
+    group options (``name``) for which it must be given; ``doc``: what it is (per option: a dict)."""
     return field(metadata={"lo": lo, "hi": hi, "above": above, "required_by": required_by, "doc": doc})
 
 
@@ -41,10 +41,21 @@ class Model:
 @dataclass
 class Dataset:
     name: str
-    path: Optional[str] = setting(required_by=("jsonl",), doc="a .jsonl file of questions")
+    path: Optional[str] = setting(required_by=("jsonl", "hf", "spec_bench", "speed_bench"), doc={
+        "jsonl": "a .jsonl file of questions", "hf": "a hub id, a save_to_disk folder or parquet/json/jsonl/csv files",
+        "spec_bench": "Spec-Bench's data/spec_bench/question.jsonl", "speed_bench": "a folder of SPEED-Bench's splits"})
     max_turns: Optional[int] = setting(lo=1)
     order: Literal["file", "categories"]
     language: Optional[str]
+    split: Optional[str] = setting(required_by=("speed_bench",), doc="qualitative or throughput_1k|2k|8k|16k|32k")
+    config: Optional[str]  # dataset=hf: the hub data set's config (load_dataset's name)
+    revision: Optional[str]  # a hub data set's revision (commit, tag, branch)
+    prompt: Optional[str]  # dataset=hf: the column of one-turn prompts ...
+    turns: Optional[str]  # ... or of lists of turns
+    id: Optional[str]  # ... of question ids
+    category: Optional[str]  # ... of categories
+    categories: Any  # only these categories (a name or a list of names; null: all): checked on loading
+    cache_dir: Optional[str]  # datasets' cache (null: its default, HF_DATASETS_CACHE)
 
 
 @dataclass
@@ -204,7 +215,8 @@ def _check_node(node: DictConfig, schema, prefix: str, group: str | None) -> Non
         v = None if missing else node[f.name]
         if missing or (v is None and group and option in meta.get("required_by", ())):
             if group and option in meta.get("required_by", ()):
-                doc = f" ({meta['doc']})" if meta.get("doc") else ""
+                doc = meta.get("doc") or ""
+                doc = f" ({doc.get(option) if isinstance(doc, dict) else doc})" if doc else ""
                 raise ConfigError(f"{group}={option} needs {key}=<...>{doc}")
             raise ConfigError(f"{key} is required: add {key}=<...>")
         if dataclasses.is_dataclass(tp):

@@ -4,8 +4,6 @@ the method's deepest draft node) against what its models can take. One ConfigErr
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from omegaconf import DictConfig
 
 from specbench import methods
@@ -39,9 +37,7 @@ def validate(cfg: DictConfig) -> int:
         raise ConfigError(f"method {cfg.method.name} keeps per-row state and has no add_rows, so rows cannot join "
                           "its running batch: run it with batching=static, or give it add_rows (methods/base.py)")
     loggers.check(cfg)
-    if cfg.dataset.name == "jsonl":
-        if not Path(str(cfg.dataset.path)).expanduser().exists():
-            raise ConfigError(f"dataset path '{cfg.dataset.path}' does not exist")
+    D.check(cfg.dataset)  # its file is there (a hub id is opened with the questions)
     device = resolve_device(cfg.device)
     resolve_dtype(cfg.dtype, device)
     compile_ = cfg.get("compile", False)  # the kernel resolved only when it matters (auto may build the extension)
@@ -57,9 +53,13 @@ def validate(cfg: DictConfig) -> int:
     npos = method.positions(cfg, mconf)
     if cfg.ctx is not None:
         reach = max(method.reach(c, device) for c in cands)
-        if cfg.ctx + cfg.max_new_tokens + reach + 1 > npos:
+        most = npos - cfg.max_new_tokens - reach - 1  # the longest context these settings leave room for
+        if cfg.ctx > most:
+            fits = f"ctx <= {most} fits" if most >= 1 else "no ctx fits"
+            beyond = f"ctx={cfg.ctx} is beyond their context window; " if cfg.ctx >= npos else ""
             raise ConfigError(f"ctx={cfg.ctx} + max_new_tokens={cfg.max_new_tokens} + {reach} draft positions "
-                              f"exceeds the {npos} positions of the job's models")
+                              f"exceeds the {npos} positions of the job's models: {beyond}{fits} (lower "
+                              "max_new_tokens for more)")
     return npos
 
 
