@@ -22,7 +22,7 @@ def curves_for(curves, model, device, dtype, kernel=None, isa=None, compiled=Fal
     return [c for c in curves if str(c.get("model")) == str(model) and c.get("device") == device
             and c.get("dtype") == dtype and (c.get("kernel") or "torch") == (kernel or "torch")
             and (isa is None or c.get("kernel_isa") is None or c.get("kernel_isa") == isa)
-            and bool(c.get("compile", False)) == bool(compiled)]
+            and (c.get("compile") or False) == (compiled or False)]
 
 
 def same_shape(cand: list[dict], r) -> list[dict]:
@@ -93,7 +93,7 @@ def _priced(df, curves):
     for _, r in df.iterrows():
         isa = r.get("kernel_isa")
         cand = curves_for(curves, r["model"], r["device"], r["dtype"], r.get("kernel"), None if pd.isna(isa) else isa,
-                          bool(r.get("compile", False)))
+                          r.get("compile") or False)  # graphs: no profile of captured forwards (none matches)
         base = ar_of(r)
         ours = r.get("backend", "specbench") == "specbench"  # our cost curves price our engine's steps only
         if ours and r["method"] != "ar" and cand and r.get("iterations") and base is not None:

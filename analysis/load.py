@@ -27,7 +27,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
                                      "status", "error", "lossless")}
         row["kernel"] = R.current(r, "kernel") or "torch"  # records before kernels ran torch's path
         row["kernel_isa"] = r.get("kernel_isa")  # native tiles: AVX2 or AVX-512 (None: records before it was kept)
-        row["compile"] = bool(r.get("compile", False))  # the target's forward through torch.compile
+        row["compile"] = r.get("compile") or False  # true: torch.compile; "graphs": captured forwards
         row["backend"] = r.get("backend") or "specbench"  # the engine that decoded (backend=vllm)
         row["backend_version"] = r.get("backend_version")
         vm = m.get("vllm") or {}

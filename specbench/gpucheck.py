@@ -14,16 +14,19 @@ are spent, each under the time that is left, and leaves at most 8 files in ``--o
 run has measured still comes back.
 
 Steps (``--size full``; ``--size tiny`` is the same script on a few prompts and batch sizes 1 and 3,
-the dry run CI keeps from rotting):
+the dry run CI keeps from rotting). The first five give what a first loan must bring back (issue 56):
 1. ``suite``: the device-portable tests on the device (``SPECBENCH_TEST_DEVICE``) and the ``gpu`` ones;
-2. ``real``: PLD, Lookahead and SuffixDecoding, greedy, at each batch size, paired with AR;
-3. ``synthetic``: Leviathan (2 self layers), EAGLE, EAGLE-3 and Medusa under ``accept=synthetic`` at a
-   published per-position profile and flat rates 0.5 and 0.8, at each batch size;
-4. ``continuous``: PLD and EAGLE (synthetic) with ``batching=continuous`` at the largest batch size;
-5. ``profile``: the target's cost curve (``analysis.profile``) at two context lengths;
-6. ``compile``: ``compile=true`` for PLD (with its paired AR) at the two smallest batch sizes;
-7. ``memory``: AR at the largest batch size with ``ctx=2048``: peak memory against the live KV;
-8. ``report``: the figures and tables of every record (``specbench.analysis.report``), packed.
+2. ``modes``: AR at each batch size eager and ``compile=graphs`` (its step time against the HBM roofline);
+3. ``audit``: ``specbench.audit`` on the device (host reads, ops and bytes a step);
+4. ``real``: PLD, Lookahead and SuffixDecoding, greedy, at each batch size, eager and graphed, paired with AR;
+5. ``synthetic``: EAGLE-3 at the published profile, eager and graphed, at each batch size; then EAGLE,
+   Medusa, DFlash, DSpark, P-EAGLE, MTP and Leviathan (2 self layers) under ``accept=synthetic`` at the
+   profile and flat rates 0.5 and 0.8, eager;
+6. ``memory``: AR at the largest batch size with ``ctx=2048``: peak memory against the live KV;
+7. ``continuous``: PLD and EAGLE (synthetic) with ``batching=continuous`` at the largest batch size;
+8. ``profile``: the target's cost curve (``analysis.profile``) at two context lengths;
+9. ``compile``: ``compile=true`` (torch.compile) for AR and PLD at the two smallest batch sizes;
+10. ``report``: the figures and tables of every record (``specbench.analysis.report``), packed.
 """
 
 from __future__ import annotations
@@ -60,15 +63,17 @@ REAL = ("pld", "lookahead", "suffix")
 SIZES = {  # batch sizes, new tokens, profile points, suite selection, each step's cap (s)
     "full": {"bs": "1,32,128", "tokens": 64, "ctx": [512, 2048], "mem_ctx": 2048,
              "profile_bs": "1,8,32,128", "profile_n": "1,2,4,8,16,32,64",
-             "suite": ["tests/test_gpu.py", "tests/test_synthetic.py", "tests/test_engine.py", "tests/test_verify.py",
-                       "tests/test_serving.py", "tests/test_feature_methods.py", "tests/test_training_free.py"],
-             "caps": {"suite": 90, "real": 70, "synthetic": 200, "continuous": 40, "profile": 60, "compile": 60,
-                      "memory": 30, "report": 40}},
+             "suite": ["tests/test_gpu.py", "tests/test_graphs.py", "tests/test_synthetic.py", "tests/test_engine.py",
+                       "tests/test_verify.py", "tests/test_serving.py", "tests/test_feature_methods.py",
+                       "tests/test_training_free.py"],
+             # the first six steps (the note's numbers) fit in 420 s; the rest take what is left
+             "caps": {"suite": 60, "modes": 80, "audit": 30, "real": 80, "synthetic": 140, "memory": 30,
+                      "continuous": 30, "profile": 40, "compile": 40, "report": 30}},
     "tiny": {"bs": "1,3", "tokens": 12, "ctx": [64], "mem_ctx": 256, "profile_bs": "1,3", "profile_n": "1,4",
              "suite": ["tests/test_synthetic.py::test_chain_acceptance_per_position_and_tau_match_the_rates",
                        "tests/test_gpu.py"],
-             "caps": {"suite": 120, "real": 240, "synthetic": 640, "continuous": 120, "profile": 120, "compile": 240,
-                      "memory": 90, "report": 120}},
+             "caps": {"suite": 120, "modes": 240, "audit": 240, "real": 360, "synthetic": 640, "memory": 90,
+                      "continuous": 120, "profile": 120, "compile": 240, "report": 120}},
 }
 
 
@@ -198,11 +203,17 @@ def plan(a, kit: Path, work: Path, drafts: dict[str, Path]) -> list[tuple[str, l
             "resume=true", "limit='${max:${bs},4}'"]  # a full batch of prompts at each batch size, 4 at bs 1
     big = f"bs={size['bs'].split(',')[-1]}"
     sweep_bs = f"bs={size['bs']}"
+    graphed = ["compile=false,graphs", "kernel=torch"]  # eager and captured, side by side
+    modes = [_sweep(base, ["method=ar", sweep_bs, *graphed])]
+    audit = [[sys.executable, "-m", "specbench.audit", "--device", a.device, "--bs", "1,8", "--no-compile",
+              "--out", str(work / "audit.json")]]
     # one process (one import, one target built) for the three (Hydra runs the method slowest)
-    real = [_sweep(base, [sweep_bs, "method=" + ",".join(REAL)])]
+    real = [_sweep(base, [sweep_bs, "method=" + ",".join(REAL), *graphed])]
     rates = "accept.rates=" + ",".join(str(r) for r in RATES)  # the profile first, at every batch size
-    synthetic = [_sweep(base, ["accept=synthetic", rates, sweep_bs, *m]) for m in (
-        ["method=eagle", "eagle.version=3", f"eagle.checkpoint={drafts['eagle3']}"],
+    eagle3 = ["method=eagle", "eagle.version=3", f"eagle.checkpoint={drafts['eagle3']}"]
+    synthetic = [_sweep(base, ["accept=synthetic", f"accept.rates={RATES[0]}", sweep_bs, *eagle3, *graphed])]
+    synthetic += [_sweep(base, ["accept=synthetic", rates, sweep_bs, *m]) for m in (
+        eagle3,
         ["method=eagle", f"eagle.checkpoint={drafts['eagle']}"],
         ["method=medusa", f"medusa.checkpoint={drafts['medusa']}"],
         ["method=dflash", f"dflash.checkpoint={drafts['dflash']}"],
@@ -217,13 +228,14 @@ def plan(a, kit: Path, work: Path, drafts: dict[str, Path]) -> list[tuple[str, l
                 "--device", a.device, "--dtype", a.dtype, "--bs", size["profile_bs"], "--n", size["profile_n"],
                 "--ctx", str(c), "--draft-layers", "0", "--reps", "3", "--results-dir", str(runs), *shape]
                for c, shape in [(c, []) for c in size["ctx"]] + [(size["ctx"][0], ["--ragged", "--tree"])]]
-    compile_ = [_sweep(base, ["method=pld", "compile=true", "kernel=torch", "bs=" + ",".join(size["bs"].split(",")[:2])])]
+    compile_ = [_sweep(base, ["method=ar,pld", "compile=true", "kernel=torch", "bs=" + ",".join(size["bs"].split(",")[:2])])]
     memory = [_sweep(base, ["method=ar", f"ctx={size['mem_ctx']}", big])]
     suite = [[sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", "-k", "not rest",
               f"--junitxml={work / 'suite.xml'}", *size["suite"]]]  # REST's pydivsufsort is not carried
     report = [[sys.executable, "-m", "specbench.analysis.report", str(runs / "records.jsonl"), "--out", str(work / "report")]]
-    return [("suite", suite), ("real", real), ("synthetic", synthetic), ("continuous", continuous),
-            ("profile", profile), ("compile", compile_), ("memory", memory), ("report", report)]
+    return [("suite", suite), ("modes", modes), ("audit", audit), ("real", real), ("synthetic", synthetic),
+            ("memory", memory), ("continuous", continuous), ("profile", profile), ("compile", compile_),
+            ("report", report)]
 
 
 def _install(kit: Path, site: Path) -> None:
@@ -304,10 +316,11 @@ def run(a) -> int:
 
 def _collect(work: Path, out: Path, status: dict, a, kit: Path) -> None:
     """At most 8 files in ``out``: gpucheck.log, suite.xml, records.jsonl, cost_curves.jsonl,
-    summary.txt, report.tar.gz, status.json."""
+    summary.txt, report.tar.gz, status.json, audit.json."""
     runs = work / "run"
-    if (work / "suite.xml").exists():
-        shutil.copy(work / "suite.xml", out / "suite.xml")
+    for name in ("suite.xml", "audit.json"):
+        if (work / name).exists():
+            shutil.copy(work / name, out / name)
     for name in ("records.jsonl", "cost_curves.jsonl"):  # records name no path of this machine
         if (runs / name).exists():
             text = (runs / name).read_text().replace(str(work), "$GPUCHECK").replace(str(kit), "$KIT") \

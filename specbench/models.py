@@ -64,11 +64,11 @@ def check_compile(compile, kernel: str | None) -> None:
     """``compile=true`` compiles torch's own kernels: the packed CPU paths (onednn, native) run
     extension calls that torch.compile cannot trace (it would break the graph at every layer).
     ``kernel``: the resolved path (None: check the setting's type only)."""
-    if not isinstance(compile, bool):
-        raise ConfigError(f"compile must be true or false, got {compile!r}")
+    if not isinstance(compile, bool) and compile != "graphs":
+        raise ConfigError(f"compile must be true, false or graphs, got {compile!r}")
     if compile and kernel is not None and kernel != "torch":
-        raise ConfigError(f"compile=true compiles torch's kernels, not kernel={kernel} (its linears are extension "
-                          "calls torch.compile cannot trace): add kernel=torch")
+        raise ConfigError(f"compile={str(compile).lower()} compiles torch's kernels, not kernel={kernel} (its linears "
+                          "are extension calls torch.compile cannot trace): add kernel=torch")
 
 
 def compile_forward(model) -> None:

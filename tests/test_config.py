@@ -218,7 +218,7 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
     ({"model.path": "/no/such/model"}, "model path '/no/such/model' does not exist"),
     ({"temperature": -1.0}, "temperature must be a number >= 0, got -1.0"),
     ({"kernel": "triton"}, "unknown kernel 'triton'; choices: auto, torch, onednn, native"),
-    ({"compile": "yes"}, "compile must be true or false, got 'yes'"),
+    ({"compile": "yes"}, "compile must be true, false or graphs, got 'yes'"),
     ({"compile": True, "kernel": "onednn"}, "compile=true compiles torch's kernels, not kernel=onednn"),
     ({"ar_baseline": "nearest"}, "unknown ar_baseline 'nearest'; choices: sweep, any, paired"),
     ({"top_p": 0.0}, "top_p must be a number in (0, 1]"),

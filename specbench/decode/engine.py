@@ -13,7 +13,6 @@ them for more than one piece, and a short one does not wait for the group's long
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,7 +23,9 @@ from specbench.methods.base import BatchState, Proposer
 from specbench.devices import to_device
 from specbench.decode.tree import Draft, check_parents
 from specbench.decode.hidden import Hidden, Tap
+from specbench.decode.graphs import GraphCache
 from specbench.decode.kv import RaggedCache
+from specbench.decode.requests import Request, Requests  # noqa: F401 - the engine's inputs, named here too
 from specbench.decode.memory import held_bytes
 from specbench.decode.timing import PhaseTimer, sync
 from specbench.decode.verify import Sampling, greedy_pick, sample, verify, warp
@@ -45,13 +46,6 @@ class RowResult:
     t_arrival: float = 0.0  # when the request arrived (static: the batch's start)
     t_admit: float = 0.0  # when its prefill began
     chunks: list[float] = field(default_factory=list)  # when each decoding step's tokens came out
-
-
-@dataclass
-class Request:
-    key: object  # the caller's name for it
-    prompt: list[int]
-    arrival: float = 0.0  # seconds after the engine's start
 
 
 @dataclass
@@ -82,27 +76,6 @@ class _Batch:
     checked: bool = False  # a draft's values checked (one read, once a batch; then with each verdict)
 
 
-class Requests:
-    """The requests ``Engine.serve`` takes from, FIFO by arrival. ``add`` may be called while it
-    serves (a follow-up turn once its first turn is answered)."""
-
-    def __init__(self, requests=()):
-        self.q = deque(sorted(requests, key=lambda r: r.arrival))
-
-    def add(self, request: Request) -> None:
-        """Queue ``request`` in arrival order (after those due at the same time)."""
-        bisect.insort_right(self.q, request, key=lambda r: r.arrival)
-
-    def take(self, k: int, now: float) -> list[Request]:
-        out = []
-        while self.q and len(out) < k and self.q[0].arrival <= now:
-            out.append(self.q.popleft())
-        return out
-
-    def next_arrival(self) -> float | None:
-        return self.q[0].arrival if self.q else None
-
-
 def _proposers(p: Proposer):
     """``p`` and every proposer it wraps (``Proposer.inner``), depth first."""
     yield p
@@ -112,7 +85,8 @@ def _proposers(p: Proposer):
 
 class Engine:
     def __init__(self, target, proposer: Proposer, sampling: Sampling, device: torch.device,
-                 dtype: torch.dtype, eos_ids: set[int], timer: PhaseTimer, prefill_chunk: int | None = None):
+                 dtype: torch.dtype, eos_ids: set[int], timer: PhaseTimer, prefill_chunk: int | None = None,
+                 graphs=None):
         self.target = target
         self.proposer = proposer
         self.sampling = sampling
@@ -129,6 +103,9 @@ class Engine:
         if prefill_chunk is not None and int(prefill_chunk) < 1:
             raise ValueError(f"prefill_chunk must be a positive number of tokens or None, got {prefill_chunk}")
         self.chunk = None if prefill_chunk is None else int(prefill_chunk)
+        self.graphs = graphs  # compile=graphs: the target's GraphPool (decode.graphs), its forwards replayed
+        if graphs is not None and self.chunk is not None:
+            raise ValueError("compile=graphs prefills whole prompts: leave prefill_chunk unset")
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
@@ -150,6 +127,8 @@ class Engine:
         static batch). Returns {key: RowResult}; ``self.trace`` holds (time, rows in flight, tokens
         emitted) per decoding step."""
         with Tap(self.target, self.proposer.hidden_layers) as tap:
+            if self.graphs is not None:
+                self.graphs.tap, self.graphs.timer = tap, self.timer
             return self._serve(requests, max_new_tokens, gen, concurrency, on_done, tap, together)
 
     def _clock(self, t0: float) -> float:
@@ -174,7 +153,8 @@ class Engine:
         prompts = [r.prompt for r in reqs]
         now = self._clock(t0)
         res = [RowResult(t_arrival=r.arrival, t_admit=now) for r in reqs]
-        cache = RaggedCache(self.target, self.device, self.dtype)
+        cache = RaggedCache(self.target, self.device, self.dtype) if self.graphs is None else \
+            GraphCache(self.target, self.device, self.dtype, self.graphs)
         with self.timer.phase("prefill"):
             out = cache.prefill(prompts, room=max_new_tokens + self.widest + 1)
             first = self._pick(out.logits[:, -1], gen)

@@ -11,6 +11,7 @@ tokens, in order; ``lens`` is ``counts`` on the host (no read: the engine knows 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,7 @@ class Tap:
     """Forward hooks that keep the outputs of the named layers of the last forward."""
 
     def __init__(self, model, names):
-        self.names = tuple(names)
+        self.model, self.names = model, tuple(names)
         self.out: dict = {}
         self._handles = []
         if not self.names:
@@ -66,6 +67,23 @@ class Tap:
         def fn(_m, _a, out):
             self.out[name] = out[0] if isinstance(out, tuple) else out
         return fn
+
+    @contextmanager
+    def paused(self):
+        """Its hooks off for the block (a graph's forward taps with hooks of its own: the engine's,
+        made anew each serve, must not be traced into it)."""
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+        try:
+            yield
+        finally:
+            self._handles = []
+            if handles:
+                _, layers, norm = decoder_layers(self.model)
+                for name in self.names:
+                    mod = norm if name == "final" else layers[int(name)]
+                    self._handles.append(mod.register_forward_hook(self._hook(name)))
 
     def take(self) -> dict:
         out, self.out = self.out, {}

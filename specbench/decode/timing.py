@@ -77,6 +77,16 @@ class PhaseTimer:
                 if name not in vars(m):  # not wrapped already (a submodule of two watched models)
                     self._wrap(m, name)
 
+    @contextmanager
+    def charge(self):
+        """Time the block as model forward time (a forward entered other than through the model: a
+        replayed graph)."""
+        self._enter()
+        try:
+            yield
+        finally:
+            self._leave()
+
     def _enter(self) -> None:
         if self._depth == 0:
             if self.cuda:

@@ -19,6 +19,7 @@ from specbench.run import data as D
 from specbench.run import metrics as M
 from specbench.errors import ConfigError
 from specbench.hf import eos_ids
+from specbench.decode.graphs import pool_of
 from specbench.models import compiled_graphs, is_compiled
 from specbench.paths import CONF_DIR
 from specbench.run.monitor import NvmlMonitor, PeakMemory, weight_bytes
@@ -171,9 +172,11 @@ class MethodRun:
             sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p),
                                 None if acc is None else Synthetic(acc["rates"], int(cfg.seed), acc["sibling_rates"]))
             return Engine(model, self.proposer, sampling, device, dtype, eos, timer,
-                          prefill_chunk=cfg.get("prefill_chunk"))
+                          prefill_chunk=cfg.get("prefill_chunk"), graphs=self.pool)
 
-        self.compiled = is_compiled(model)
+        # compile=graphs: the target's forwards replayed from graphs over its pool's fixed buffers
+        self.pool = pool_of(model, device, dtype) if cfg.get("compile") == "graphs" else None
+        self.compiled = is_compiled(model) or self.pool is not None
         fresh = self.proposer.snapshot()  # what it has learned across requests: nothing yet
         if cfg.warmup:  # the job's own shapes: a full batch of its ragged prompts (padding masks, tree masks)
             qs = questions[:int(cfg.bs)]  # the first batch, as the timed job will see it
@@ -181,6 +184,8 @@ class MethodRun:
             if self.compiled:  # every graph the timed job can need, with the method's taps in place
                 warm_compiled(model, len(ids), device, dtype, self.proposer.hidden_layers)
             engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
+            if self.pool is not None:  # every (rows, nodes) bucket the job can meet, captured now
+                self.pool.warm(len(ids), self.K + 1)
             self.proposer.restore(fresh)  # the warm-up's answers are the timed prompts': forgotten
         self._fresh, self._rep = fresh, 0
         self.timer = PhaseTimer(device)
@@ -251,15 +256,14 @@ class MethodRun:
 
         _set_rng_state(self.device, self._rng)
         with self.timer.watching([self.model, *self.proposer.modules()]), self.mem, self.nvml:
-            graphs = compiled_graphs() if self.compiled else 0
+            graphs = self._made()
             sync(self.device)
             harness, t0 = self.eng.harness_s, time.perf_counter()
             self.eng.serve(queue, int(cfg.max_new_tokens), self.gen, concurrency=int(cfg.bs), on_done=on_done)
             sync(self.device)
             # decoding, hashing and rendering the next turn (on_done) are the harness's, not the engine's
             dt = time.perf_counter() - t0 - (self.eng.harness_s - harness)
-            if self.compiled:
-                self.graphs_timed += compiled_graphs() - graphs
+            self.graphs_timed += self._made() - graphs
         self._take_trace()
         self.tally.timed(rep, dt)
         self._rng = _rng_state(self.device)
@@ -284,14 +288,13 @@ class MethodRun:
                 else:
                     prompts = [D.render(tokenizer, history[i], batch[i].turns[turn], self.chat) for i in rows]
                 self.tally.check_positions(max(prompts, key=len))
-                graphs = compiled_graphs() if self.compiled else 0
+                graphs = self._made()
                 sync(device)
                 t = time.perf_counter()
                 out = self.eng.generate(prompts, int(cfg.max_new_tokens), self.gen)
                 sync(device)
                 dt = time.perf_counter() - t
-                if self.compiled:
-                    self.graphs_timed += compiled_graphs() - graphs
+                self.graphs_timed += self._made() - graphs
                 self.tally.timed(rep, dt)
                 self._take_trace()
                 for i, r in zip(rows, out):
@@ -301,6 +304,12 @@ class MethodRun:
                 if progress is not None:
                     progress.update(len(rows))
         self._rng = _rng_state(device)
+
+    def _made(self) -> int:
+        """Graphs made so far: captured by the pool (compile=graphs), compiled (compile=true), or none."""
+        if self.pool is not None:
+            return self.pool.made
+        return compiled_graphs() if self.compiled else 0
 
     def metrics(self) -> tuple[dict, list[dict]]:
         """The job's metrics and its requests, once, after its last unit."""

@@ -104,7 +104,8 @@ def _record_base(cfg, method_name, device, dtype, sweep_id, refused: bool = Fals
         "dtype": str(dtype).replace("torch.", ""), "device": device.type,
         "kernel": None if on_vllm else _kernel_of(cfg, device) if resolve_kernel else _raw(cfg, "kernel"),
         "kernel_isa": _kernel_isa(cfg, device) if resolve_kernel else None,
-        **({"compile": True} if of(lambda: cfg.get("compile")) else {}),  # only when true: older records pair as eager
+        # only when not eager (older records pair as eager): true (torch.compile) or "graphs" (captured forwards)
+        **({"compile": cfg.get("compile")} if of(lambda: cfg.get("compile")) else {}),
         # accept=synthetic: only for a method that drafts (AR decodes the same either way, and pairs)
         **({"accept": accept} if accept and method_name != "ar" else {}),
         **(_vllm_fields(cfg) if on_vllm else {}),  # only for backend=vllm: older records are our engine's
@@ -248,7 +249,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
         else:
             model, tokenizer = cached_model(cfg.model, device, dtype,
                                             backends.resolve(cfg.get("kernel", "torch"), device),
-                                            bool(cfg.get("compile", False)))
+                                            cfg.get("compile", False) is True)  # graphs: captured by the engine
         if tune.wanted(cfg):  # K=auto: the setting chosen now (piloted on held-out prompts), then checked as any
             cfg, _ = tune.choose(cfg, model, tokenizer, device, dtype)
             check_prompts(cfg, questions, tokenizer, npos, device)

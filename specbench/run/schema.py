@@ -125,7 +125,7 @@ class Run:
     kernel: Literal[tuple(KERNELS) + tuple(ALIASES)]
     backend: Literal["specbench", "vllm"]
     vllm: Vllm
-    compile: bool
+    compile: Any  # true, false or graphs: models.check_compile says so in its own words
     warmup: bool
     repeats: int = setting(lo=1)
     resume: bool

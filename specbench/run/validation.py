@@ -41,7 +41,10 @@ def validate(cfg: DictConfig) -> int:
     device = resolve_device(cfg.device)
     resolve_dtype(cfg.dtype, device)
     compile_ = cfg.get("compile", False)  # the kernel resolved only when it matters (auto may build the extension)
-    check_compile(compile_, backends.resolve(cfg.get("kernel", "torch"), device) if compile_ is True else None)
+    check_compile(compile_, backends.resolve(cfg.get("kernel", "torch"), device) if compile_ else None)
+    if compile_ == "graphs" and (cfg.get("batching", "static") == "continuous" or cfg.get("prefill_chunk")):
+        raise ConfigError("compile=graphs runs static batches with whole prefills: use batching=static and no "
+                          "prefill_chunk, or compile=true")
     mconf = load_config(cfg.model)
     check_rollback(mconf)
     cands = []  # K=auto: each candidate setting the method lists, those that pass its checks
