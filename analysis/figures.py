@@ -76,8 +76,9 @@ def save(fig, out: Path, name: str, written: list) -> None:
 
 
 # ---------------------------------------------------------------------------- figures
-def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
-    sd = method_rows(df).dropna(subset=["speedup"])
+def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False, ycol="speedup"):
+    """``ycol`` (the speedup over AR, or ``tau``) against a setting ``xcol``, a line per series."""
+    sd = method_rows(df).dropna(subset=[ycol])
     sd = sd[sd[xcol].notna()].copy()
     for c in ("bs", "K", "ctx"):  # a series that varies in another setting too: one line per value, never a mean
         many = (sd.groupby("series")[c].transform("nunique") > 1) & ~(sd["K_auto"] & (c == "K"))  # K=auto: one policy
@@ -92,9 +93,9 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
     drew_ci = False
     for lab, g in sd.groupby("series"):
-        g = g.groupby(xcol, as_index=False)[["speedup", "speedup_lo", "speedup_hi"]].mean().sort_values(xcol)
-        ax.plot(g[xcol], g["speedup"], marker=mk[lab], ms=4, lw=1.5, color=cmap[lab], label=lab)
-        ci = g.dropna(subset=["speedup_lo", "speedup_hi"])
+        g = g.groupby(xcol, as_index=False)[["speedup", "speedup_lo", "speedup_hi", "tau"]].mean().sort_values(xcol)
+        ax.plot(g[xcol], g[ycol], marker=mk[lab], ms=4, lw=1.5, color=cmap[lab], label=lab)
+        ci = g.dropna(subset=["speedup_lo", "speedup_hi"]) if ycol == "speedup" else g.iloc[:0]
         if not ci.empty:  # 95% bootstrap interval over batches
             drew_ci = True
             # a percentile interval of a ratio of ratios can miss its own point estimate (two batches
@@ -102,7 +103,7 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
             ax.errorbar(ci[xcol], ci["speedup"], yerr=[(ci["speedup"] - ci["speedup_lo"]).clip(lower=0),
                                                        (ci["speedup_hi"] - ci["speedup"]).clip(lower=0)],
                         fmt="none", ecolor=cmap[lab], elinewidth=0.9, capsize=2.5)
-    ax.axhline(1.0, color="k", lw=0.8, ls="--", label=AR_LINE)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--", label=AR_LINE if ycol == "speedup" else "AR (tau 1)")
     if log2:
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(sd[xcol].unique()))
@@ -110,8 +111,9 @@ def fig_speedup_vs(df, out, written, xcol, xlabel, name, log2=False):
     else:  # K and the like are whole numbers
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("speedup over AR (tokens/s ratio)")
-    ax.set_title(f"Speedup vs {xlabel.split(' (')[0]}" + (" (bars: 95% bootstrap CI)" if drew_ci else "")
+    ax.set_ylabel("speedup over AR (tokens/s ratio)" if ycol == "speedup" else "mean accepted length tau (tokens/step)")
+    ax.set_title(("Speedup" if ycol == "speedup" else "Acceptance (tau)") + f" vs {xlabel.split(' (')[0]}"
+                 + (" (bars: 95% bootstrap CI)" if drew_ci else "")
                  + f"\n{subtitle(df)}")
     ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside: never over a line
     save(fig, out, name, written)

@@ -9,6 +9,7 @@ import pandas as pd
 
 from specbench.analysis import theory
 from specbench.decode.verify import SIBLING_RATES
+from specbench.run import metrics as M
 from specbench.run import records as R
 
 KEY = list(R.BASELINE_KEYS)
@@ -66,6 +67,8 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         row["alphas"] = m.get("accept_rate_per_pos") or []
         row["hist"] = m.get("accept_len_hist") or []
         row["requests"] = r.get("requests") or []
+        # tau and alpha_i by category, turn and thinking span; records before the field: from their requests
+        row["acceptance_by"] = m.get("acceptance_by") or M.acceptance_by(row["requests"], r.get("K") or 0)
         row["_key"] = json.dumps([R.current(r, k) for k in KEY], default=str, sort_keys=True)
         rows.append(row)
     df = pd.DataFrame(rows)

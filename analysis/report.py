@@ -4,9 +4,11 @@
                               [--sweep ID] [--out reports/NAME]
 
 Figures (``analysis.figures``): speedup vs batch size; acceptance per position; time split by
-phase; measured speedup against the theoretical bounds (``analysis.theory``); speedup vs K and vs
-context length; acceptance-length histogram; the trace-driven simulator's policies beside the
-measurement. Tables (``analysis.tables``): per category (Spec-Bench style) and the sweep table.
+phase; measured speedup against the theoretical bounds (``analysis.theory``); speedup vs K, and
+speedup and tau vs context length; acceptance-length histogram; acceptance by turn and inside or
+outside a thinking span (``analysis.splits``); the trace-driven simulator's policies beside the
+measurement. Tables (``analysis.tables``): per category (Spec-Bench style), the sweep table, and
+acceptance by turn and thinking span (``acceptance_by``; its CSV per category too).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from specbench.analysis.bound_figure import fig_bounds
 from specbench.analysis.figures import (fig_acceptance, fig_engines, fig_hist, fig_quality, fig_serving,
                               fig_simulator, fig_speedup_vs, fig_speedup_vs_concurrency, fig_time_split, fig_tuned)
 from specbench.analysis.load import k_label, load, load_cost_curves, method_rows, spec_len
+from specbench.analysis.splits import SPLITS, fig_split, split_rows, split_table
 from specbench.analysis.tables import (engines_table, identity_table, paper_per_category, paper_sweep, per_category,
                              sweep_table, to_latex, to_markdown, tuned_table)
 from specbench.analysis.bounds import STATE_GAP, batch_aware, curve_state_gap, simulated, verify_nodes
@@ -60,6 +63,7 @@ def build(records, out: Path, where: str | None = None, **filters) -> list[Path]
     fig_speedup_vs(df, out, written, "bs", "batch size (log2)", "speedup_vs_batch", log2=True)
     fig_speedup_vs(df, out, written, "K", "speculation length K", "speedup_vs_k")
     fig_speedup_vs(df, out, written, "ctx", "context length (tokens)", "speedup_vs_ctx", log2=True)
+    fig_speedup_vs(df, out, written, "ctx", "context length (tokens)", "tau_vs_ctx", log2=True, ycol="tau")
     fig_acceptance(df, out, written)
     fig_time_split(df, out, written)
     df["bound_batch"] = batch_aware(df, curves)  # from the profiled cost curve (NaN without one)
@@ -82,6 +86,9 @@ def build(records, out: Path, where: str | None = None, **filters) -> list[Path]
     fig_engines(df, out, written)
     fig_hist(df, out, written)
     fig_quality(df, out, written)
+    parts = split_rows(df)
+    for split in ("turn", "thinking"):
+        fig_split(df, parts, out, written, split)
     sim = simulated(df, curves)
     fig_simulator(sim, df, out, written)
     full = sweep_table(df)
@@ -98,6 +105,11 @@ def build(records, out: Path, where: str | None = None, **filters) -> list[Path]
         tables["per_category"] = (compact, "Speedup over AR per category, overall, and overall tau"
                                   + (f"; {fixed_c}" if fixed_c else ""))
     written += [out / "sweep.csv"] + ([out / "per_category.csv"] if not cat.empty else [])
+    if not parts.empty:  # every split, every position; the Markdown/LaTeX table: turns and thinking span
+        split_table(parts, SPLITS, None, full=True).to_csv(out / "acceptance_by.csv", index=False)
+        written.append(out / "acceptance_by.csv")
+        tables["acceptance_by"] = (split_table(parts), "Acceptance by turn and inside or outside the thinking span: "
+                                   "share of the job's steps, tau and alpha_i (per category: acceptance_by.csv)")
     ident = identity_table(df)
     if not ident.empty:
         tables["identity"] = (ident, "Greedy outputs identical to AR's, and the first divergence (floor: AR at "

@@ -15,6 +15,9 @@ A preset is ``conf/experiment/NAME.yaml`` (``# @package _global_``): its setting
       report: true                         # specbench.analysis.report over results_dir (the default)
 
 ``key=value`` arguments go to every sweep (``results_dir=...`` moves the whole benchmark).
+``--plan`` runs nothing: it prints each step and checks every job of every sweep as a job does
+before its weights load (the schema, the method's checks, its data set's file, ctx and prompts
+against the model's positions), so a long benchmark fails now, not an hour in.
 """
 
 from __future__ import annotations
@@ -92,6 +95,34 @@ def jobs(name: str, overrides: list[str]) -> list[list[str]]:
     return batch
 
 
+def plan(name: str, args: list[str]) -> list[str]:
+    """Each step of the benchmark as a line, a sweep's with its jobs (each method job runs its AR
+    beside it under ar_baseline=paired), every job checked as ``runner.job`` checks it before any
+    weights load (``validation.validate``); nothing runs. A job that would fail raises its ConfigError."""
+    from hydra import compose, initialize_config_dir
+
+    from specbench.errors import ConfigError
+    from specbench.run.validation import validate
+
+    lines, marker = [], f"+experiment={name}"
+    for i, cmd in enumerate(steps(name, args), 1):
+        text = shlex.join(cmd[1:] if cmd[0] == sys.executable else cmd)
+        if marker in cmd:
+            overrides = cmd[cmd.index(marker) + 1:]
+            own = [o for o in overrides if o.startswith("hydra.")]
+            todo = jobs(name, overrides)
+            for job in todo:
+                with initialize_config_dir(str(CONF_DIR), version_base=None):
+                    cfg = compose("config", overrides=[marker, *own, *job])
+                try:
+                    validate(cfg)
+                except ConfigError as e:
+                    raise ConfigError(f"step {i}, job {' '.join(job)}: {e}") from None
+            text += f"  [{len(todo)} jobs: " + "; ".join(" ".join(j) for j in todo) + "]"
+        lines.append(f"step {i}: {text}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -99,7 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         for n in names():
             print(f"  {n:<18} {(load(n).get('bench') or {}).get('about', '')}")
         return 0
-    name, args = argv[0], argv[1:]
+    name, args = argv[0], [a for a in argv[1:] if a != "--plan"]
+    if "--plan" in argv:
+        from specbench.errors import ConfigError
+
+        try:
+            print("\n".join(f"[bench {name}] {line}" for line in plan(name, args)))
+        except ConfigError as e:
+            print(f"[bench {name}] {e}", file=sys.stderr)
+            return 2
+        return 0
     todo = steps(name, args)
     for i, cmd in enumerate(todo, 1):
         print(f"[bench {name}] step {i}/{len(todo)}: {shlex.join(cmd[1:] if cmd[0] == sys.executable else cmd)}",

@@ -92,7 +92,7 @@ def test_the_old_draft_group_name_still_works_with_a_warning(capsys):
         schema.check(cfg)
 
 
-TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, batching, rate, prefill_chunk, slo, tune, "
+TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, batching, rate, prefill_chunk, slo, tune, thinking, "
             "ctx, limit, max_new_tokens, temperature, top_k, top_p, seed, dtype, device, kernel, backend, vllm, "
             "compile, warmup, repeats, resume, ar_baseline, results_dir, records, progress")
 

@@ -1,8 +1,12 @@
 """What a reader of the report sees: every figure whole (no text cut at the image's edge), sharp
 (200 dpi), with embedded TrueType fonts in its PDF, and saying what it leaves out. Run on the
 gallery's sets of committed baselines (analysis.gallery: every figure the report draws from
-them), the first of them 12 methods, AR included."""
+them), the first of them 12 methods, AR included, and on a set made from the test fixture for
+the figures no baseline draws (a sweep over ctx, a model that thinks)."""
 
+import contextlib
+import io
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,35 @@ from matplotlib.figure import Figure
 from matplotlib.text import Text
 from PIL import Image
 
-from specbench.analysis import bound_figure, figures, gallery
+from specbench.analysis import bound_figure, figures, gallery, report
+from specbench.run import records as R
+
+FIX = Path(__file__).parent / "fixtures" / "records.jsonl"
+
+
+def ctx_and_thinking_set(out: Path) -> tuple[list[Path], str]:
+    """The fixture's bs-1 jobs at three input lengths (``ctx``; tau falling with it), each request
+    thinking over its first half of steps (``thinking_steps``, as a model with ``<think>`` records):
+    the report of it, as ``gallery.build_set`` gives one."""
+    recs = [r for r in R.read(FIX) if r["status"] == "ok" and r["bs"] == 1]
+    path = out.parent / f"{out.name}-records" / "records.jsonl"
+    for i, ctx in enumerate((256, 1024, 4096)):
+        for r in recs:
+            r = json.loads(json.dumps(r))
+            r["ctx"] = ctx
+            if r["method"] != "ar":
+                r["metrics"]["tau"] = 1 + (r["metrics"]["tau"] - 1) * (1 - 0.2 * i)
+                r["metrics"]["speedup"] *= 1 - 0.1 * i
+            for q in r["requests"]:
+                q["thinking_steps"] = [[0, q["steps"] // 2]]
+            R.append(path, r)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        written = report.build(path.parent, out)
+    return written, err.getvalue()
+
+
+SETS = [*gallery.SETS, "ctx-thinking"]
 
 def _build(name, tmp):
     """The report of one gallery set: its files, every PNG's drawn texts (text, extent in the
@@ -37,7 +69,7 @@ def _build(name, tmp):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Text, "draw", draw)
         mp.setattr(Figure, "savefig", spy)
-        written, err = gallery.build_set(name, tmp)
+        written, err = gallery.build_set(name, tmp) if name in gallery.SETS else ctx_and_thinking_set(tmp)
     return written, drawn, figs, err
 
 
@@ -50,7 +82,7 @@ def _built(name, tmp_path_factory):
     return _BUILT[name]
 
 
-@pytest.fixture(scope="module", params=list(gallery.SETS))
+@pytest.fixture(scope="module", params=SETS)
 def any_set(request, tmp_path_factory):
     return _built(request.param, tmp_path_factory)
 
@@ -149,3 +181,20 @@ def test_series_that_priced_or_drafted_differently_are_told_apart():
     assert label({**ds, "method_cfg": {"sample_drafts": True}}) == "dspark"
     assert label({**ds, "method_cfg": {}}) == "dspark (argmax drafts)"
     assert label({**ds, "temperature": 0.0, "method_cfg": {}}) == "dspark"
+
+
+def test_the_ctx_sweep_draws_speedup_and_tau_and_the_thinking_split_its_parts(tmp_path_factory):
+    written, _, figs, _ = _built("ctx-thinking", tmp_path_factory)
+    names = {p.name for p in written}
+    assert {"speedup_vs_ctx.png", "tau_vs_ctx.png", "acceptance_by_thinking.png", "acceptance_by_turn.png"} <= names
+    ax = figs["tau_vs_ctx"].axes[0]
+    assert ax.get_ylabel().startswith("mean accepted length tau")
+    pld4 = next(ln for ln in ax.get_lines() if ln.get_label() == "pld (unpaired), K=4")
+    assert list(pld4.get_xdata()) == [256, 1024, 4096] and list(pld4.get_ydata()) == sorted(pld4.get_ydata())[::-1]
+    legend = [t.get_text() for t in figs["acceptance_by_thinking"].axes[1].get_legend().get_texts()]
+    assert legend == ["inside thinking", "outside thinking"]
+    md = next(p for p in written if p.name == "acceptance_by.md").read_text()
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in md.splitlines() if ln.startswith("| pld")]
+    inside = [float(r[2]) for r in rows if r[1] == "inside thinking"]  # steps %: each request's first half
+    assert len(inside) == 6 and all(40 < x <= 50 for x in inside), rows
+    assert {r[1] for r in rows} == {"turn 1", "turn 2", "inside thinking", "outside thinking"}

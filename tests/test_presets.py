@@ -116,3 +116,16 @@ def test_make_help_lists_the_targets():
     out = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     for target in ("run", "test", "bench", "regress", "gpu-check"):
         assert any(line.split()[0] == target for line in out.splitlines() if line.strip())
+
+
+def test_plan_checks_every_job_of_a_benchmark_and_runs_nothing(capsys):
+    """``--plan``: each step with its jobs, each held to the checks a job makes before its weights
+    load; the workloads preset: MT-Bench's 8 categories, both turns, then three input lengths."""
+    lines = bench.plan("workloads", [])
+    assert len(lines) == 3 and lines[2].endswith("--out results/bench-workloads/report")
+    assert "[3 jobs: method=pld dataset=mt_bench; method=suffix" in lines[0]
+    assert "[9 jobs: " in lines[1] and all(f"ctx={n}" in lines[1] for n in (1024, 2048, 4096))
+    cfg = OmegaConf.create(composed(["+experiment=workloads", *bench.jobs("workloads", [])[0]]))
+    assert (cfg.limit, cfg.dataset.order, cfg.dataset.max_turns, cfg.ar_baseline) == (8, "categories", None, "paired")
+    assert bench.main(["workloads", "--plan", "ctx=8192"]) == 2  # beyond SmolLM2's 8192 positions, refused now
+    assert "ctx=8192 + max_new_tokens=128" in capsys.readouterr().err

@@ -68,6 +68,8 @@ class Tally:
         self.wall, self.n_batches = 0.0, 0
         self.rep_tokens, self.rep_wall = [0] * self.repeats, [0.0] * self.repeats
         self.trace: list[tuple[float, int, int]] = []  # (step duration, rows in flight, tokens) of every decoding step
+        # thinking.open / .close as token ids (None: the tokenizer has neither): each request's steps inside
+        self.think = M.thinking_tags(tokenizer, cfg.get("thinking"))
 
     def units(self) -> list[tuple[int, int]]:
         """(repeat, first question) of every batch, in order; repeats=N measures the set N times.
@@ -105,6 +107,7 @@ class Tally:
             "eos": r.hit_eos, "out_sha": hashlib.sha1(str(toks).encode()).hexdigest()[:16],
             "prompt_sha": hashlib.sha1(str(prompt).encode()).hexdigest()[:16],
             "tokens": toks,
+            **({"thinking_steps": M.thinking_steps(prompt, toks, r.accept_lens, self.think)} if self.think else {}),
             "_lens": r.accept_lens, "_nodes": sum(r.drafted), "_fnodes": sum(r.nodes), "_vnodes": sum(r.valid_nodes),
             "_text": text, "_itl": itl,
         }
@@ -134,6 +137,8 @@ class Tally:
             "wall_s": wall,
             "tokens_per_s": new_tokens / wall if wall > 0 else None,
             **M.acceptance(lens, self.K, requests, *nodes),
+            "acceptance_by": M.acceptance_by(requests, self.K),  # per category, turn, thinking span
+            **({"thinking_tags": {k: self.cfg.thinking.get(k) for k in ("open", "close")}} if self.think else {}),
             "iterations": iterations,
             "batches": self.n_batches,
             **M.phases(times, wall),

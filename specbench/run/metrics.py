@@ -18,6 +18,12 @@
   E2E to its last token; each as ``{mean, p50, p90, p99, n}`` (nearest rank).
 - **Goodput**: requests per second whose TTFT and TPOT stay within the SLO.
 - **In flight**: requests in flight, time-weighted (``in_flight``).
+- **Acceptance by part** (``acceptance_by``): tau and alpha_i as above over the steps of one
+  category, one turn, or (for a model that thinks) the steps that began inside or outside its
+  thinking span. A step belongs to the span it began in: the state after the prompt and the tokens
+  emitted before it (the prefill's token first), a span opening at ``thinking.open`` (in the
+  output, or in the prompt where a chat template opens it for the model) and closing at
+  ``thinking.close`` (the step that emits the close is inside).
 """
 
 from __future__ import annotations
@@ -83,9 +89,91 @@ def latency(requests: list[dict], itls: list[float], wall: float) -> dict:
     }
 
 
+DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
 def encode_accepts(lens: list[int]) -> str:
     """Per-step accepted draft counts, one base-36 digit a step."""
-    return "".join("0123456789abcdefghijklmnopqrstuvwxyz"[min(x, 35)] for x in lens)
+    return "".join(DIGITS[min(x, 35)] for x in lens)
+
+
+def decode_accepts(s: str) -> list[int]:
+    """``encode_accepts`` undone (a count over 35 reads 35)."""
+    return [int(c, 36) for c in s or ""]
+
+
+def thinking_tags(tokenizer, tcfg) -> tuple[set, set] | None:
+    """``thinking.open`` / ``thinking.close`` as token ids: (open ids, close ids), each a token of the
+    tokenizer's own vocabulary (an added token such as Qwen3's or DeepSeek-R1's ``<think>``); None,
+    no split, when the tokenizer has neither as one token or both are null (a tag spelt over several
+    tokens is not matched: its pieces merge differently in context)."""
+    if not tcfg or tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return None
+    vocab = tokenizer.get_vocab()
+    tags = tuple({vocab[t]} if isinstance(t, str) and t in vocab else set()
+                 for t in (tcfg.get("open"), tcfg.get("close")))
+    return tags if any(tags) else None
+
+
+def thinking_steps(prompt: list[int], tokens: list[int], lens: list[int], tags: tuple[set, set]) -> list[list[int]]:
+    """The decoding steps that began inside a thinking span, as [first, end) step ranges (module
+    docstring). ``tokens``: the request's output (its first token is the prefill's, not a step's);
+    ``lens``: accepted drafts per step (a step emits them and one token of its own)."""
+    opens, closes = tags
+    inside = False
+
+    def scan(toks):
+        nonlocal inside
+        for t in toks:
+            if t in opens:
+                inside = True
+            elif t in closes:
+                inside = False
+
+    scan(prompt)
+    scan(tokens[:1])
+    spans, pos = [], 1
+    for s, n in enumerate(lens):
+        if inside:
+            if spans and spans[-1][1] == s:
+                spans[-1][1] = s + 1
+            else:
+                spans.append([s, s + 1])
+        scan(tokens[pos:pos + n + 1])
+        pos += n + 1
+    return spans
+
+
+def acceptance_by(requests: list[dict], K: int) -> dict:
+    """tau and alpha_i per category, per turn and, where the requests carry ``thinking_steps``,
+    inside and outside the thinking span: ``{"category": {name: part}, "turn": {"1": part, ...},
+    "thinking": {"inside": part, "outside": part}}``, each part ``{steps, tau, accept_rate_per_pos}``
+    (positions up to the job's deepest, so parts line up), from each request's ``accepts``; {} when
+    the requests lack them."""
+    per = [(rq, decode_accepts(rq["accepts"])) for rq in requests if isinstance(rq.get("accepts"), str)]
+    if not per:
+        return {}
+    depth = max([K or 0] + [x for _, ls in per for x in ls])
+
+    def part(lens):
+        n = len(lens)
+        return {"steps": n, "tau": 1.0 + sum(lens) / n if n else None,
+                "accept_rate_per_pos": [sum(1 for x in lens if x >= i) / n for i in range(1, depth + 1)] if n else []}
+
+    out = {}
+    for key in ("category", "turn"):
+        groups: dict = {}
+        for rq, ls in per:
+            groups.setdefault(str(rq.get(key)), []).extend(ls)
+        out[key] = {k: part(v) for k, v in groups.items()}
+    if any("thinking_steps" in rq for rq, _ in per):
+        inside, outside = [], []
+        for rq, ls in per:
+            mark = {s for a, b in rq.get("thinking_steps") or [] for s in range(a, b)}
+            for s, x in enumerate(ls):
+                (inside if s in mark else outside).append(x)
+        out["thinking"] = {"inside": part(inside), "outside": part(outside)}
+    return out
 
 
 def percentiles(xs: list[float]) -> dict | None:

@@ -99,6 +99,12 @@ class Vllm:
 
 
 @dataclass
+class Thinking:  # a model that thinks: its span's tags, each one token of its vocabulary (null: none)
+    open: Optional[str]
+    close: Optional[str]
+
+
+@dataclass
 class Run:
     model: Model
     dataset: Dataset
@@ -113,6 +119,7 @@ class Run:
     prefill_chunk: Optional[int] = setting(lo=1)
     slo: Slo
     tune: Tune
+    thinking: Thinking
     ctx: Optional[int] = setting(lo=1)
     limit: Optional[int] = setting(lo=1)
     max_new_tokens: int = setting(lo=1)
