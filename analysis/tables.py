@@ -167,7 +167,7 @@ def paper_sweep(full: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     varying, fixed = _fixed(full, SETTINGS)
     t = full[["method", *varying]].copy()
     t["tau"] = full["tau"]
-    t["speedup (95% CI)"] = [("-" if not (s == s) else f"{s:.2f}x" + (f" ({ci})" if isinstance(ci, str) else "")
+    t["speedup (95% CI)"] = [("-" if s is None or not (s == s) else f"{s:.2f}x" + (f" ({ci})" if isinstance(ci, str) else "")
                               + (" (unpaired)" if ar == "unpaired" else "")
                               + (" (above tau: AR slowed?)" if isinstance(flag, str) else ""))
                              for s, ci, ar, flag in zip(full["speedup"], full["95% CI"],
