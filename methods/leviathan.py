@@ -164,7 +164,7 @@ class Leviathan(Proposer):
         self.V = int(text_config(target.config).vocab_size)
         self.dcache: RaggedCache | None = None
         self.fed: list[list[int]] = []  # per row, the tokens in its draft cache (those known on the host)
-        self.unread = 0  # drafts fed to the draft cache since, whose values the host has not read
+        self.unread = None  # [B, K-1] drafts fed to the draft cache since, whose values the host has not read
 
     def modules(self):
         return [self.draft]
@@ -228,18 +228,24 @@ class Leviathan(Proposer):
             tok, q = self._pick(out.logits[:, -1], state)
             drafts.append(tok)
             qs.append(q)
-        self.unread = self.K - 1  # the drafts fed to the draft cache: their values come with the verdict (update)
+        # the drafts fed to the draft cache: their values come with the verdict (host, then update)
+        self.unread = torch.stack(drafts[:-1], dim=1) if self.K > 1 else None
         tokens = torch.stack(drafts, dim=1)
         qt = None if state.sampling.greedy else torch.stack(qs, dim=1)
         return Draft.chain(tokens, q=qt)
 
+    def host(self, state: BatchState):
+        """The drafts this step fed to the draft cache (read with the verdict, in the step's one read)."""
+        return self.unread
+
     def update(self, state: BatchState, accepted, hidden=None) -> None:
-        """The drafts fed to the draft cache that were accepted are what ``fed`` records of them; the
-        first one that was not differs from the committed token there (the target's correction), so
-        the cache keeps the accepted ones only and the next ``propose`` rolls the rest back."""
-        for fed, acc in zip(self.fed, accepted):
-            fed.extend(acc[:self.unread])
-        self.unread = 0
+        """``fed`` learns the values of the drafts fed to the draft cache (the next ``propose`` rolls
+        back those the committed sequence does not hold: whoever drafted what was verified, as a
+        member of combo or SAM's fallback too)."""
+        rows = self.host_rows(state) if self.unread is not None else None
+        for fed, row in zip(self.fed, rows or ()):
+            fed.extend(row)
+        self.unread = None
 
     def select_rows(self, keep: list[int]) -> None:
         self.fed = [self.fed[i] for i in keep]

@@ -33,6 +33,7 @@ from transformers.cache_utils import DynamicLayer
 from specbench.decode.hidden import Tap
 from specbench.decode.kv import RaggedCache
 from specbench.errors import ConfigError
+from specbench.hf import cache_kwarg
 
 
 def bucket(n: int, cap: int | None = None) -> int:
@@ -91,9 +92,24 @@ class GraphPool:
         self.graphs: dict = {}
         self.made = 0  # graphs captured (or compiled) so far
         self.cache = DynamicCache()
+        self.kw = cache_kwarg(model)  # the keyword its forward takes the cache under
         self.tap = None  # the engine's hidden-state tap (``Tap``): its names, and its states filled after a run
         self.own_taps: dict = {}  # names -> the pool's own Tap, hooked before any graph is made with it
         self.timer = None  # the engine's PhaseTimer: a replay is model forward time
+
+    def reserve(self, rows: int, width: int) -> None:
+        """Room for ``rows`` rows and ``width`` slots from now on (a job's longest prompts and answers),
+        so that no batch of the timed job makes the buffers, and every graph, anew."""
+        if self.k:
+            self.claim(rows, width, [types.SimpleNamespace(keys=k, values=v) for k, v in zip(self.k, self.v)])
+
+    def close(self) -> None:
+        """Drop the buffers, the graphs and the pool's own hooks (the job is over)."""
+        for t in self.own_taps.values():
+            t.close()
+        self.own_taps, self.graphs, self.k, self.v, self.rows, self.width = {}, {}, [], [], 0, 0
+        if getattr(self.model, "_specbench_graphs", None) is self:
+            self.model._specbench_graphs = None
 
     def claim(self, rows: int, width: int, like: list) -> None:
         """Buffers for ``rows`` rows and ``width`` slots, shaped as the layers ``like`` (a prefill's);
@@ -142,7 +158,7 @@ class GraphPool:
         met = {k[1] for k in self.graphs}
         for B in sorted({bucket(b, self.rows) for b in range(1, rows + 1)}):
             for n in sorted(met | {bucket(m) for m in range(1, nodes + 1)}):
-                if (B, n) in self.graphs or n > self.width:
+                if (B, n, self.tap.names if self.tap is not None else ()) in self.graphs or n > self.width:
                     continue
                 ok = torch.zeros(B, n, self.width, dtype=torch.bool, device=dev)
                 ok[:, :, :n] = torch.eye(n, dtype=torch.bool, device=dev)
@@ -165,9 +181,8 @@ class _Graph:
         self.slots = torch.arange(n, device=dev)
         self.tapped: dict = {}
         self.graph = None
-        if dev.type == "cuda":
-            self._capture()
-        else:
+        self.cuda = dev.type == "cuda"  # captured at its first call, over that call's inputs
+        if not self.cuda:
             import torch._dynamo.config as dynamo_config
 
             # every bucket is a specialisation of the one forward: past dynamo's limit of 8 it would run
@@ -179,14 +194,12 @@ class _Graph:
     def _forward(self, tokens, pos, mask):
         # the model's forward, not its __call__: the engine's timer hooks on the target stay outside
         # (the pool times the call itself); its layers' hooks (the hidden-state tap) are inside
-        return self.pool.model.forward(input_ids=tokens, attention_mask=mask, position_ids=pos, cache=self.pool.cache,
-                               use_cache=True, logits_to_keep=0).logits
+        return self.pool.model.forward(input_ids=tokens, attention_mask=mask, position_ids=pos,
+                                       **{self.pool.kw: self.pool.cache}, use_cache=True, logits_to_keep=0).logits
 
     def _capture(self) -> None:
-        pool = self.pool
-        pool.slots = self.slots
-        self.mask.fill_(torch.finfo(pool.dtype).min)
-        self.mask[..., :self.slots.numel()] = 0  # any finite rows (the slots written are scratch until committed)
+        """Two warm runs on a side stream, then the capture, all over the first call's inputs: what
+        they write goes to that call's own slots (scratch until committed), never to a row's prefix."""
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -205,8 +218,10 @@ class _Graph:
         self.mask.copy_(mask)
         self.slots.copy_(slots)
         self.pool.slots = self.slots
-        if self.graph is None:
+        if not self.cuda:
             return self.fn(self.tokens, self.pos, self.mask)
+        if self.graph is None:
+            self._capture()
         self.graph.replay()
         return self.out
 
@@ -241,7 +256,7 @@ class GraphCache(RaggedCache):
         self.room = 0
 
     def prefill(self, prompts, room: int = 0, **model_kwargs):
-        out = super().prefill(prompts, room, **model_kwargs)  # eagerly, into a slab; then into the pool's buffers
+        out = super().prefill(prompts, 0, **model_kwargs)  # eagerly, into a slab (no room: it is copied)
         layers = self.cache.layers
         need = self.C + room + bucket(room)  # the widest forward, padded, still fits after the longest row
         self.pool.claim(len(prompts), -(-need // 256) * 256, layers)  # whole 256s: later batches fit more often

@@ -189,7 +189,8 @@ class MethodRun:
             if self.compiled:  # every graph the timed job can need, with the method's taps in place
                 warm_compiled(model, len(ids), device, dtype, self.proposer.hidden_layers)
             engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
-            if self.pool is not None:  # every (rows, nodes) bucket the job can meet, captured now
+            if self.pool is not None:  # room for the job's longest turns, and every bucket it can meet, now
+                self.pool.reserve(len(ids), self._graph_width(ids))
                 self.pool.warm(len(ids), self.K + 1)
             self.proposer.restore(fresh)  # the warm-up's answers are the timed prompts': forgotten
         self._fresh, self._rep = fresh, 0
@@ -207,7 +208,17 @@ class MethodRun:
         self.rate = rate_of(cfg)
 
     def close(self) -> None:
-        """Release what the run holds outside this process (nothing: our engine is in it)."""
+        """Release what the run holds outside this process (nothing: our engine is in it), and
+        compile=graphs' pool (its buffers, graphs and hooks on the target)."""
+        if self.pool is not None:
+            self.pool.close()
+
+    def _graph_width(self, ids) -> int:
+        """Slots compile=graphs' buffers get before the timing: the longest first prompt twice (a
+        second turn carries the first), two answers, and the widest forward padded; a longer batch
+        still grows them, and its captures count in ``graphs_in_timing``."""
+        longest = max(len(p) for p in ids)
+        return 2 * longest + 2 * int(self.cfg.max_new_tokens) + 256
 
     def own_peak(self) -> int:
         """The run's own peak memory: its models' weights (shared ones once), plus on a GPU the most
@@ -216,6 +227,8 @@ class MethodRun:
         caches held at once: the target's KV cache's buffers and the method's own tensors (its
         drafter's cache; the process's RSS counts every run in it: ``process_peak_bytes``)."""
         extra = self.mem.transient if self.device.type == "cuda" else self.eng.peak_cache_bytes
+        if self.pool is not None and self.device.type == "cuda":  # its buffers were made before the timing
+            extra += self.pool.nbytes()
         return self.weight_bytes + extra
 
     def units(self) -> list[tuple[int, int]]:
