@@ -252,7 +252,7 @@ def main(argv=None) -> int:
         print(f"{r['method']} K={r['K']} on {r['dataset']}: {len(r['requests'])} requests, {m['steps']} steps, "
               f"tau {m['tau']:.2f} (per request {m['tau_per_request']:.2f}), alpha "
               + " ".join(f"{x:.2f}" for x in m["accept_rate_per_pos"][:r["K"]]))
-    print(f"{len(recs)} record(s) appended to {a.out}; `python -m specbench.analysis.report {Path(a.out).parent}` "
+    print(f"{len(recs)} record(s) appended to {a.out}; `python -m specbench.analysis.report {a.out} --out <folder>` "
           "draws them")
     return 0
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from specbench.analysis.costmodel import resolve
 from specbench.analysis.ingest import DIGITS
-from specbench.errors import ConfigError
+from specbench.errors import ConfigError, did_you_mean
 from specbench.run import records as R
 
 # SpecDecode-Bench's assumed chance that n-gram lookup finds a match at a step that accepts nothing
@@ -182,7 +182,9 @@ def requests_of(recs: list[dict], dataset: str | None = None) -> tuple[list, str
                 order.append(r["id"])
             by.setdefault(r["id"], (int(r.get("prompt_tokens") or 0), {}))[1][prop] = trace(r)
     if not by:
-        raise ConfigError("no records with traces to replay")
+        there = sorted({str(r.get("dataset")) for r in recs})
+        raise ConfigError("no records with traces to replay" + (f" in data set {dataset}; the records' data sets: "
+                                                                 f"{', '.join(there)}" if dataset else ""))
     return [by[i] for i in order], ds or ""
 
 
@@ -208,10 +210,20 @@ def main(argv=None) -> int:
             raise ConfigError(f"{a.records}: no such file")
         reqs, ds = requests_of(R.read(a.records), a.dataset)
         bs_list = [int(x) for x in a.bs.split(",")]
+        if any(b < 1 for b in bs_list):
+            raise ConfigError(f"--bs {a.bs}: batch sizes are positive integers")
+        have = set(reqs[0][1])
+        kinds = sorted(have) + (["combined"] if len(have) > 1 else [])
+        for prop in a.proposer.split(","):
+            if prop not in kinds:
+                raise ConfigError(f"--proposer {prop}:{did_you_mean(prop, kinds)} the records' proposers are "
+                                  f"{', '.join(kinds)}")
+        for pol in a.policy.split(","):
+            if pol != "oracle" and not (pol.startswith("fixed-") and pol[6:].isdigit() and int(pol[6:]) > 0):
+                raise ConfigError(f"--policy {pol}: a policy is fixed-K (K a positive integer) or oracle")
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
     rows = []
-    have = set(reqs[0][1])
     for prop in a.proposer.split(","):
         if prop != "combined" and prop not in have or prop == "combined" and len(have) < 2:
             continue

@@ -277,7 +277,8 @@ def table(rows: list) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m specbench.audit", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bs", default="1,8", help="batch sizes (ragged prompts)")
     ap.add_argument("--tokens", type=int, default=24, help="new tokens a row (its steps)")
     ap.add_argument("--ctx", default="", help="context lengths: prompts up to that long (default 4-23 tokens), "
@@ -287,15 +288,31 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip the fullgraph checks (the slow part)")
     ap.add_argument("--out", default="results/audit.json")
     a = ap.parse_args(argv)
-    ctxs = [int(c) for c in a.ctx.split(",") if c.strip()] or [None]
-    rows = audit(a.methods, [int(b) for b in a.bs.split(",")], a.tokens, a.device, not a.no_compile, ctxs=ctxs)
+    from specbench import methods
+    from specbench.errors import did_you_mean
+
+    try:
+        ctxs = [int(c) for c in a.ctx.split(",") if c.strip()] or [None]
+        bss = [int(b) for b in a.bs.split(",")]
+    except ValueError:
+        ap.error(f"--bs {a.bs} / --ctx {a.ctx}: comma-separated positive integers, e.g. --bs 1,8 --ctx 16,256")
+    if any(b < 1 for b in bss) or any(c is not None and c < 1 for c in ctxs) or a.tokens < 2:
+        ap.error("--bs and --ctx take positive integers, --tokens at least 2")
+    known = methods.builtin()
+    for m in a.methods or ():
+        if m not in known and ":" not in m:
+            ap.error(f"unknown method {m};{did_you_mean(m, known)} built-in: {', '.join(known)} (or module:Class)")
+    rows = audit(a.methods, bss, a.tokens, a.device, not a.no_compile, ctxs=ctxs)
     keep = ("method", "bs", "ctx", "host_reads_per_step", "ops_per_step", "bytes_per_step", "fullgraph", "reads", "bytes_by_op", "note",
             "error")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps([{k: r[k] for k in keep if k in r} for r in rows], indent=1) + "\n")
     print(table(rows))
     print(f"audit: {len(rows)} rows in {a.out}")
-    return 0
+    failed = [f"{r['method']} bs={r['bs']}" for r in rows if "error" in r]
+    if failed:
+        print(f"audit: {len(failed)} row(s) failed ({', '.join(failed)}): their error is in the table", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

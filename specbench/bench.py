@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         from specbench.errors import ConfigError
 
         try:
+            from specbench.__main__ import preprocess
+
+            preprocess(list(args))  # a misspelt key or value: the one line `python -m specbench` gives
             print("\n".join(f"[bench {name}] {line}" for line in plan(name, args)))
         except ConfigError as e:
             print(f"[bench {name}] {e}", file=sys.stderr)

@@ -14,7 +14,8 @@ are spent, each under the time that is left, and leaves at most 8 files in ``--o
 run has measured still comes back.
 
 Steps (``--size full``; ``--size tiny`` is the same script on a few prompts and batch sizes 1 and 3,
-the dry run CI keeps from rotting). The first six give what a first loan must bring back (issue 56); the dry run graphs AR only:
+the dry run CI keeps from rotting). The first six give what a first loan must bring back (issue 56);
+the dry run graphs AR only:
 1. ``suite``: the device-portable tests on the device (``SPECBENCH_TEST_DEVICE``) and the ``gpu`` ones;
 2. ``modes``: AR at each batch size eager and ``compile=graphs`` (its step time against the HBM roofline);
 3. ``audit``: ``specbench.audit`` on the device (host reads, ops and bytes a step);

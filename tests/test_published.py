@@ -146,7 +146,7 @@ def causal_step(d, ref):
     empty = torch.zeros(B, d.block.Hk, 0, d.block.Dh)
     causal = torch.ones(T, T, dtype=torch.bool).tril()[None].expand(B, T, T)
     with torch.no_grad():
-        return d.step(f, ids, pos, empty, empty, causal)[0]
+        return d.step(f, ids, pos, (empty, empty), causal)[0]
 
 
 def eagle_cfg(folder, **kw):
@@ -365,9 +365,9 @@ def test_eagle31_gives_its_references_two_drafting_steps_and_runs(target8):
     causal = torch.ones(T, T).tril().bool()[None]
     empty = torch.zeros(1, d.block.Hk, 0, d.block.Dh)
     with torch.no_grad():
-        h0, k0, v0 = d.step(taps, tokens, pos, empty, empty, causal)
+        h0, k0, v0 = d.step(taps, tokens, pos, (empty, empty), causal)
         nxt = torch.cat([tokens[:, 1:], tokens.new_zeros(1, 1)], 1)  # its teacher-forced next tokens
-        h1, _, _ = d.step(h0, nxt, pos + 1, k0, v0, torch.cat([causal, torch.eye(T).bool()[None]], 2))
+        h1, _, _ = d.step(h0, nxt, pos + 1, (k0, v0), torch.cat([causal, torch.eye(T).bool()[None]], 2))
         torch.testing.assert_close(d.logits(h0)[0], ref["logits"][0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(d.logits(h1)[0, :-1], ref["logits"][1][:-1], rtol=1e-4, atol=1e-4)
     cfg = eagle_cfg(SPECULATORS31, version=3.1)

@@ -190,6 +190,8 @@ class MethodRun:
                 warm_compiled(model, len(ids), device, dtype, self.proposer.hidden_layers)
             engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
             if self.pool is not None:  # room for the job's longest turns, and every bucket it can meet, now
+                print(f"[specbench] {method_name}: compile=graphs: capturing the target's forwards for each "
+                      f"(rows, nodes) bucket up to bs={len(ids)} (untimed; minutes on a CPU)", file=sys.stderr)
                 self.pool.reserve(len(ids), self._graph_width(ids))
                 self.pool.warm(len(ids), self.K + 1)
             self.proposer.restore(fresh)  # the warm-up's answers are the timed prompts': forgotten
