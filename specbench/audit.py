@@ -150,16 +150,12 @@ def _fullgraph(fn, *args) -> tuple[bool, str | None, object]:
         dynamo.reset()
 
 
-def audit_one(name: str, bs: int, tokens: int, folder: Path, model, tok, device, compile_check: bool = True,
-              ctx: int | None = None) -> dict:
-    """One method at one batch size: its per-step counts (see the module's docstring)."""
+def tiny_proposer(name: str, model, tok, folder: Path, device):
+    """Method ``name`` on the tiny target saved in ``folder / "target"`` (``_tiny_target``), with its
+    own ``tiny`` settings (a random drafter saved under ``folder / name``), checked and built."""
     from omegaconf import OmegaConf
 
     from specbench import methods
-    from specbench.decode import walk
-    from specbench.decode.engine import Engine
-    from specbench.decode.timing import PhaseTimer
-    from specbench.decode.verify import Sampling
 
     cls = methods.get(name)
     cfg = OmegaConf.create({"K": 3, "progress": False, "temperature": 0.0, "seed": 0,
@@ -168,7 +164,18 @@ def audit_one(name: str, bs: int, tokens: int, folder: Path, model, tok, device,
                             "method": methods.defaults(name)})
     cfg = OmegaConf.merge(cfg, cls.tiny(model, tok, folder / name))
     cls.check(cfg, model.config)
-    prop = cls(cfg, model, tok, device, torch.float32)
+    return cls(cfg, model, tok, torch.device(device), torch.float32)
+
+
+def audit_one(name: str, bs: int, tokens: int, folder: Path, model, tok, device, compile_check: bool = True,
+              ctx: int | None = None) -> dict:
+    """One method at one batch size: its per-step counts (see the module's docstring)."""
+    from specbench.decode import walk
+    from specbench.decode.engine import Engine
+    from specbench.decode.timing import PhaseTimer
+    from specbench.decode.verify import Sampling
+
+    prop = tiny_proposer(name, model, tok, folder, device)
     eng = Engine(model, prop, Sampling(), device, torch.float32, set(), PhaseTimer(device))
     g = torch.Generator().manual_seed(bs)
     lo, hi = (4, 24) if ctx is None else (max(1, ctx - 8), ctx + 1)  # ragged prompts (``ctx``: up to that long)

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch._dynamo.utils import counters
 
-from specbench import audit, methods
+from specbench import audit
 from specbench.decode.engine import Engine
 from specbench.decode.graphs import GraphCache, bucket, pool_of
 from specbench.decode.timing import PhaseTimer
@@ -28,13 +27,7 @@ def tiny():
 
 
 def make(name, model, tok, folder, device="cpu"):
-    cls = methods.get(name)
-    cfg = OmegaConf.create({"K": 3, "progress": False, "temperature": 0.0, "seed": 0,
-                            "model": {"name": "tiny", "path": str(folder / "target")},
-                            "draft_model": {"name": "auto", "layers": None, "path": None},
-                            "method": methods.defaults(name)})
-    cfg = OmegaConf.merge(cfg, cls.tiny(model, tok, folder / name))
-    return cls(cfg, model, tok, torch.device(device), torch.float32)
+    return audit.tiny_proposer(name, model, tok, folder, device)
 
 
 def prompts_of(lengths, seed):
