@@ -253,7 +253,6 @@ class GraphCache(RaggedCache):
             raise ConfigError("compile=graphs: models with sliding-window layers (Gemma 3) are not captured yet; "
                               "run them with compile=false or compile=true")
         self.pool = pool
-        self.room = 0
 
     def prefill(self, prompts, room: int = 0, **model_kwargs):
         out = super().prefill(prompts, 0, **model_kwargs)  # eagerly, into a slab (no room: it is copied)

@@ -56,9 +56,12 @@ class Tap:
         self.model, self.names = model, tuple(names)
         self.out: dict = {}
         self._handles = []
+        self._register()
+
+    def _register(self) -> None:
         if not self.names:
             return
-        _, layers, norm = decoder_layers(model)
+        _, layers, norm = decoder_layers(self.model)
         for name in self.names:
             mod = norm if name == "final" else layers[int(name)]
             self._handles.append(mod.register_forward_hook(self._hook(name)))
@@ -80,10 +83,7 @@ class Tap:
         finally:
             self._handles = []
             if handles:
-                _, layers, norm = decoder_layers(self.model)
-                for name in self.names:
-                    mod = norm if name == "final" else layers[int(name)]
-                    self._handles.append(mod.register_forward_hook(self._hook(name)))
+                self._register()
 
     def take(self) -> dict:
         out, self.out = self.out, {}
