@@ -66,9 +66,6 @@ benches: setup ## the benchmark presets
 bench-vllm: setup setup-vllm
 	$(BIN)/python -m specbench.bench vllm $(ARGS)
 
-bench-%: setup # the old names (bench-search, ...): make bench NAME=search
-	$(BIN)/python -m specbench.bench $* $(ARGS)
-
 bench-peers: setup ## HF transformers' own assisted generation beside ours (specbench.peers)
 	$(BIN)/python -m specbench.peers --dtype fp32,bf16 $(ARGS)
 

@@ -2,8 +2,3 @@
 priced), simulate, figures, tables, report (the CLI), compare (regression); ingest (traces recorded
 elsewhere), costmodel (a step's cost on a named GPU), replay (SpecDecode-Bench's simulator).
 Installed as ``specbench.analysis``."""
-
-if __name__ == "analysis":  # imported by its old name: an alias of specbench.analysis for one release
-    from specbench._alias import alias
-
-    alias(__name__, "specbench.analysis")

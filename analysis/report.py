@@ -73,7 +73,7 @@ def build(records, out: Path, where: str | None = None, **filters) -> list[Path]
     for _, r in off.iterrows():
         print(f"[report] {r['label']} (bs={r['bs']}): its batch bound reads a cost curve {r['curve_gap']:.2f}x its "
               f"paired AR's own step (another host state); profile the curve again beside the job "
-              f"(make bench-cpu does, after its jobs)", file=sys.stderr)
+              f"(make bench NAME=cpu does, after its jobs)", file=sys.stderr)
     for _, r in df[df["above_bound"].map(lambda x: isinstance(x, str))].iterrows():
         print(f"[report] {r['label']} (bs={r['bs']}{k_label(r)}): {r['above_bound']}", file=sys.stderr)
     note = missing_batch_bound(df, records, where)

@@ -13,12 +13,6 @@ keys are those its settings declare: any other is refused (``check_keys``), neve
 
 from __future__ import annotations
 
-if __name__ == "methods":  # imported by its old name: an alias of specbench.methods for one release
-    from specbench._alias import alias
-
-    alias(__name__, "specbench.methods")
-
-
 import dataclasses
 import functools
 import importlib

@@ -6,7 +6,7 @@ emits the target's own next token. Output equals AR's; what changes is the kerne
 - the identity floor: in bf16 (or any low precision) AR and AR-through-the-verify-path can
   disagree on near-ties only because a forward over K+1 tokens rounds differently from one
   over 1 token. ``match_ar`` of ``reject`` with K=1 is that floor; a method's own divergence
-  should sit at it (``make bench-floor``);
+  should sit at it (``make bench NAME=floor``);
 - the price of verification with nothing to gain: its slowdown against AR is T(K+1)/T(1)
   plus the engine's per-step overhead.
 """

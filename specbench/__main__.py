@@ -3,8 +3,7 @@
 Before Hydra starts, config-group choices are checked (one-line error listing the
 choices), every key is checked against what declares it (a method's settings, the run's schema:
 an unknown key is refused in one line, whether set or added with ``+``), `draft_model=<hub id or
-folder>` is rewritten to `draft_model=hf draft_model.path=<...>` (`draft=`, its old name, still
-works and warns), and a method from another package (an entry point of ``specbench.methods``, or
+folder>` is rewritten to `draft_model=hf draft_model.path=<...>`, and a method from another package (an entry point of ``specbench.methods``, or
 ``method=module:Class``) gets its settings into Hydra's config store as ``method/<name>``.
 """
 
@@ -19,7 +18,6 @@ GROUPS = ("method", "model", "dataset", "draft_model", "logger", "accept")
 def preprocess(argv: list[str]) -> list[str]:
     from specbench.errors import ConfigError, did_you_mean
     from specbench.paths import group_options
-    from specbench.run.schema import RENAMED_GROUPS
 
     from specbench import methods
 
@@ -34,12 +32,6 @@ def preprocess(argv: list[str]) -> list[str]:
         head, dot, rest = key.partition(".")
         bare = head.lstrip("+~")
         sign = head[:len(head) - len(bare)]
-        if bare in RENAMED_GROUPS and (eq or head.startswith("~")):
-            print(f"specbench: `{bare}` is now `{RENAMED_GROUPS[bare]}` (the old name goes in the next release)",
-                  file=sys.stderr)
-            bare = RENAMED_GROUPS[bare]
-            key = sign + bare + dot + rest
-            arg = key + eq + val
         if (eq or sign) and dot and bare in known:  # eagle.depth=6 -> method.depth=6
             if swept != [bare]:  # would reach the other methods' jobs too
                 raise ConfigError(f"{shown}= needs method={bare} alone (got method={','.join(swept or ['<default>'])}); "

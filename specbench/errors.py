@@ -15,12 +15,15 @@ def did_you_mean(word, choices) -> str:
     return f" did you mean {best[0]}?" if best else ""
 
 
-def unknown_key(key: str, keys, owner: str) -> ConfigError:
+def unknown_key(key: str, keys, owner: str, at: int = -1) -> ConfigError:
     """The error for a key ``owner`` (``pld's``, ``top-level``) does not declare: the key as
     written, the closest declared key written the same way, and every declared one (``name`` is
-    chosen by its group)."""
+    chosen by its group). ``at``: which of the key's dotted parts is undeclared (the last)."""
     keys = [k for k in keys if k != "name"]
-    prefix, _, last = key.rpartition(".")
-    best = difflib.get_close_matches(last, [str(k) for k in keys], n=1)  # suggested as written: pld.max_ngram
+    parts = key.split(".")
+    at = at % len(parts)
+    prefix, last = ".".join(parts[:at]), parts[at]
+    # a key it begins (draft -> draft_model), else the closest; suggested as written: pld.max_ngram
+    best = [k for k in map(str, keys) if k.startswith(last + "_")][:1] or difflib.get_close_matches(last, map(str, keys), n=1)
     hint = f" did you mean {prefix + '.' if prefix else ''}{best[0]}?" if best else ""
     return ConfigError(f"unknown key {key};{hint} {owner} keys: {', '.join(keys) or 'none'}")

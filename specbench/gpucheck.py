@@ -5,9 +5,12 @@ in one command (docs/gpu.md).
     python -m specbench.gpucheck run --out OUT [--device cuda] [--shape llama-3.1-8b] [--budget 420]
 
 ``kit`` writes what the GPU machine lacks into ``.gpu/`` (git-ignored, at most 20 MiB): wheels of the
-pure-Python packages specbench imports there (hydra-core, omegaconf, antlr4), SmolLM2's tokenizer and
+pure-Python packages specbench imports there (hydra-core, omegaconf, antlr4; setuptools, to build
+specbench's own), SmolLM2's tokenizer and
 chat template, the prompts (MT-Bench's 80 questions, then HumanEval's, one turn each) and the long
-texts ``ctx=N`` pads with. ``run`` installs the wheels into a temporary folder, builds random-weight
+texts ``ctx=N`` pads with. ``run`` installs the wheels into a temporary folder, and the checkout beside
+them as a user installs it (``pip install``: specbench's code as it is at the run, not at the kit; no
+finder of our own), builds random-weight
 targets of a shipped shape on the device (``model=random``) and random EAGLE / EAGLE-3 / Medusa
 drafters of the right shapes, then runs the steps below in order of value until ``--budget`` seconds
 are spent, each under the time that is left, and leaves at most 8 files in ``--out``: what a partial
@@ -48,7 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 KIT = REPO / ".gpu"
 KIT_LIMIT = 20 << 20
 # Pure-Python packages specbench imports that the GPU image lacks (docs/environment.md).
-WHEELS = ("hydra-core", "omegaconf", "antlr4-python3-runtime")
+WHEELS = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "setuptools")  # setuptools: builds the checkout
 
 # A published acceptance profile and flat rates beside it (conditional acceptance per draft depth).
 # EAGLE-3 (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B) on Llama-3.1-8B-Instruct, MT-Bench's 80 prompts, 7 drafts
@@ -247,8 +250,13 @@ def _install(kit: Path, site: Path) -> None:
     wheels = sorted(str(w) for w in (kit / "wheels").glob("*.whl"))
     if not wheels:
         raise SystemExit(f"specbench.gpucheck: no wheels in {kit / 'wheels'}: run `make gpu-kit` first")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--disable-pip-version-check", "--target", str(site), *wheels], check=True)
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--disable-pip-version-check", "--target", str(site)]
+    subprocess.run([*pip, *wheels], check=True)
+    # the checkout, as `pip install .` installs it (methods/, analysis/ and conf/ inside the package),
+    # built by the kit's setuptools: no build isolation, nothing fetched
+    subprocess.run([*pip, "--no-build-isolation", str(REPO)], check=True, capture_output=True,
+                   env=dict(os.environ, PYTHONPATH=str(site)))
 
 
 def _run(cmd: list[str], env: dict, log, timeout: float) -> str:
@@ -278,8 +286,9 @@ def run(a) -> int:
     site = work / "site"
     _install(kit, site)
     sys.path.insert(0, str(site))  # this process reads the records with them too (omegaconf, there)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]),
-               SPECBENCH_CACHE=str(work / "cache"), PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1",
+    # the installed specbench, not the checkout's folder that the working directory would put first
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+               PYTHONSAFEPATH="1", SPECBENCH_CACHE=str(work / "cache"), PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1",
                SPECBENCH_TEST_DEVICE=a.device, TOKENIZERS_PARALLELISM="false")
     shutil.copytree(kit / "cache", work / "cache")
     status: dict[str, str] = {}

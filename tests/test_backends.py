@@ -20,8 +20,8 @@ from specbench.backends import extension, gqa, native, packing
 from specbench.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(not backends.onednn.available(), reason="torch built without oneDNN")
-avx2 = pytest.mark.skipif(extension.unavailable() is not None, reason=f"avx2 kernel: {extension.unavailable()}")
-PACKED = ["onednn", pytest.param("native", marks=avx2)]
+needs_native = pytest.mark.skipif(extension.unavailable() is not None, reason=f"native kernels: {extension.unavailable()}")
+PACKED = ["onednn", pytest.param("native", marks=needs_native)]
 _AVX512 = extension.unavailable() is None and extension.load().has_avx512()
 # the packing widths the kernel runs here: 8 (AVX2 tiles) everywhere, 48 (AVX-512 tiles) where the CPU has AVX-512F
 COLS = [8, pytest.param(48, marks=pytest.mark.skipif(not _AVX512, reason="this CPU has no AVX-512F"))]
@@ -74,8 +74,9 @@ def test_resolve():
             backends.resolve(k, torch.device("cuda"))
     with pytest.raises(ConfigError, match="unknown kernel"):
         backends.resolve("fast", CPU)
-    if extension.unavailable() is None:  # the old name of the native path still runs it
-        assert backends.resolve("avx2", CPU) == "native" and backends.kernel_isa("avx2") == extension.isa()
+    with pytest.raises(ConfigError, match="unknown kernel 'avx2'; choices: auto, torch, onednn, native"):
+        backends.resolve("avx2", CPU)  # the native path's name before AVX-512 tiles: in records only
+    assert backends.kernel_isa("native") == extension.isa() and backends.kernel_isa("onednn") is None
 
 
 @pytest.mark.parametrize("kernel", PACKED)
@@ -100,10 +101,10 @@ def test_a_copied_or_reloaded_layer_computes_with_its_own_weights(kernel):
 
 
 
-@avx2
+@needs_native
 @pytest.mark.parametrize("cols", COLS)
 @pytest.mark.parametrize("out_features,in_features", [(16, 8), (200, 576), (37, 129), (1, 5), (12, 7)])
-def test_avx2_kernel_matches_torch_at_every_row_count(out_features, in_features, cols):
+def test_native_kernel_matches_torch_at_every_row_count(out_features, in_features, cols):
     g = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, in_features, generator=g)
     wp = extension.pack(w, cols)
@@ -115,9 +116,9 @@ def test_avx2_kernel_matches_torch_at_every_row_count(out_features, in_features,
         assert torch.allclose(y, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-5), n
 
 
-@avx2
+@needs_native
 @pytest.mark.parametrize("cols", COLS)
-def test_avx2_rows_do_not_depend_on_each_other(cols):
+def test_native_rows_do_not_depend_on_each_other(cols):
     """Each output is one fixed-order sum whatever tile, pass or chunk its row lands in: a row
     alone and the same row among 1..40 others agree bit for bit (a verify forward computes the
     linears of a committed token exactly as the decode step would). 100 outputs: groups of
@@ -131,7 +132,7 @@ def test_avx2_rows_do_not_depend_on_each_other(cols):
         assert torch.equal(extension.few_rows_linear(x[:n], wp, 100), alone[:n]), n
 
 
-@avx2
+@needs_native
 @pytest.mark.skipif(not _AVX512, reason="this CPU has no AVX-512F")
 def test_avx512_tiles_give_the_bits_of_the_avx2_tiles():
     """The 48-column panels (AVX-512 tiles: up to 8 rows in one pass of 24 accumulators) and the
@@ -188,9 +189,9 @@ print("ok")
 """
 
 
-@avx2
+@needs_native
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect through libc")
-def test_avx2_kernel_reads_nothing_past_the_packing_or_the_rows():
+def test_native_kernel_reads_nothing_past_the_packing_or_the_rows():
     """The tiles prefetch past a block's end without a clamp (a prefetch never faults); their loads
     must stay inside. With the packing and the rows each ending where an unreadable page begins,
     a load past either end kills the process (run apart, so that it fails only this test)."""
@@ -200,7 +201,7 @@ def test_avx2_kernel_reads_nothing_past_the_packing_or_the_rows():
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode, run.stderr[-2000:])
 
 
-@avx2
+@needs_native
 def test_a_kernel_build_killed_midway_does_not_hang_the_next_load(tmp_path):
     """A process killed while torch's extension loader held its lock leaves the file ``lock`` in
     the build directory, and torch's loader waits on it forever; ours removes it under a lock the
@@ -217,7 +218,7 @@ def test_a_kernel_build_killed_midway_does_not_hang_the_next_load(tmp_path):
     assert not (copy / "lock").exists()
 
 
-@avx2
+@needs_native
 def test_move_slots_moves_what_torch_indexing_moves():
     """The cache's slot moves (a tree's accepted path behind each row's prefix) on views of a
     larger buffer, as the slab cache holds them: the same result as torch's per-tensor indexing,
@@ -237,7 +238,7 @@ def test_move_slots_moves_what_torch_indexing_moves():
         extension.load().move_slots(views, rows, src + 5, dst)
 
 
-@avx2
+@needs_native
 def test_argmax_rows_is_numpys_argmax_and_greedy_pick_takes_it(monkeypatch):
     """The extension's argmax: numpy's index on random rows of every length around its
     thread shares and vector widths, on ties (the first index), on NaN (the first NaN), on -inf
@@ -275,8 +276,8 @@ def test_argmax_rows_is_numpys_argmax_and_greedy_pick_takes_it(monkeypatch):
         assert torch.equal(verify.greedy_pick(lg), lg.argmax(-1))
 
 
-@avx2
-def test_avx2_layer_takes_any_row_count_and_adds_its_bias():
+@needs_native
+def test_native_layer_takes_any_row_count_and_adds_its_bias():
     lin = torch.nn.Linear(40, 24, bias=True)
     backends.apply(lin, "native")
     for rows in (1, 16, 17, 300):  # 300: more than one sweep over the weight (256 rows each)
@@ -286,8 +287,8 @@ def test_avx2_layer_takes_any_row_count_and_adds_its_bias():
         assert torch.allclose(y, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5), rows
 
 
-@avx2
-def test_avx2_kernel_refuses_a_wrong_packing():
+@needs_native
+def test_native_kernel_refuses_a_wrong_packing():
     w = torch.randn(32, 8)
     with pytest.raises(RuntimeError, match="packing"):  # 40 outputs from 4 blocks of 8
         extension.few_rows_linear(torch.randn(2, 8), extension.pack(w, 8), 40)
@@ -337,7 +338,7 @@ def test_gqa_attention_folds_queries_without_changing_the_forward(kernel, monkey
     assert repeated[0] == 0 and repeated[1] > 0  # ours never repeats K/V; Hugging Face's sdpa did
 
 
-@avx2
+@needs_native
 def test_rope_and_rms_norm_of_the_extension_match_hugging_face():
     """RoPE in place: the same products and sums as apply_rotary_pos_emb, bit for bit (on a
     strided view, as the fused layer calls it); RMSNorm: LlamaRMSNorm up to the order of the
@@ -361,9 +362,9 @@ def test_rope_and_rms_norm_of_the_extension_match_hugging_face():
     assert torch.allclose(extension.load().rms_norm(x, norm.weight, 1e-5), norm(x), rtol=1e-5, atol=1e-6)
 
 
-@avx2
+@needs_native
 def test_llama_layers_take_the_fused_forward_and_keep_the_layer_semantics():
-    """With avx2 each Llama layer runs the fused forward (q|k|v and gate|up in one kernel call
+    """With kernel=native each Llama layer runs the fused forward (q|k|v and gate|up in one kernel call
     each, RMSNorm and RoPE in the extension): a ragged tree verify forward gives torch's logits
     within fp32 rounding; a deep copy with other weights loaded in place computes with its own;
     a layer under autograd keeps Hugging Face's forward."""
@@ -398,7 +399,7 @@ def test_llama_layers_take_the_fused_forward_and_keep_the_layer_semantics():
     assert m.model.norm.weight.grad is not None
 
 
-@avx2
+@needs_native
 def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
     """On the decode and verify path a fused layer is two extension calls that also write the
     KV cache (``attn_block``, ``mlp_block``), and the model runs them from one loop of its own
@@ -473,9 +474,9 @@ def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
         assert len(per_op) == len(other) and all(torch.equal(a, b) for a, b in zip(per_op, other))
 
 
-@avx2
-def test_drafts_of_an_avx2_target_run_their_own_loop_over_the_fused_layers(monkeypatch):
-    """A self_layers draft and a trained draft LM of an avx2 target run their decode steps
+@needs_native
+def test_drafts_of_a_native_kernel_target_run_their_own_loop_over_the_fused_layers(monkeypatch):
+    """A self_layers draft and a trained draft LM of a native-kernel target run their decode steps
     through the extension's loop over their fused layers (``_stack``), as the target does, with
     the logits of Hugging Face's loop over the same layers, bit for bit; a drafter whose embed()
     is its own (SpecDec's queries) keeps Hugging Face's loop."""
@@ -521,7 +522,7 @@ def test_drafts_of_an_avx2_target_run_their_own_loop_over_the_fused_layers(monke
     assert sd.body not in lean  # its query embeddings go in as inputs_embeds: Hugging Face's loop
 
 
-@avx2
+@needs_native
 def test_fused_stack_follows_every_change_to_the_layers():
     """The extension's loop over the layers (``_stack``) checks, on every forward, the links
     through which the modules reach their weights: a weight changed in place, a parameter or a
@@ -585,10 +586,10 @@ def test_fused_stack_follows_every_change_to_the_layers():
     assert native._stack(m.model) is native._STACKS[m.model] is not None
 
 
-@avx2
+@needs_native
 def test_heads_like_is_the_batched_matmul_and_follows_the_weights():
     """Medusa's residual heads as one kernel call (``heads_like``): torch's batched matmul within
-    fp32 rounding on the avx2 path, its packing redone when the heads change in place, and
+    fp32 rounding on the native path, its packing redone when the heads change in place, and
     torch's own einsum under autograd or beside a layer on another path."""
     g = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter(torch.randn(3, 40, 24, generator=g))
@@ -608,7 +609,7 @@ def test_heads_like_is_the_batched_matmul_and_follows_the_weights():
         assert torch.equal(backends.heads_like(x, w, torch.nn.Linear(24, 8), owner), torch.einsum("ni,hoi->hno", x, w))
 
 
-@avx2
+@needs_native
 def test_fused_layer_takes_the_cache_under_either_name():
     """transformers 5.24 passes a layer its KV cache as ``cache``, earlier versions as
     ``past_key_values``: the fused forward appends to it under either name (attending over the
@@ -640,7 +641,7 @@ def test_fused_layer_takes_the_cache_under_either_name():
     assert torch.equal(outs[0], outs[1])
 
 
-@avx2
+@needs_native
 @pytest.mark.parametrize("d", [64, 16])
 def test_extension_attention_matches_sdpa(d):
     """The fused layer's attention: queries as strided views, keys and values as views of a
@@ -673,7 +674,7 @@ def test_extension_attention_matches_sdpa(d):
         ext.attention(q, k, v, add[..., :-1], 0.3)
 
 
-@avx2
+@needs_native
 @pytest.mark.parametrize("d", [64, 20])
 def test_extension_attention_query_is_independent_of_the_others(d):
     """Keys in several blocks (the last one partial), 9 query heads on 3 KV heads, 8 queries a
@@ -707,7 +708,7 @@ def test_extension_attention_query_is_independent_of_the_others(d):
                            causal[:, i:i + 1])
 
 
-@avx2
+@needs_native
 def test_extension_silu_mul_matches_torch():
     g = torch.Generator().manual_seed(0)
     gu = 6 * torch.randn(3, 2, 2 * 37, generator=g)  # 37: a tail after the vectors

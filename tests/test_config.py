@@ -76,19 +76,15 @@ def test_preprocess_rejects_unknown_choices_and_rewrites_draft():
     assert preprocess(["draft_model=self_layers"]) == ["draft_model=self_layers"]
 
 
-def test_the_old_draft_group_name_still_works_with_a_warning(capsys):
-    """``draft=`` was the draft model's group before it became ``draft_model=``: a command line
-    of the last release still runs, and says what to write instead."""
-    assert preprocess(["draft=org/some-draft"]) == ["draft_model=hf", "draft_model.path=org/some-draft"]
-    assert preprocess(["draft=self_layers", "draft.layers=2", "+draft.label=x"]) == [
-        "draft_model=self_layers", "draft_model.layers=2", "+draft_model.label=x"]
-    assert "`draft` is now `draft_model`" in capsys.readouterr().err
-    assert preprocess(["~draft.layers"]) == ["~draft_model.layers"]
-    assert composed(preprocess(["draft=self_layers", "draft.layers=2"])).draft_model.layers == 2
+def test_the_draft_group_has_one_name():
+    """``draft=`` (the draft model's group before ``draft_model=``, in no release) is an unknown key like
+    any other: refused in one line that points at ``draft_model``, on the command line and in code."""
+    with pytest.raises(ConfigError, match="unknown key draft; did you mean draft_model"):
+        preprocess(["draft=org/some-draft"])
     cfg = composed()
     with open_dict(cfg):
-        cfg.draft = {"name": "self_layers", "layers": 2}  # built in code with the old name: refused, not ignored
-    with pytest.raises(ConfigError, match="draft is now draft_model"):
+        cfg.draft = {"name": "self_layers", "layers": 2}
+    with pytest.raises(ConfigError, match="draft.*draft_model"):
         schema.check(cfg)
 
 
@@ -115,7 +111,9 @@ TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, batchin
     (["~bss"], f"unknown key bss; did you mean bs? top-level keys: {TOP_KEYS}"),
     (["+model.pathh=x"], "unknown key model.pathh; did you mean model.path? model's keys: package, file, path, chat, "
                          "attn_implementation, shape, logit_std, tokenizer"),
-    (["draft.layer=2"], "unknown key draft.layer; did you mean draft.layers? draft_model's keys: label, path, layers"),
+    (["draft_model.layer=2"], "unknown key draft_model.layer; did you mean draft_model.layers? draft_model's keys: "
+                              "label, path, layers"),
+    (["draft.layers=2"], f"unknown key draft.layers; did you mean draft_model? top-level keys: {TOP_KEYS}"),
     (["slo.ttft=5"], "unknown key slo.ttft; did you mean slo.ttft_ms? slo's keys: ttft_ms, tpot_ms"),
     (["vllm.eager=true"], "unknown key vllm.eager; vllm's keys: python, enforce_eager, max_num_batched_tokens, "
                           "block_size, prefix_caching, kv_cache_gb, threads"),

@@ -89,11 +89,11 @@ def test_greedy_identity(model, cases, name, bs):
         assert len(r.accept_lens) == r.steps
 
 
-@pytest.mark.skipif(extension.unavailable() is not None, reason="no avx2 kernel here")
+@pytest.mark.skipif(extension.unavailable() is not None, reason="no native kernels here")
 @pytest.mark.parametrize("name", ["eagle", "medusa"])
 def test_drafters_take_the_targets_kernel_path(name):
-    """On an avx2 target, a drafter's own linear layers and its rows of the target's output layer
-    run through the avx2 kernel too (as ``drafters.load`` sets them up), and decoding stays
+    """On a native-kernel target, a drafter's own linear layers and its rows of the target's output layer
+    run through the native kernels too (as ``drafters.load`` sets them up), and decoding stays
     token-identical to greedy on that target."""
     target = tiny_llama(seed=0, scale=4.0)
     backends.apply(target, "native")
@@ -110,9 +110,9 @@ def test_drafters_take_the_targets_kernel_path(name):
     assert [r.tokens for r in run_engine(target, prop, prompts, N_NEW)] == refs
 
 
-@pytest.mark.skipif(extension.unavailable() is not None, reason="no avx2 kernel here")
+@pytest.mark.skipif(extension.unavailable() is not None, reason="no native kernels here")
 def test_eagle_block_is_the_same_on_both_paths():
-    """EAGLE's drafter layer on the avx2 path runs the target's fused steps (RMSNorm, q|k|v and
+    """EAGLE's drafter layer on the native path runs the target's fused steps (RMSNorm, q|k|v and
     gate|up in one kernel call each, RoPE in place) and attends through the extension (GQA,
     additive mask, no repeated keys): the same q, k, v and layer output as torch's path within
     fp32 rounding, with a tree-like mask whose rows see different keys; under autograd it

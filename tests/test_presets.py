@@ -1,6 +1,6 @@
 """Benchmark presets (conf/experiment): every preset and every sweep of its benchmark
-composes into jobs that pass the schema; a preset runs the jobs its old Makefile target ran; the
-Makefile's help lists its targets."""
+composes into jobs that pass the schema; a bench runs its steps, then the report; the Makefile's
+help lists its targets."""
 
 import subprocess
 
@@ -47,57 +47,6 @@ def test_every_preset_composes_into_valid_jobs(name):
             assert cfg.method.name in methods.builtin()
             n += 1
     assert n > 0
-
-
-# The old Makefile targets' commands (before the presets): a preset runs the same jobs.
-OLD = {
-    "regress": ["method=ar,pld,leviathan bs=1,3 K=3 limit=3 max_new_tokens=32 dataset=mt_bench dataset.order=file "
-                "draft_model=smollm2-135m-draft dtype=fp32 kernel=torch device=cpu ar_baseline=sweep progress=false "
-                "results_dir=results/regress"],
-    "search": ["method=lookahead,rest,specdec dataset=mt_bench dataset.order=file limit=10 max_new_tokens=128 dtype=fp32 "
-               "progress=false results_dir=results/bench-search",
-               "method=rest method.datastore=python_code dataset=humaneval limit=10 max_new_tokens=128 dtype=fp32 "
-               "progress=false results_dir=results/bench-search",
-               "method=specdec method.beta=1,2,4 method.tol=2 dataset=gsm8k limit=10 max_new_tokens=128 dtype=fp32 "
-               "progress=false results_dir=results/bench-search",
-               "method=lookahead,rest,specdec,pld bs=1,8,32 limit=32 dataset.order=file dataset.max_turns=1 "
-               "max_new_tokens=24 dtype=fp32 progress=false results_dir=results/bench-search"],
-    "tune": [f"dataset=mt_bench dataset.max_turns=1 limit=24 max_new_tokens=64 batching=continuous bs=1,4,16 "
-             f"ar_baseline=paired progress=false results_dir=results/bench-tune {x}"
-             for x in ("method=pld K=1,2,4,8,auto", "method=eagle K=auto",
-                       "method=eagle method.depth=1 method.total_tokens=2",
-                       "method=eagle method.depth=2 method.total_tokens=6",
-                       "method=eagle method.depth=4 method.total_tokens=16")],
-    "floor": [f"dataset=mt_bench dataset.order=file limit=10 dataset.max_turns=1 max_new_tokens=96 progress=false "
-              f"results_dir=results/bench-floor {x}"
-              for x in ("method=ar bs=1,8 dtype=fp32,bf16", "method=reject K=1 dtype=fp32,bf16",
-                        "method=pld,leviathan,eagle,medusa,lookahead,rest,specdec dtype=fp32,bf16")],
-}
-
-
-def _old_jobs(command):
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    (batch,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(command.split()), None)
-    return batch
-
-
-@pytest.mark.parametrize("name", sorted(OLD))
-def test_a_preset_runs_the_jobs_of_its_old_target(name):
-    def configs(jobs_of):
-        out = []
-        for prefix, jobs in jobs_of:
-            for job in jobs:
-                cfg = composed([*prefix, *job])
-                cfg.pop("bench", None)  # the preset's recipe, read by specbench.bench only
-                out.append(OmegaConf.to_yaml(OmegaConf.create(cfg), sort_keys=True))
-        return sorted(out)
-
-    old = configs([([], _old_jobs(c)) for c in OLD[name]])
-    new = configs([([f"+experiment={name}", *[o for o in s if o.startswith("hydra.")]], bench.jobs(name, s))
-                   for s in sweeps(name)])
-    assert new == old
 
 
 def test_a_bench_runs_its_steps_then_the_report(monkeypatch):

@@ -10,7 +10,7 @@ one decode step although it does the same memory traffic in principle. The backe
   path (AR and SD attend alike). The GPU default.
 - ``onednn`` (``onednn``): fp32 linears on weights prepacked once into oneDNN's layout.
 - ``native`` (``native``, ``extension``, ``csrc/``): specbench's own kernels, AVX2 or AVX-512
-  tiles; fused Llama layers. ``avx2`` is its old name, still accepted.
+  tiles; fused Llama layers.
 - ``auto``: ``native`` on a CPU that has AVX2 (and where the kernel builds), else ``onednn`` where
   this torch has oneDNN, else ``torch``; ``torch`` off the CPU.
 
@@ -33,23 +33,16 @@ import torch
 from specbench.backends import extension, gqa, native, onednn
 from specbench.backends.native import (attention_like, fused_block_weights, fused_mlp, fused_qkv,  # noqa: F401
                                        heads_like, linear_like)
-from specbench.errors import ConfigError
+from specbench.errors import ConfigError, did_you_mean
 
 KERNELS = ("auto", "torch", "onednn", "native")
-ALIASES = {"avx2": "native"}  # old names still accepted (and paired with: ``canonical``)
-
-
-def canonical(name):
-    """A kernel setting with an old name replaced by today's (other values as given)."""
-    return ALIASES.get(name, name) if isinstance(name, str) else name
 
 
 def resolve(name: str, device: torch.device) -> str:
-    """The path a ``kernel=`` setting runs on ``device``: ``auto`` decided, an old name mapped,
-    a path this machine cannot run refused in one line."""
-    name = canonical(name)
+    """The path a ``kernel=`` setting runs on ``device``: ``auto`` decided, a path this machine
+    cannot run refused in one line."""
     if name not in KERNELS:
-        raise ConfigError(f"unknown kernel '{name}'; choices: {', '.join(KERNELS)} (avx2: the old name of native)")
+        raise ConfigError(f"unknown kernel '{name}';{did_you_mean(name, KERNELS)} choices: {', '.join(KERNELS)}")
     if name == "auto":
         if device.type != "cpu":
             return "torch"
@@ -72,14 +65,13 @@ def resolve(name: str, device: torch.device) -> str:
 def kernel_isa(kernel: str) -> str | None:
     """The vector instructions a resolved path runs its linears with (for the records):
     ``avx512f`` or ``avx2`` for native, None for torch's and oneDNN's own choice."""
-    return extension.isa() if canonical(kernel) == "native" else None
+    return extension.isa() if kernel == "native" else None
 
 
 def apply(model: torch.nn.Module, kernel: str) -> int:
     """Put ``model`` on the resolved path ``kernel``; returns how many linear layers changed.
     Idempotent. Every path folds a GQA model's attention (``gqa``)."""
     gqa.fold(model)
-    kernel = canonical(kernel)
     if kernel == "onednn":
         return onednn.apply(model)
     if kernel == "native":

@@ -3,10 +3,10 @@ weight is packed once into panels of output columns and streamed once per forwar
 (register tiles of up to 4 rows x 24 columns with AVX2, 9 x 48 with AVX-512: the record's
 ``kernel_isa`` says which ran), on all of torch's threads (MKL's one-row sgemv runs on one core).
 Made for decode and verify forwards, it also beats oneDNN's and MKL's GEMMs on prefill-sized
-forwards here (``make bench-cpu``), so every row count takes it. A row's outputs do not depend on
+forwards here (``make bench NAME=cpu``), so every row count takes it. A row's outputs do not depend on
 how many rows share the forward (bit for bit). fp32 layers on a CPU with AVX2 and FMA; one extra
-copy of the linear weights in memory. (Called ``avx2`` before it gained AVX-512 tiles; that name
-is still accepted.)
+copy of the linear weights in memory. (Called ``avx2`` before it gained AVX-512 tiles: records
+with that name read as ``native``, ``run.records.RENAMED``.)
 
 A Llama decoder layer also runs fused (below), and a drafter's pieces (its rows of the target's
 head, Medusa's heads, an EAGLE layer's attention and blocks) take the same kernels through the

@@ -15,9 +15,10 @@ from typing import Any, Literal, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from specbench.backends import ALIASES, KERNELS
+from specbench.backends import KERNELS
 from specbench.errors import ConfigError, did_you_mean, unknown_key
 from specbench.models import DTYPES
+
 
 def setting(*, lo=None, hi=None, above=None, required_by: tuple = (), doc: str | dict = ""):
     """A field with its range: ``lo`` <= v <= ``hi``, v > ``above``; ``required_by``: the
@@ -129,7 +130,7 @@ class Run:
     seed: int
     dtype: Literal[("auto",) + tuple(DTYPES)]
     device: str
-    kernel: Literal[tuple(KERNELS) + tuple(ALIASES)]
+    kernel: Literal[KERNELS]
     backend: Literal["specbench", "vllm"]
     vllm: Vllm
     compile: Any  # true, false or graphs: models.check_compile says so in its own words
@@ -202,7 +203,7 @@ def check_key(key: str, shown: str | None = None) -> None:
         if keys is None:
             return
         if part not in keys:
-            raise unknown_key(shown or key, keys, _owner(at))
+            raise unknown_key(shown or key, keys, _owner(at), i - len(parts))
 
 
 def _check_node(node: DictConfig, schema, prefix: str, group: str | None) -> None:
@@ -245,17 +246,9 @@ def _check_node(node: DictConfig, schema, prefix: str, group: str | None) -> Non
             raise ConfigError(f"{key} must be {_what(tp, meta, optional)}, got {v!r}")
 
 
-# Config groups renamed since a release -> today's names: the command line still reads the old
-# name (with a warning) until the next release; a config that carries it is refused.
-RENAMED_GROUPS = {"draft": "draft_model"}
-
-
 def check(cfg: DictConfig) -> None:
     """Hold a composed run config to ``Run``; one ConfigError line for the first setting that
     does not fit (its name, what it must be, what it got)."""
-    for old, new in RENAMED_GROUPS.items():  # set in code, the old name would leave the new group at its default
-        if old in cfg:
-            raise ConfigError(f"{old} is now {new}: set cfg.{new} ({new}=... on the command line)")
     _check_node(cfg, Run, "", None)
     K = cfg.get("K")
     if K != "auto" and not (_is(K, int) and K >= 1):
