@@ -51,6 +51,10 @@ class MethodSpec:
     # target hidden states the method drafts from ("final" = after the final norm, or a
     # decoder layer index); the engine hands them to start() and update() (specbench.decode.hidden)
     hidden_layers: tuple = ()
+    # how a GPU cost model prices the method's drafting (``tune.cost``; specbench.analysis.costmodel):
+    # "ngram" (lookups on the host, a share of the verify), "eagle" (a one-layer drafter's forward
+    # per draft depth on the target's states), None (none modelled: K=auto on a cost model refuses)
+    cost_kind: str | None = None
 
     @classmethod
     def check(cls, cfg, target_config) -> None:

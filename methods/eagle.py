@@ -41,6 +41,7 @@ TUNE = {"cuda": [(3, 16), (4, 32), (5, 60), (6, 80), (7, 100)],
 
 class Eagle(Proposer):
     name = "eagle"
+    cost_kind = "eagle"
     hidden_layers = ("final",)
 
     @classmethod

@@ -80,6 +80,7 @@ class Pool:
 
 class Lookahead(Proposer):
     name = "lookahead"
+    cost_kind = "ngram"
     per_row = ("levels", "pools", "n_window")  # the window, n-gram pool and window size per row
 
     @classmethod

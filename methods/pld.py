@@ -62,6 +62,7 @@ class NgramIndex:
 
 class PromptLookup(Proposer):
     name = "pld"
+    cost_kind = "ngram"
     per_row = ("index",)  # an n-gram index per row
 
     def __init__(self, cfg, target, tokenizer, device, dtype):

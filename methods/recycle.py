@@ -57,6 +57,7 @@ def tree_of(m, device) -> list[tuple[int, ...]]:
 
 class TokenRecycling(Proposer):
     name = "recycle"
+    cost_kind = "ngram"
     learned = ("next", "known", "steps_with_draft")  # the matrix: the target's candidates seen so far
 
     @classmethod

@@ -131,6 +131,7 @@ def build_datastore(spec: str, tokenizer, vocab_size: int, progress: bool = True
 
 class Rest(Proposer):
     name = "rest"
+    cost_kind = "ngram"
 
     @classmethod
     def check(cls, cfg, target_config) -> None:

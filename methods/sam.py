@@ -140,6 +140,7 @@ class Row:
 
 class SamDecoding(Proposer):
     name = "sam"
+    cost_kind = "ngram"
     per_row = ("rows",)  # each row's automaton state
     learned = ("used",)  # (and its fallback's)
 

@@ -107,6 +107,7 @@ def grow(node: Node, budget: int, min_prob: float, tree: bool) -> tuple[list[int
 
 class SuffixDecoding(Proposer):
     name = "suffix"
+    cost_kind = "ngram"
     per_row = ("rows",)  # each row's own suffix tree and match state
     learned = ("glob", "used")  # the global tree holds every earlier response of the job
 

@@ -67,6 +67,41 @@ def test_auto_picks_the_largest_bound(tiny_dirs, tmp_path, monkeypatch):
     assert info["chosen"] == {"K": 2} and not info["beats_ar"] and "not expected to beat AR" in tune.table(info)
 
 
+def test_auto_prices_on_a_gpu_cost_model(tiny_dirs, tmp_path, monkeypatch):
+    """``tune.cost``: the acceptance piloted here, priced on a GPU's cost model at the job's batch
+    size (SpecDecode-Bench's H100 fit): nothing is profiled, the draft time is the model's for the
+    method's kind, and the choice moves with the batch as the model says."""
+    import torch
+
+    from specbench.analysis import costmodel
+    from specbench.models import load_model, load_tokenizer
+
+    taus = {1: 1.6, 2: 2.0, 4: 2.4}
+    monkeypatch.setattr(tune, "_pilot", lambda c, *a: {"tau": taus[int(c.K)], "accept_rate_per_pos": [], "width": int(c.K) + 1,
+                                                       "t_draft": 9.0, "t_verify_pilot": 0.0, "spec_len": int(c.K)})
+    monkeypatch.setattr(tune, "forward_times", lambda *a, **k: pytest.fail("profiled the target"))
+    H = costmodel.SPECDECODE_BENCH_H100
+    chosen = {}
+    for bs in (1, 128):
+        cfg = tiny_cfg(tiny_dirs, tmp_path, bs=bs, K="auto", **{"tune.K": [1, 2, 4], "tune.cost": H.name}, **PLD)
+        model, tok = load_model(cfg.model, torch.device("cpu"), torch.float32), load_tokenizer(cfg.model)
+        out, info = tune.choose(cfg, model, tok, torch.device("cpu"), torch.float32)
+        kv = bs * info["ctx"]
+        assert info["cost_model"] == H.name and f"on {H.name}" in tune.table(info)
+        assert info["cost_s"]["1"] == pytest.approx(costmodel.step(H, bs, 1, kv))
+        for c in info["candidates"]:
+            w = c["width"]
+            assert c["t_verify"] == pytest.approx(costmodel.step(H, bs, w, kv)) and c["t_draft_here"] == 9.0
+            assert c["t_draft"] == pytest.approx(H.ngram_share * H.target(bs, w, kv))  # PLD: n-gram drafting
+            assert c["bound"] == pytest.approx(c["tau"] * info["cost_s"]["1"] / (c["t_draft"] + c["t_verify"]))
+        chosen[bs] = info["chosen"]["K"]
+    # a verify of 5 costs the H100 about what one does at bs 1, and more than twice as much at bs 128
+    assert chosen == {1: 4, 128: 2}
+    monkeypatch.setattr(__import__("specbench").methods.get("pld"), "cost_kind", None)
+    with pytest.raises(ConfigError, match="tune.cost prices n-gram and EAGLE-style drafting only, and pld declares"):
+        tune.check(cfg, model.config, torch.device("cpu"))
+
+
 def test_auto_sizes_a_tree_method_by_its_own_keys(tiny_dirs, tmp_path):
     cfg = tiny_cfg(tiny_dirs, tmp_path, K="auto", **{"tune.tokens": 8},
                    method={"name": "lookahead", "W": "auto", "N": "auto", "G": "auto", "pool_cap": None,
@@ -84,6 +119,7 @@ def test_auto_sizes_a_tree_method_by_its_own_keys(tiny_dirs, tmp_path):
     ({"K": "auto", "tune.K": [0, 2]}, "tune.K must be a list of integers >= 1"),
     ({"K": "auto", "limit": None}, "K=auto pilots on questions held out from the measured ones"),
     ({"K": "auto", "limit": 5}, "has no questions after limit=5 to pilot on"),
+    ({"K": "auto", "tune.cost": "h100:llama-9b"}, "unknown model shape llama-9b"),
 ])
 def test_auto_refusals(tiny_dirs, tmp_path, over, msg):
     recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, **{**PLD, **over}), sweep_id="s")

@@ -284,7 +284,7 @@ def env_key(rec: dict) -> tuple:
 
 
 # A job is the same job when these match too (with the same machine and code).
-JOB_KEYS = BASELINE_KEYS + ("method", "K", "draft", "method_opts", "K_auto",  # K_auto: only when K=auto
+JOB_KEYS = BASELINE_KEYS + ("method", "K", "draft", "method_opts", "K_auto",  # K_auto: only when K=auto (true, or tune.cost)
                              "accept")  # accept: only for accept=synthetic
 
 

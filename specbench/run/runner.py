@@ -117,7 +117,8 @@ def _record_base(cfg, method_name, device, dtype, sweep_id, refused: bool = Fals
         "method_cfg": {},
         **({"repeats": repeats} if (repeats := of(lambda: int(cfg.get("repeats") or 1)) or 1) > 1 else {}),
         **({"serving": serving} if serving else {}),
-        **({"K_auto": True, "tuned": of(lambda: OmegaConf.to_container(cfg.tuned))}  # K=auto: what was chosen, and why
+        # K=auto: true, or the cost model it was priced on (tune.cost); what was chosen, and why
+        **({"K_auto": of(lambda: cfg.K_auto), "tuned": of(lambda: OmegaConf.to_container(cfg.tuned))}
            if of(lambda: cfg.get("K_auto")) and method_name == _raw(cfg, "method.name") and method_name != "ar" else {}),
         "env": R.env_info(device), "metrics": None, "requests": [],
     }

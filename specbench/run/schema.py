@@ -86,6 +86,7 @@ class Tune:
     prompts: int = setting(lo=1)
     tokens: Optional[int] = setting(lo=1)
     reps: int = setting(lo=1)
+    cost: Optional[str] = None  # a cost model (analysis.costmodel): checked in check()
 
 
 @dataclass
@@ -256,6 +257,10 @@ def check(cfg: DictConfig) -> None:
     ks = (cfg.get("tune") or {}).get("K")
     if ks is not None and not (OmegaConf.is_list(ks) and len(ks) and all(_is(k, int) and k >= 1 for k in ks)):
         raise ConfigError(f"tune.K must be a list of integers >= 1 (the lengths K=auto chooses among), got {ks!r}")
+    if (cfg.get("tune") or {}).get("cost") is not None:
+        from specbench.analysis import costmodel
+
+        costmodel.resolve(str(cfg.tune.cost))  # one line for a name, a shape or a file it does not know
     acc = cfg.get("accept")
     if acc is not None and acc.get("name") == "synthetic":
         for key, what in (("rates", "one per draft depth"), ("sibling_rates", "a tree's children of rank 2, 3, ...")):

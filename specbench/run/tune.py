@@ -14,7 +14,11 @@ with the batch-aware bound
 
     S = tau T(bs, 1) / (T_draft + T(bs, width))
 
-and the largest S wins (the narrower setting on a tie). The pilot's own verify time per step is
+and the largest S wins (the narrower setting on a tie). With ``tune.cost`` (a GPU cost model,
+``specbench.analysis.costmodel``: SpecDecode-Bench's fitted H100, a roofline ``<gpu>:<model>``, or
+a fit of the user's own profile) T and T_draft come from the model at the job's batch size, width
+and KV tokens (bs x the mean prefix) instead: the acceptance measured here, priced on that GPU,
+with the drafting the method declares (``cost_kind``). The pilot's own verify time per step is
 kept beside it (``t_verify_pilot``) but does not price: the pilots run one after another, minutes
 apart on a host whose speed drifts, over steps whose rows leave as they finish, while the profile
 times every width in one pass at the full batch. The record keeps every candidate's numbers under
@@ -73,6 +77,9 @@ def check(cfg: DictConfig, target_config, device) -> list[tuple[dict, DictConfig
             why.append(f"{s}: {e}")
     if why and not ok:
         raise ConfigError(f"K=auto: no candidate setting of {cfg.method.name} passes its checks ({why[0]})")
+    if ok and cfg.tune.get("cost") is not None and method.cost_kind is None:
+        raise ConfigError(f"tune.cost prices n-gram and EAGLE-style drafting only, and {cfg.method.name} declares "
+                          "neither (Proposer.cost_kind); drop tune.cost to profile its costs here")
     return ok
 
 
@@ -154,19 +161,15 @@ def choose(cfg: DictConfig, model, tokenizer, device, dtype) -> tuple[DictConfig
     # wider than deep (the 4D mask); AR's step (width 1) is a plain one
     for r in rows:
         r["tree"] = r["width"] - 1 > (r["spec_len"] or 0) + 1e-9
-    vocab = int(model.config.vocab_size)
-    T = {}
-    for tree in sorted({r["tree"] for r in rows}):
-        widths = sorted({1} | {w for r in rows if r["tree"] == tree
-                               for w in (math.floor(r["width"]), math.ceil(r["width"]))})
-        T[tree] = forward_times(model, bs, widths, ctx, device, dtype, int(cfg.tune.reps), vocab, ragged=bs > 1,
-                                tree=tree)
+    cost = cfg.tune.get("cost")
+    T = _modelled(cfg, cost, rows, bs, ctx) if cost is not None else _profiled(cfg, model, rows, bs, ctx, device, dtype)
     for r in rows:
         r["t_verify"] = _priced(T[r["tree"]], r["width"])
         r["bound"] = r["tau"] * T[r["tree"]][1] / (r["t_draft"] + r["t_verify"])
     best = max(range(len(rows)), key=lambda i: (round(rows[i]["bound"], 6), -i))
     chosen = rows[best]["setting"]
     info = {"by": "batch-aware bound: tau T(bs,1) / (T_draft + T(bs, width))", "bs": bs, "chosen": chosen,
+            **({"cost_model": str(cost)} if cost is not None else {}),
             "prompts": [q.id for q in qs], "pilot_tokens": pilot_tokens(cfg), "ctx": ctx,
             # T(bs, width) per shape ("tree 7": a tree of 7 nodes), and "1": AR's plain step
             "cost_s": {"1": next(iter(T.values()))[1],
@@ -177,9 +180,39 @@ def choose(cfg: DictConfig, model, tokenizer, device, dtype) -> tuple[DictConfig
     print(table(info), file=sys.stderr, flush=True)
     out = with_setting(cfg, {"K": 1, **chosen})
     with open_dict(out):
-        out.K_auto = True
+        out.K_auto = True if cost is None else str(cost)  # priced on a cost model: another job (records.JOB_KEYS)
         out.tuned = info
     return out, info
+
+
+def _widths(rows) -> dict:
+    """The integer widths each shape (plain or tree) is priced at: 1 (AR's step) and either side
+    of every candidate's mean width."""
+    return {tree: sorted({1} | {w for r in rows if r["tree"] == tree
+                                for w in (math.floor(r["width"]), math.ceil(r["width"]))})
+            for tree in sorted({r["tree"] for r in rows})}
+
+
+def _profiled(cfg, model, rows, bs, ctx, device, dtype) -> dict:
+    """T(bs, width) per shape (plain or tree), timed now on the target at the candidates' widths."""
+    vocab = int(model.config.vocab_size)
+    return {tree: forward_times(model, bs, widths, ctx, device, dtype, int(cfg.tune.reps), vocab, ragged=bs > 1,
+                                tree=tree) for tree, widths in _widths(rows).items()}
+
+
+def _modelled(cfg, spec, rows, bs, ctx) -> dict:
+    """T(bs, width) per shape off the cost model ``spec`` at bs x ctx KV tokens, each row's draft
+    time replaced by the model's for the method's ``cost_kind`` (the measured one kept as
+    ``t_draft_here``)."""
+    from specbench.analysis import costmodel
+
+    cost, kind = costmodel.resolve(str(spec)), methods.get(cfg.method.name).cost_kind
+    kv = bs * ctx
+    T = {tree: {w: costmodel.step(cost, bs, w, kv) for w in widths} for tree, widths in _widths(rows).items()}
+    for r in rows:
+        r["t_draft_here"] = r["t_draft"]  # the forward alone prices n-gram drafting, as in analysis.replay
+        r["t_draft"] = cost.draft(kind, bs, r["width"], kv, cost.target(bs, r["width"], kv))
+    return T
 
 
 def _show(s: dict) -> str:
@@ -189,7 +222,8 @@ def _show(s: dict) -> str:
 def table(info: dict) -> str:
     """The candidates as the pilot measured and priced them, the chosen one marked."""
     head = f"{'setting':<24} {'tau':>5} {'width':>6} {'draft ms':>9} {'verify ms':>10} {'bound':>6}"
-    lines = [f"K=auto at bs={info['bs']} (T(bs,1) = {info['cost_s']['1'] * 1e3:.1f} ms; "
+    on = f" on {info['cost_model']}" if info.get("cost_model") else ""
+    lines = [f"K=auto at bs={info['bs']} (T(bs,1) = {info['cost_s']['1'] * 1e3:.1f} ms{on}; "
              f"{info['seconds']:.0f} s of pilots on {len(info['prompts'])} held-out prompt(s))", head]
     for r in info["candidates"]:
         mark = " <- chosen" if r["setting"] == info["chosen"] else ""
