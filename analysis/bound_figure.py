@@ -40,7 +40,7 @@ def fig_bounds(df, out, written, note: str | None = None):
     one = sd["label"].nunique() == 1  # a single method: name it once, in the title
 
     def short(r):
-        lab = r["series"][len(r["label"]):].lstrip(", ") if one else r["series"]
+        lab = r["job"][len(r["label"]):].lstrip(", ") if one else r["job"]
         lab = lab.replace(" (", "\n(").replace(", ", "\n")
         return (lab + "\n" if lab else "") + f"{k_label(r, '')} bs={int(r['bs'])}".lstrip()
 

@@ -5,6 +5,7 @@ Every per-method figure shows every row (more panels when many) with distinct co
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -62,7 +63,10 @@ def subtitle(df: pd.DataFrame) -> str:
 
 
 def caption(fig, text: str) -> None:
-    """A line under the figure: what it leaves out and why (saved with it: the cut is tight)."""
+    """Lines under the figure: what it leaves out and why (saved with it: the cut is tight), wrapped
+    to the figure's width (about 19 characters an inch at 7 points) so they never widen it."""
+    text = textwrap.fill(text, width=max(40, int(fig.get_figwidth() * 19)), break_long_words=False,
+                         break_on_hyphens=False)
     fig.text(0.01, 0.0, text, ha="left", va="top", fontsize=7, style="italic", color="#444444", wrap=False)
 
 
@@ -175,8 +179,10 @@ def fig_time_split(df, out, written):
     rows = df.dropna(subset=["wall_s"]).copy()
     if rows.empty:
         return
-    rows["name"] = rows.apply(lambda r: r["label"] + k_label(r)
-                              + f" bs={int(r['bs'])}", axis=1)
+    multi_ctx = rows["ctx"].nunique(dropna=False) > 1  # each input length its own bar
+    rows["name"] = rows.apply(lambda r: r["label"] + k_label(r) + f" bs={int(r['bs'])}"
+                              + (f" ctx={int(r['ctx'])}" if multi_ctx and r["ctx"] == r["ctx"] and r["ctx"] is not None
+                                 else ""), axis=1)
     rows = rows.drop_duplicates("name", keep="last").sort_values(["bs", "method", "K"], na_position="first")
     if len(rows) > 14:
         rows = rows[rows["bs"] == rows["bs"].min()]
@@ -323,8 +329,8 @@ def fig_hist(df, out, written):
     sd = sd[sd["hist"].map(lambda h: sum(h) > 0)]
     if sd.empty:
         return
-    sd = sd.sort_values("K").drop_duplicates("series", keep="last")
-    names = [f"{r['series']}{k_label(r, ', ')} (tau {r['tau']:.2f})" for _, r in sd.iterrows()]
+    sd = sd.sort_values("K").drop_duplicates("job", keep="last")
+    names = [f"{r['job']}{k_label(r, ', ')} (tau {r['tau']:.2f})" for _, r in sd.iterrows()]
     shares = [np.array(r["hist"], dtype=float) / sum(r["hist"]) for _, r in sd.iterrows()]
     if len(sd) > HIST_BARS:  # grouped bars would be slivers: a row per series, its steps split by length
         n = max(len(h) for h in shares)

@@ -231,9 +231,12 @@ def method_rows(df):
     multi_t = sd["temperature"].nunique() > 1
     multi_dt = sd["dtype"].nunique() > 1  # never average an fp32 and a bf16 job into one point
     multi_n = sd["max_new_tokens"].nunique() > 1
-    sd["series"] = sd.apply(lambda r: r["label"] + (f", {r['dataset']}" if multi_ds else "")
-                            + (f", T={r['temperature']:g}" if multi_t else "")
-                            + (f", {r['dtype']}" if multi_dt else "")
-                            + (f", {int(r['max_new_tokens'])} tok" if multi_n else "")
+    # what differs between the rows beside the method and the data set (per_category names the data set its own way)
+    sd["settings"] = sd.apply(lambda r: (f", T={r['temperature']:g}" if multi_t else "")
+                              + (f", {r['dtype']}" if multi_dt else "")
+                              + (f", {int(r['max_new_tokens'])} tok" if multi_n else ""), axis=1)
+    sd["series"] = sd.apply(lambda r: r["label"] + (f", {r['dataset']}" if multi_ds else "") + r["settings"]
                             + (" (unpaired)" if r.get("ar_paired") is False else ""), axis=1)  # AR run apart
+    multi_ctx = sd["ctx"].nunique(dropna=False) > 1  # a figure of one mark per job names its input length
+    sd["job"] = sd["series"] + sd["ctx"].map(lambda c: f", ctx={int(c)}" if multi_ctx and c == c and c is not None else "")
     return sd

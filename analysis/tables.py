@@ -77,8 +77,10 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
     batch size; speedup from per-request tokens and wall time against the AR job."""
     rows = []
     ar_of = ar_baselines(df)
+    sd = method_rows(df)  # a row per method and whatever else differs between the jobs (their settings)
     multi_ds = df["dataset"].nunique() > 1  # each data set's categories (and overall) on rows of their own
-    for _, r in method_rows(df).iterrows():
+    multi_ctx = not sd.empty and sd["ctx"].nunique(dropna=False) > 1
+    for _, r in sd.iterrows():
         if (ar := ar_of(r)) is None:
             continue
         base = pd.DataFrame(ar["requests"])
@@ -91,7 +93,9 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
             tps_ar = b["new_tokens"].sum() / b["wall_s"].sum()
             steps = g["steps"].sum()
             tau = 1 + g["accepted"].sum() / steps if steps else float("nan")
-            rows.append({"method": r["label"] + (f" ({r['dataset']})" if multi_ds else "")
+            ctx = r.get("ctx")
+            rows.append({"method": r["label"] + (f" ({r['dataset']})" if multi_ds else "") + r["settings"]
+                         + (f", ctx={int(ctx)}" if multi_ctx and ctx == ctx and ctx is not None else "")
                          + (" (unpaired)" if r.get("ar_paired") is False else ""), "T": float(r["temperature"]),
                          "K": spec_len(r), "bs": int(r["bs"]),
                          "category": cat,

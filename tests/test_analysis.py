@@ -633,3 +633,33 @@ def test_a_bound_prices_the_verify_width_run_and_older_records_keep_what_they_co
     assert bound[new.name] == bound[new.name] and bound[old.name] == bound[old.name]  # both paired, both priced
     assert widths == [(4, 1), (4, 5.0), (4, 1), (4, 2.5)]  # T(bs, 1), then each job's verify width
     assert bound[new.name] < bound[old.name]  # the padding the old record could not show is paid for
+
+
+def test_the_per_category_table_never_mixes_two_jobs_of_a_method(tmp_path):
+    """Two PLD jobs that differ in what they ran (input length, new tokens) are two rows of the
+    per-category table, each with its own categories; a category one job lacks is empty, not the
+    other job's number (the workloads preset's first step and its ctx sweep once shared a row)."""
+    base = {"status": "ok", "model": "m", "dataset": "mt_bench", "bs": 1, "K": 4, "temperature": 0.0,
+            "sweep_id": "s", "max_new_tokens": 128}
+
+    def rq(cat, wall):
+        return {"id": cat, "turn": 1, "category": cat, "batch": 0, "new_tokens": 10, "wall_s": wall, "steps": 5,
+                "accepted": 5}
+
+    recs = []
+    for i, (ctx, n, cats, wall) in enumerate([(None, 128, ("writing", "coding"), 0.5), (1024, 64, ("writing",), 0.25)]):
+        ar = dict(base, method="ar", job_id=f"a{i}", K=None, ctx=ctx, max_new_tokens=n, paired_with=f"p{i}",
+                  metrics={"speedup": 1.0, "tau": 1.0, "tokens_per_s": 10.0}, requests=[rq(c, 1.0) for c in cats])
+        pld = dict(base, method="pld", job_id=f"p{i}", ar_job_id=f"a{i}", ar_paired=True, ctx=ctx, max_new_tokens=n,
+                   metrics={"speedup": 1.0 / wall, "tau": 2.0, "tokens_per_s": 10.0 / wall},
+                   requests=[rq(c, wall) for c in cats])
+        recs += [ar, pld]
+    p = tmp_path / "records.jsonl"
+    for r in recs:
+        R.append(p, r)
+    cat = tables.per_category(load(p))
+    assert len(cat) == 2
+    first, second = (cat.xs(k, level="method") for k in sorted(cat.index.get_level_values("method")))
+    assert first[("speedup", "coding")].iloc[0] == pytest.approx(2.0)
+    assert second[("speedup", "writing")].iloc[0] == pytest.approx(4.0)
+    assert second[("speedup", "coding")].isna().all()  # not the first job's 2.0
