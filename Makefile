@@ -89,13 +89,13 @@ train-draft: setup ## train a drafter (python -m specbench.train; ARGS: drafter=
 REGRESS_DIR := results/regress
 regress: setup ## the regression check against results/baselines/regress.jsonl
 	rm -f $(REGRESS_DIR)/records.jsonl
-	$(BIN)/python -m specbench +experiment=regress results_dir=$(REGRESS_DIR)
+	$(BIN)/python -m specbench experiment=regress results_dir=$(REGRESS_DIR)
 	$(BIN)/python -m specbench.analysis.compare $(REGRESS_DIR)/records.jsonl results/baselines/regress.jsonl \
 		--bench-json $(REGRESS_DIR)/benchmark.json
 
 regress-baseline: setup ## rewrite the regression baseline (after an intended change of acceptance)
 	rm -f $(REGRESS_DIR)/records.jsonl
-	$(BIN)/python -m specbench +experiment=regress results_dir=$(REGRESS_DIR)
+	$(BIN)/python -m specbench experiment=regress results_dir=$(REGRESS_DIR)
 	cp $(REGRESS_DIR)/records.jsonl results/baselines/regress.jsonl
 
 # The GPU check (docs/gpu.md): `make gpu-kit` here writes .gpu/; `make gpu-check` there is the one

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import sys
 
-GROUPS = ("method", "model", "dataset", "draft_model", "logger", "accept")
+GROUPS = ("method", "model", "dataset", "draft_model", "logger", "accept", "experiment")
 
 
 def preprocess(argv: list[str]) -> list[str]:
@@ -32,6 +32,8 @@ def preprocess(argv: list[str]) -> list[str]:
         head, dot, rest = key.partition(".")
         bare = head.lstrip("+~")
         sign = head[:len(head) - len(bare)]
+        if eq and key == "+experiment":  # the group has a default (none), so Hydra refuses to add it
+            raise ConfigError(f"a preset is experiment={val} (no +)")
         if (eq or sign) and dot and bare in known:  # eagle.depth=6 -> method.depth=6
             if swept != [bare]:  # would reach the other methods' jobs too
                 raise ConfigError(f"{shown}= needs method={bare} alone (got method={','.join(swept or ['<default>'])}); "
@@ -65,7 +67,7 @@ def preprocess(argv: list[str]) -> list[str]:
 def check_key(key: str, shown: str, swept) -> None:
     """Refuse a key that nothing declares: under ``method.``, a key of a method of the sweep
     (``swept()``: their names) that its settings lack; elsewhere one the run's schema lacks.
-    Hydra's own keys and a preset's group (``+experiment=``) are Hydra's to check."""
+    Hydra's own keys and a preset's group (``experiment=``, its choice checked above) are Hydra's to check."""
     from specbench.errors import ConfigError, unknown_key
     from specbench.run import schema
 

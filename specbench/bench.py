@@ -1,7 +1,7 @@
 """`python -m specbench.bench NAME [key=value ...]`: a benchmark preset end to end.
 
 A preset is ``conf/experiment/NAME.yaml`` (``# @package _global_``): its settings and its sweep
-(``hydra.sweeper.params``), so ``python -m specbench +experiment=NAME`` runs its main sweep. Its
+(``hydra.sweeper.params``), so ``python -m specbench experiment=NAME`` runs its main sweep. Its
 ``bench`` node says what else the benchmark runs, in order:
 
     bench:
@@ -63,7 +63,7 @@ def steps(name: str, args: list[str]) -> list[list[str]]:
         (kind, text), = step.items()
         words = shlex.split(string.Template(str(text)).substitute(env))
         if kind == "sweep":
-            out.append([py, "-m", "specbench", f"+experiment={name}", *words, *args])
+            out.append([py, "-m", "specbench", f"experiment={name}", *words, *args])
         elif kind == "profile":
             out.append([py, "-m", "specbench.analysis.profile", *words, "--results-dir", results])
         elif kind == "show":
@@ -78,7 +78,7 @@ def steps(name: str, args: list[str]) -> list[list[str]]:
 
 
 def jobs(name: str, overrides: list[str]) -> list[list[str]]:
-    """The overrides of each job ``python -m specbench +experiment=NAME *overrides`` would run
+    """The overrides of each job ``python -m specbench experiment=NAME *overrides`` would run
     (the preset's sweep, then the command line's, as Hydra's basic sweeper expands them), without
     running any: the preset tests compose each of them."""
     from hydra import compose, initialize_config_dir
@@ -88,7 +88,7 @@ def jobs(name: str, overrides: list[str]) -> list[list[str]]:
     own = [o for o in overrides if o.startswith("hydra.")]
     task = [o for o in overrides if not o.startswith("hydra.")]
     with initialize_config_dir(str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=[f"+experiment={name}", *own], return_hydra_config=True)
+        cfg = compose("config", overrides=[f"experiment={name}", *own], return_hydra_config=True)
     params = [f"{k}={v}" for k, v in (cfg.hydra.sweeper.params or {}).items()]
     parsed = OverridesParser.create().parse_overrides(params + task)
     (batch,) = BasicSweeper.split_arguments(parsed, None)
@@ -104,7 +104,7 @@ def plan(name: str, args: list[str]) -> list[str]:
     from specbench.errors import ConfigError
     from specbench.run.validation import validate
 
-    lines, marker = [], f"+experiment={name}"
+    lines, marker = [], f"experiment={name}"
     for i, cmd in enumerate(steps(name, args), 1):
         text = shlex.join(cmd[1:] if cmd[0] == sys.executable else cmd)
         if marker in cmd:

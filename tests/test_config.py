@@ -105,7 +105,7 @@ TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, batchin
     (["method=pld,lookahead", "method.max_ngram=2"], "method.max_ngram is pld's, not lookahead's: set it with "
                                                      "method=pld alone and sweep the others in a separate command "
                                                      "(lookahead's keys: W, N, G, pool_cap, prompt_ngrams)"),
-    (["+experiment=eagle3", "method.max_ngram=2"], "unknown key method.max_ngram; eagle's keys: "),  # its sweep
+    (["experiment=eagle3", "method.max_ngram=2"], "unknown key method.max_ngram; eagle's keys: "),  # its sweep
     (["bss=4"], f"unknown key bss; did you mean bs? top-level keys: {TOP_KEYS}"),
     (["+bss=4"], f"unknown key bss; did you mean bs? top-level keys: {TOP_KEYS}"),
     (["~bss"], f"unknown key bss; did you mean bs? top-level keys: {TOP_KEYS}"),
@@ -119,6 +119,8 @@ TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, batchin
                           "block_size, prefix_caching, kv_cache_gb, threads"),
     (["accept=synthetic", "accept.rate=0.5"], "unknown key accept.rate; did you mean accept.rates? accept's keys: rates"),
     (["method=eagel"], "unknown method 'eagel'; did you mean eagle? choices: ar, combo, dflash"),
+    (["experiment=headlin"], "unknown experiment 'headlin'; did you mean headline? choices: "),
+    (["+experiment=headline"], "a preset is experiment=headline (no +)"),
     (["model=smollm2"], "unknown model 'smollm2'; did you mean smollm2-135m? choices: "),
 ])
 def test_an_unknown_key_is_refused_in_one_line_with_the_valid_keys(argv, msg):
@@ -135,8 +137,8 @@ def test_declared_keys_pass_through():
             "+draft_model.label=x", "~dataset.language", "slo.ttft_ms=200", "tune.K=[1,2]", "vllm.threads=0-1",
             "hydra.launcher.n_jobs=2", "hydra/launcher=joblib", "--multirun", "logger=wandb", "logger.project=p"]
     assert preprocess(argv) == [a.replace("pld.", "method.") for a in argv]
-    assert preprocess(["+experiment=eagle3", "method.version=3"]) == ["+experiment=eagle3", "method.version=3"]
-    argv = ["+experiment=search", "hydra.sweeper.params=null", "method=rest", "method.datastore=python_code"]
+    assert preprocess(["experiment=eagle3", "method.version=3"]) == ["experiment=eagle3", "method.version=3"]
+    argv = ["experiment=search", "hydra.sweeper.params=null", "method=rest", "method.datastore=python_code"]
     assert preprocess(argv) == argv
 
 

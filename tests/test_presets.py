@@ -21,8 +21,8 @@ def composed(overrides):
 
 
 def sweeps(name):
-    """The override lists of the preset's sweep steps (what follows ``+experiment=NAME``)."""
-    marker = f"+experiment={name}"
+    """The override lists of the preset's sweep steps (what follows ``experiment=NAME``)."""
+    marker = f"experiment={name}"
     return [cmd[cmd.index(marker) + 1:] for cmd in bench.steps(name, []) if marker in cmd]
 
 
@@ -42,7 +42,7 @@ def test_every_preset_composes_into_valid_jobs(name):
     for overrides in sweeps(name):
         own = [o for o in overrides if o.startswith("hydra.")]
         for job in bench.jobs(name, overrides):
-            cfg = OmegaConf.create(composed([f"+experiment={name}", *own, *job]))
+            cfg = OmegaConf.create(composed([f"experiment={name}", *own, *job]))
             schema.check(cfg)
             assert cfg.method.name in methods.builtin()
             n += 1
@@ -74,7 +74,7 @@ def test_plan_checks_every_job_of_a_benchmark_and_runs_nothing(capsys):
     assert len(lines) == 3 and lines[2].endswith("--out results/bench-workloads/report")
     assert "[3 jobs: method=pld dataset=mt_bench; method=suffix" in lines[0]
     assert "[9 jobs: " in lines[1] and all(f"ctx={n}" in lines[1] for n in (1024, 2048, 4096))
-    cfg = OmegaConf.create(composed(["+experiment=workloads", *bench.jobs("workloads", [])[0]]))
+    cfg = OmegaConf.create(composed(["experiment=workloads", *bench.jobs("workloads", [])[0]]))
     assert (cfg.limit, cfg.dataset.order, cfg.dataset.max_turns, cfg.ar_baseline) == (8, "categories", None, "paired")
     assert bench.main(["workloads", "--plan", "ctx=8192"]) == 2  # beyond SmolLM2's 8192 positions, refused now
     assert "ctx=8192 + max_new_tokens=128" in capsys.readouterr().err
