@@ -134,9 +134,10 @@ class Proposer(MethodSpec):
     # of them): the runner snapshots them before its untimed warm-up and restores them after it
     # and at the start of every repeat, so a timed request only benefits from those before it
     learned: tuple = ()
-    # attributes holding one entry per batch row (a list, or a tensor whose first dimension is the
-    # row): the base's start, add_rows and select_rows keep them from what new_rows makes, so a
-    # method with per-row state writes none of that bookkeeping
+    # attributes holding one entry per batch row (a list, a tensor whose first dimension is the
+    # row, or a cache with select_rows(keep) and add_rows(other): drafters.cache.DrafterCache): the
+    # base's start, add_rows and select_rows keep them from what new_rows makes, so a method with
+    # per-row state writes none of that bookkeeping
     per_row: tuple = ()
 
     def __init__(self, cfg, target, tokenizer, device: torch.device, dtype: torch.dtype):
@@ -196,8 +197,11 @@ class Proposer(MethodSpec):
         ``per_row`` attributes and in the wrapped proposers)."""
         for k in self.per_row:
             v = getattr(self, k)
-            setattr(self, k, v[torch.tensor(keep, dtype=torch.long, device=v.device)] if torch.is_tensor(v)
-                    else [v[i] for i in keep])
+            if hasattr(v, "select_rows"):  # a cache keeps its own rows
+                v.select_rows(keep)
+            else:
+                setattr(self, k, v[torch.tensor(keep, dtype=torch.long, device=v.device)] if torch.is_tensor(v)
+                        else [v[i] for i in keep])
         for p in self.inner():
             p.select_rows(keep)
 
@@ -213,7 +217,10 @@ class Proposer(MethodSpec):
             new = self.new_rows(state, hidden)
             for k in self.per_row:
                 old = getattr(self, k)
-                setattr(self, k, torch.cat([old, new[k]]) if torch.is_tensor(old) else list(old) + list(new[k]))
+                if hasattr(old, "add_rows"):  # a cache takes the new rows' cache after its own
+                    old.add_rows(new[k])
+                else:
+                    setattr(self, k, torch.cat([old, new[k]]) if torch.is_tensor(old) else list(old) + list(new[k]))
         for p in self.inner():
             p.add_rows(state, hidden)
 

@@ -33,6 +33,7 @@ class DFlash(Proposer):
     name, title = "dflash", "DFlash"
     dspark_heads = False  # drafts with DSpark's Markov and confidence heads (methods/dspark.py)
     published = "Z Lab's, DeepSpec's or vLLM's speculators format"
+    per_row = ("cache",)  # the drafter's keys and values of each row's verified context (a DrafterCache)
 
     @classmethod
     def train_command(cls) -> str:
@@ -138,17 +139,11 @@ class DFlash(Proposer):
         pos = cache.length[:, None] + torch.arange(feats.shape[1], device=self.device)[None]
         cache.append(self.drafter.context(feats, pos), hidden.counts, hidden.lens)
 
-    def start(self, state: BatchState, hidden=None) -> None:
-        self.cache = self._cache(state, hidden)
+    def new_rows(self, state: BatchState, hidden=None) -> dict:
+        return {"cache": self._cache(state, hidden)}
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
         self._append(self.cache, hidden)
-
-    def add_rows(self, state: BatchState, hidden=None) -> None:
-        self.cache.add_rows(self._cache(state, hidden))
-
-    def select_rows(self, keep: list[int]) -> None:
-        self.cache.select_rows(keep)
 
     def propose(self, state: BatchState) -> Draft:
         cache, n, dev = self.cache, self.block_size, self.device

@@ -29,6 +29,7 @@ from specbench.paths import resolve_path
 
 class PEagle(Proposer):
     name = "peagle"
+    per_row = ("cache", "drafts")  # the drafter's keys and values of each row's entries (a DrafterCache); the next drafts [B, K]
 
     @classmethod
     def check(cls, cfg, target_config) -> None:
@@ -127,20 +128,12 @@ class PEagle(Proposer):
                              longest + state.max_new_tokens + 2 * self.K + 2)
         return cache, self._step(cache, state, hidden)
 
-    def start(self, state: BatchState, hidden=None) -> None:
-        self.cache, self.drafts = self._start(state, hidden)
+    def new_rows(self, state: BatchState, hidden=None) -> dict:
+        cache, drafts = self._start(state, hidden)
+        return {"cache": cache, "drafts": drafts}
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
         self.drafts = self._step(self.cache, state, hidden)
-
-    def add_rows(self, state: BatchState, hidden=None) -> None:
-        cache, drafts = self._start(state, hidden)
-        self.cache.add_rows(cache)
-        self.drafts = torch.cat([self.drafts, drafts])
-
-    def select_rows(self, keep: list[int]) -> None:
-        self.cache.select_rows(keep)
-        self.drafts = self.drafts[torch.tensor(keep, dtype=torch.long, device=self.device)]
 
     def propose(self, state: BatchState) -> Draft:
         return Draft.chain(self.drafts)  # drafted by the step's one forward (``_step``)

@@ -238,15 +238,15 @@ def test_dflash_trainer_end_to_end(feature_setup, monkeypatch):
     out0.mkdir()
     out.mkdir()
     before = train_dflash.train(OmegaConf.merge(c, {"train": {"steps": 1, "lr": 1e-9}}), target, tok, items, out0,
-                                DEVICE, progress=False)["summary"]
-    res = train_dflash.train(c, target, tok, items, out, DEVICE, progress=False)
+                                {2}, DEVICE, progress=False)["summary"]
+    res = train_dflash.train(c, target, tok, items, out, {2}, DEVICE, progress=False)
     s = res["summary"]
     assert s["eval_loss"] < before["eval_loss"] and len(s["eval_top1_agreement"]) == 3  # per drafted slot
     assert s["mask_token_id"] == 95
     assert s["trained_block_positions"] == 60 * 4 * 6 * 3
     train_dflash.finish(c, res, out, "tiny8", {**features.stats(items), "dropped": {}, "key": "k"}, "python -m x")
     assert formats.detect(out) == "dflash" and (out / "README.md").read_text().startswith("# tiny_dflash")
-    again = train_dflash.train(c, target, tok, items, out, DEVICE, progress=False)  # resumed at its last step
+    again = train_dflash.train(c, target, tok, items, out, {2}, DEVICE, progress=False)  # resumed at its last step
     assert again["summary"]["train_seconds_this_run"] < s["train_seconds_this_run"]
     prop = proposer(target, out, DEVICE)
     assert prop.hidden_layers == (3, "final")

@@ -33,7 +33,7 @@ def _snapshot(model):
 
 
 @pytest.mark.parametrize("target_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", sorted(drafters.KINDS))
+@pytest.mark.parametrize("kind", sorted(k for k, v in drafters.KINDS.items() if v.format is None))  # specbench's own format
 def test_loading_a_drafter_in_bf16_changes_no_tensor_of_the_target(tmp_path, kind, target_dtype):
     target = tiny_llama(seed=0)
     if target_dtype != torch.float32:  # as from_pretrained(dtype=bf16) leaves it: weights bf16, RoPE tables fp32

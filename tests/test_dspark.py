@@ -282,8 +282,8 @@ def test_dspark_trainer_end_to_end(feature_setup, monkeypatch):
     out0.mkdir()
     out.mkdir()
     before = train_dflash.train(OmegaConf.merge(c, {"train": {"steps": 1, "lr": 1e-9}}), target, tok, items, out0,
-                                DEVICE, progress=False)["summary"]
-    res = train_dflash.train(c, target, tok, items, out, DEVICE, progress=False)
+                                {2}, DEVICE, progress=False)["summary"]
+    res = train_dflash.train(c, target, tok, items, out, {2}, DEVICE, progress=False)
     s = res["summary"]
     assert s["eval_loss"] < before["eval_loss"] and len(s["eval_top1_agreement"]) == 4  # slot 0 drafts too
     assert isinstance(res["draft"], DSparkDrafter) and res["draft"].markov_head.kind == "rnn"

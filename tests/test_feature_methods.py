@@ -425,8 +425,8 @@ def test_trainer_end_to_end(feature_setup, monkeypatch, kind):
     out0, out = root / f"{kind}0", root / kind
     out0.mkdir()
     out.mkdir()
-    before = heads.train(untrained, target, items, out0, {2}, DEVICE, progress=False)["summary"]
-    res = heads.train(c, target, items, out, {2}, DEVICE, progress=False)
+    before = heads.train(untrained, target, None, items, out0, {2}, DEVICE, progress=False)["summary"]
+    res = heads.train(c, target, None, items, out, {2}, DEVICE, progress=False)
     s = res["summary"]
     assert s["eval_loss"] < before["eval_loss"]  # it learned
     assert len(s["eval_top1_agreement"]) == (4 if kind == "eagle" else 3)  # per unrolled step / per head
@@ -458,7 +458,7 @@ def test_feature_trainer_resumes(feature_setup, monkeypatch):
     full_dir, part_dir = root / "full", root / "part"
     full_dir.mkdir()
     part_dir.mkdir()
-    full = heads.train(c, target, items, full_dir, {2}, DEVICE, progress=False)
+    full = heads.train(c, target, None, items, full_dir, {2}, DEVICE, progress=False)
     real, calls = heads.eagle_loss, {"n": 0}
 
     def crash_after_10(*a, **k):
@@ -469,10 +469,10 @@ def test_feature_trainer_resumes(feature_setup, monkeypatch):
 
     monkeypatch.setattr(heads, "eagle_loss", crash_after_10)
     with pytest.raises(KeyboardInterrupt):
-        heads.train(c, target, items, part_dir, {2}, DEVICE, progress=False)
+        heads.train(c, target, None, items, part_dir, {2}, DEVICE, progress=False)
     monkeypatch.setattr(heads, "eagle_loss", real)
     assert (part_dir / "_train_state.pt").exists()
-    resumed = heads.train(c, target, items, part_dir, {2}, DEVICE, progress=False)
+    resumed = heads.train(c, target, None, items, part_dir, {2}, DEVICE, progress=False)
     a, b = full["draft"].own_state(), resumed["draft"].own_state()
     for k in a:
         if a[k].is_floating_point():
@@ -503,9 +503,9 @@ def test_eagle3_trainer_end_to_end(feature_setup, monkeypatch, version):
     out0, out = root / f"eagle{version}_0", root / f"eagle{version}"
     out0.mkdir()
     out.mkdir()
-    before = heads.train(OmegaConf.merge(c, {"train": {"steps": 1, "lr": 1e-9}}), target, items, out0, {2}, DEVICE,
+    before = heads.train(OmegaConf.merge(c, {"train": {"steps": 1, "lr": 1e-9}}), target, None, items, out0, {2}, DEVICE,
                          progress=False)["summary"]
-    res = heads.train(c, target, items, out, {2}, DEVICE, progress=False)
+    res = heads.train(c, target, None, items, out, {2}, DEVICE, progress=False)
     assert res["summary"]["eval_loss"] < before["eval_loss"]  # it learned
     assert len(res["summary"]["eval_top1_agreement"]) == 4  # per unrolled step
     heads.finish(c, res, out, "tiny8", {**features.stats(items), "dropped": {}, "key": "k"}, "python -m specbench.train")

@@ -294,16 +294,16 @@ def test_mtp_trainer_end_to_end(feature_setup, monkeypatch):
     out0, out = root / "mtp_0", root / "mtp"
     out0.mkdir()
     out.mkdir()
-    before = train_mtp.train(OmegaConf.merge(c, {"train": {"steps": 1, "lr": 1e-9}}), target, items, out0, DEVICE,
-                             progress=False)["summary"]
-    res = train_mtp.train(c, target, items, out, DEVICE, progress=False)
+    before = train_mtp.train(OmegaConf.merge(c, {"train": {"steps": 1, "lr": 1e-9}}), target, None, items, out0, {2},
+                             DEVICE, progress=False)["summary"]
+    res = train_mtp.train(c, target, None, items, out, {2}, DEVICE, progress=False)
     s = res["summary"]
     assert s["eval_loss"] < before["eval_loss"] and len(s["eval_top1_agreement"]) == 3  # per step
     assert s["step_weights"] == pytest.approx([1 / 1.96, 0.6 / 1.96, 0.36 / 1.96])
     train_mtp.finish(c, res, out, "tiny8", {**features.stats(items), "dropped": {}, "key": "k"}, "python -m x")
     assert formats.detect(out) == "speculators-mtp" and formats.mtp.steps(out) == 3
     assert (out / "README.md").read_text().startswith("# tiny_mtp")
-    again = train_mtp.train(c, target, items, out, DEVICE, progress=False)  # resumed at its last step
+    again = train_mtp.train(c, target, None, items, out, {2}, DEVICE, progress=False)  # resumed at its last step
     assert again["summary"]["train_seconds_this_run"] < s["train_seconds_this_run"]
     prop = proposer(target, out, DEVICE)
     ps = [it["tokens"][:it["prompt_len"]].tolist() for it in items if it["answered"]][:3]  # answers it trained on

@@ -412,7 +412,7 @@ def test_specdec_trainer_end_to_end(tmp_path):
     batch = specdec.collate(its[6:14], 64, 3, 4, V96, lookup, random.Random(0))
     with torch.no_grad():
         l0 = specdec.loss_fn(before, *batch, batch[0].shape[1] - 12)[0].item()
-    res = specdec.train(cfg, target, items, out, {2}, progress=False)
+    res = specdec.train(cfg, target, None, items, out, {2}, torch.device("cpu"), progress=False)
     with torch.no_grad():
         l1 = specdec.loss_fn(res["draft"], *batch, batch[0].shape[1] - 12)[0].item()
     assert l1 < l0 - 0.3  # it learned the target's answers

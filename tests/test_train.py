@@ -86,7 +86,7 @@ def test_tiny_training_end_to_end(tiny_setup):
     before = DraftLM(target, 1, loop.pick_vocab(items, 48, 96, {2}))
     with torch.no_grad():
         l0 = loop.loss_fn(before, *loop.collate(items[:8], 64, _lookup(before), True))[0].item()
-    res = loop.train(cfg, target, items, out, {2}, progress=False)
+    res = loop.train(cfg, target, None, items, out, {2}, CPU, progress=False)
     s = res["summary"]
     assert s["eval_loss"] < l0  # it learned
     assert s["draft_vocab"] == 48 and s["steps"] == 30
@@ -113,7 +113,7 @@ def test_training_resumes_where_it_stopped(tiny_setup):
     full_dir, part_dir = root / "full", root / "part"
     full_dir.mkdir()
     part_dir.mkdir()
-    full = loop.train(cfg, target, items, full_dir, {2}, progress=False)
+    full = loop.train(cfg, target, None, items, full_dir, {2}, CPU, progress=False)
     short = OmegaConf.merge(cfg, {"train": {"steps": 30}})
     # stop after 20 steps by training a 20-step schedule's first part: emulate with save_every and a crash
     calls = {"n": 0}
@@ -128,11 +128,11 @@ def test_training_resumes_where_it_stopped(tiny_setup):
     loop.loss_fn = crash_after_20
     try:
         with pytest.raises(KeyboardInterrupt):
-            loop.train(short, target, items, part_dir, {2}, progress=False)
+            loop.train(short, target, None, items, part_dir, {2}, CPU, progress=False)
     finally:
         loop.loss_fn = real
     assert (part_dir / "_train_state.pt").exists()
-    resumed = loop.train(short, target, items, part_dir, {2}, progress=False)
+    resumed = loop.train(short, target, None, items, part_dir, {2}, CPU, progress=False)
     a, b = full["draft"].own_state(), resumed["draft"].own_state()
     for k in a:
         if a[k].is_floating_point():

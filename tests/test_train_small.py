@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 
 from conftest import save_tiny_hf
 from helpers import CPU, greedy_cases, run_engine
-from specbench import methods
+from specbench import drafters, methods
+from specbench.drafters import formats
 from specbench.errors import ConfigError
 from specbench.paths import CONF_DIR
 from specbench.train import loop
@@ -133,6 +134,26 @@ def test_every_drafter_kind_is_in_the_table():
     assert set(KINDS) == {p.stem for p in (CONF_DIR / "drafter").glob("*.yaml")}
 
 
+def test_one_table_names_each_kind_its_architecture_format_and_trainer():
+    """``drafters.KINDS`` is the one table of drafter kinds: each conf/drafter yaml's kind is a row,
+    its architecture imports, its format is one ``drafters.formats`` reads, and its trainer has the
+    interface ``python -m specbench.train`` looks up (``specbench.train``'s docstring)."""
+    import importlib
+
+    from specbench.train import trainer
+
+    assert set(drafters.KINDS) == {OmegaConf.load(p).kind for p in (CONF_DIR / "drafter").glob("*.yaml")}
+    for kind, row in drafters.KINDS.items():
+        importlib.import_module(row.architecture)
+        assert row.format is None or formats.module(row.format)
+        t = trainer(kind)
+        assert t.DATA in ("features", "distill", "answers"), kind
+        assert all(callable(getattr(t, f)) for f in ("min_seq_len", "train", "finish", "said")), kind
+        assert t.DATA != "features" or callable(t.layers), kind
+    with pytest.raises(ConfigError, match="unknown drafter kind 'nope'; choices: draft_lm, specdec, medusa"):
+        trainer("nope")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_every_drafter_kind_trains_and_decodes_as_ar(tiny8, tmp_path, kind):
@@ -144,6 +165,8 @@ def test_every_drafter_kind_trains_and_decodes_as_ar(tiny8, tmp_path, kind):
     out = tmp_path / kind
     run = train_cli(tiny8, kind, out, "train.steps=2", *args, *SMALL)
     assert run.returncode == 0, run.stderr[-2000:]
+    fmt = drafters.KINDS[kind].format  # written in the format the kind table names
+    assert (formats.detect(out) == fmt) if fmt else drafters.read_meta(out)["kind"] == kind
     folder = tiny8[0]
     target = AutoModelForCausalLM.from_pretrained(folder).eval()
     own = {} if method == "leviathan" else {"checkpoint": str(out)}  # leviathan reads draft_model

@@ -5,17 +5,23 @@ own weights. One module per architecture:
 - ``draft_lm``: a small causal LM (``method=leviathan``);
 - ``medusa``: extra decoding heads on the target's last hidden state (``method=medusa``);
 - ``eagle``: a feature-level autoregressive head (``method=eagle``);
-- ``specdec``: a non-autoregressive drafter of k [MASK] queries (``method=specdec``).
+- ``specdec``: a non-autoregressive drafter of k [MASK] queries (``method=specdec``);
+- ``eagle3``, ``dflash`` (and ``dspark``), ``mtp``, ``peagle``: drafters their authors publish,
+  trained here and written in the authors' layouts (``drafters.formats`` reads them).
 
-A checkpoint folder holds ``drafter.json`` (``kind``, shape, target, vocabulary size, the
-training summary), ``model.safetensors`` (the drafter's own weights, bf16) and a
-``README.md`` card. ``load`` builds the drafter its ``kind`` names on top of a loaded target.
+``KINDS`` is the one table of drafter kinds: each kind's architecture, the published format its
+checkpoints are written in, and its trainer (``python -m specbench.train drafter=<kind>`` looks the
+kind up there). A checkpoint folder of specbench's own format holds ``drafter.json`` (``kind``,
+shape, target, vocabulary size, the training summary), ``model.safetensors`` (the drafter's own
+weights, bf16) and a ``README.md`` card. ``load`` builds the drafter its ``kind`` names on top of a
+loaded target. docs/adding-a-drafter-method.md walks through adding a kind.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,8 +29,41 @@ import torch
 from specbench import backends
 from specbench.hf import text_config
 
-KINDS = {"draft_lm": "specbench.drafters.draft_lm", "medusa": "specbench.drafters.medusa",
-         "eagle": "specbench.drafters.eagle", "specdec": "specbench.drafters.specdec"}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A drafter kind: ``architecture``, the module that defines it (with ``build(meta, state,
+    target)`` when its checkpoints are specbench's own); ``format``, the published format its
+    trainer writes (a ``drafters.formats`` name: that module reads it back), None for specbench's
+    own (``save`` / ``load``); ``trainer``, the module that trains it (the interface:
+    ``specbench/train/__init__.py``)."""
+
+    architecture: str
+    format: str | None
+    trainer: str
+
+
+KINDS = {
+    "draft_lm": Kind("specbench.drafters.draft_lm", None, "specbench.train.loop"),
+    "specdec": Kind("specbench.drafters.specdec", None, "specbench.train.specdec"),
+    "medusa": Kind("specbench.drafters.medusa", None, "specbench.train.heads"),
+    "eagle": Kind("specbench.drafters.eagle", None, "specbench.train.heads"),
+    "eagle3": Kind("specbench.drafters.eagle3", "eagle3", "specbench.train.heads"),  # SafeAILab's layout
+    "dflash": Kind("specbench.drafters.dflash", "dflash", "specbench.train.dflash"),  # Z Lab's
+    "dspark": Kind("specbench.drafters.dspark", "deepspec", "specbench.train.dflash"),  # DeepSpec's
+    "mtp": Kind("specbench.drafters.mtp", "speculators-mtp", "specbench.train.mtp"),  # vLLM's speculators
+    "peagle": Kind("specbench.drafters.peagle", "speculators-peagle", "specbench.train.peagle"),
+}
+
+
+def kind(name: str) -> Kind:
+    """The table's row for drafter kind ``name``; a ``ConfigError`` naming the kinds otherwise."""
+    from specbench.errors import ConfigError
+
+    if name not in KINDS:
+        raise ConfigError(f"unknown drafter kind '{name}'; choices: {', '.join(KINDS)}")
+    return KINDS[name]
 
 
 def is_draft_checkpoint(path) -> bool:
@@ -90,8 +129,12 @@ def load(folder, target, device, dtype, kind: str | None = None):
 
     folder = Path(folder).expanduser()
     meta = read_meta(folder)
-    if meta.get("kind") not in KINDS:
-        raise ValueError(f"{folder}: unknown drafter kind {meta.get('kind')!r}; choices: {', '.join(KINDS)}")
+    own = [k for k, v in KINDS.items() if v.format is None]
+    if meta.get("kind") not in own:
+        fmt = KINDS[meta["kind"]].format if meta.get("kind") in KINDS else None
+        raise ValueError(f"{folder}: " + (f"a {meta['kind']} drafter is written in the {fmt} format (drafters.formats "
+                                          f"reads it)" if fmt else f"unknown drafter kind {meta.get('kind')!r}")
+                         + f"; this reads {', '.join(own)}")
     if kind is not None and meta["kind"] != kind:
         raise ValueError(f"{folder} holds a '{meta['kind']}' drafter, not '{kind}'")
     tv = int(text_config(target.config).vocab_size)
@@ -99,7 +142,7 @@ def load(folder, target, device, dtype, kind: str | None = None):
         raise ValueError(f"{folder} was trained for a target with {meta['target_vocab_size']} tokens, "
                          f"this target has {tv}")
     state = load_file(str(folder / "model.safetensors"))
-    drafter = importlib.import_module(KINDS[meta["kind"]]).build(meta, state, target)
+    drafter = importlib.import_module(KINDS[meta["kind"]].architecture).build(meta, state, target)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     shared = drafter.shared_prefixes()
     bad = [k for k in missing if not k.startswith(shared)]

@@ -98,6 +98,8 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
     elif kind == "mtp":
         lines += ["```bash", f"python -m specbench method=mtp mtp.checkpoint={where} K={meta['drafter']['steps']}", "```", "",
                   "`K` drafts that many tokens a step (one forward of the module each)."]
+    elif kind not in BODIES and (CONF_DIR / "method" / f"{kind}.yaml").exists():  # a new kind, run by its namesake method
+        lines += ["```bash", f"python -m specbench method={kind} {kind}.checkpoint={where}", "```", ""]
     if kind == "eagle":
         from specbench.methods.eagle import AUTO
 
@@ -334,9 +336,17 @@ def _peagle_body(meta: dict) -> list[str]:
 BODIES = {"peagle": _peagle_body, "mtp": _mtp_body, "dflash": _dflash_body, "dspark": _dflash_body, "eagle": _heads_body, "eagle3": _heads_body, "medusa": _heads_body, "draft_lm": _draft_lm_body, "specdec": _specdec_body}
 
 
+def _plain_body(meta: dict) -> list[str]:
+    """A kind without a card body of its own (a new one): its held-out scores as its trainer reports them."""
+    s = meta.get("train_summary", {})
+    return [f"# {meta['name']}: {meta['kind']} drafter for {meta['target']}", "",
+            f"Trained {s.get('steps')} steps; held out: " + ", ".join(f"{k} {v}" for k, v in s.items() if k.startswith("eval_")),
+            ""]
+
+
 def render(meta: dict, folder: Path) -> str:
     """The card of a checkpoint whose (portable) metadata is ``meta``."""
-    body = BODIES[meta["kind"]](meta)
+    body = BODIES.get(meta["kind"], _plain_body)(meta)
     lines = [*body, *([""] if body[-1] != "" else []), *use_lines(meta, folder)]
     if meta.get("command"):
         lines += ["## Reproduce", "", "```bash", meta["command"], "```", ""]

@@ -34,6 +34,24 @@ from specbench.errors import ConfigError
 from specbench.train.heads import collate
 from specbench.train.loop import fit_and_score
 
+DATA = "features"  # the trainer of drafter=dflash and dspark (the interface: specbench/train/__init__.py)
+
+
+def layers(cfg, num_target_layers: int) -> list:
+    """The states after its target layers, and the teacher's."""
+    ids = layer_ids(cfg.drafter, num_target_layers)
+    return [t for t in taps_of(ids, num_target_layers) if t != "final"] + ["final"]
+
+
+def min_seq_len(dr) -> int:
+    """A context before the anchor, the anchor and the token after it."""
+    return 3
+
+
+def said(s: dict) -> str:
+    return (f"held-out top-1 agreement per slot {[round(x, 3) for x in s['eval_top1_agreement']]}, "
+            f"expected accepted {s['eval_expected_accepted']:.2f}")
+
 
 def layer_ids(dr, num_target_layers: int) -> list[int]:
     ids = list(dr.target_layers) if dr.get("target_layers") else default_layer_ids(num_target_layers, int(dr.layers))
@@ -125,7 +143,7 @@ def build(dr, tc, target, ids: list[int], block: int, mask: int) -> DFlashDrafte
     return DFlashDrafter(target, cfg, ids, block, mask)
 
 
-def train(cfg, target, tokenizer, items: list[dict], out: Path, device, progress: bool = True) -> dict:
+def train(cfg, target, tokenizer, items: list[dict], out: Path, eos: set[int], device, progress: bool = True) -> dict:
     tcfg, dr = cfg.train, cfg.drafter
     torch.manual_seed(int(cfg.seed))
     gen = torch.Generator().manual_seed(int(cfg.seed))

@@ -30,12 +30,29 @@ import torch.nn.functional as F
 
 from specbench.drafters import vocab_by_frequency
 from specbench.drafters.eagle import EagleDrafter
-from specbench.drafters.eagle3 import Eagle3Drafter, layer_config
+from specbench.drafters.eagle3 import Eagle3Drafter, layer_config, tap_layers
 from specbench.drafters.medusa import MedusaHeads, sparse_tree
 from specbench.train import card
 from specbench.train.loop import batches, fit, split
 
 RANKS = 10  # Medusa per-rank accuracies measured for the tree
+DATA = "features"  # the trainer of drafter=medusa, eagle and eagle3 (the interface: specbench/train/__init__.py)
+
+
+def layers(cfg, num_target_layers: int) -> list:
+    """EAGLE-3: the states at the inputs of layers 2, L//2, L-3, and the teacher's; else the final state."""
+    if cfg.drafter.kind == "eagle3":
+        return [*tap_layers(num_target_layers), "final"]
+    return list(cfg.features.layers)
+
+
+def min_seq_len(dr) -> int:
+    """A token and the next."""
+    return 2
+
+
+def said(s: dict) -> str:
+    return f"held-out top-1 agreement {[round(x, 3) for x in s['eval_top1_agreement']]}"
 
 
 def collate(batch, seq_len: int, device, dtype=torch.float32, layers=("final",)):
@@ -130,7 +147,7 @@ def medusa_loss(model: MedusaHeads, tok, f, valid, ranks: bool = False):
     return (total, *agrees)
 
 
-def train(cfg, target, items: list[dict], out: Path, eos: set[int], device, progress: bool = True) -> dict:
+def train(cfg, target, tokenizer, items: list[dict], out: Path, eos: set[int], device, progress: bool = True) -> dict:
     tcfg, dr = cfg.train, cfg.drafter
     if device.type == "cuda":  # the drafter trains in TF32 on a GPU (the teacher pass ran in full fp32)
         torch.backends.cuda.matmul.allow_tf32 = True

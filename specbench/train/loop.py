@@ -18,7 +18,7 @@ from specbench.drafters.draft_lm import DraftLM
 from specbench.errors import ConfigError
 from specbench.train import card
 
-FEATURE_KINDS = ("eagle", "medusa", "eagle3", "dflash", "dspark", "mtp", "peagle")  # train on the feature set
+DATA = "distill"  # the trainer of drafter=draft_lm (the interface: specbench/train/__init__.py)
 
 
 def pick_vocab(items: list[dict], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
@@ -42,18 +42,18 @@ def pick_vocab(items: list[dict], size: int, vocab_size: int, always: set[int]) 
 
 
 def min_seq_len(dr) -> int:
-    """The shortest ``train.seq_len`` that holds a position drafter ``dr`` trains on: a token and the
-    next (MTP: its ``steps`` recursive steps past it; P-EAGLE, DFlash and DSpark: a context before it)."""
-    if dr.kind == "mtp":
-        return int(dr.steps) + 2
-    return 3 if dr.kind in ("peagle", "dflash", "dspark") else 2
+    """A token and the next."""
+    return 2
 
 
 def check(cfg) -> None:
     """The settings that would leave a trainer nothing to do, refused in one line before the target
     loads (and its teacher pass runs): no steps, an empty batch, a held-out share that keeps every
     sequence, a ``seq_len`` too short for any position, too few sequences to hold one out and train."""
+    from specbench.train import trainer
+
     t, dr = cfg.train, cfg.drafter
+    tr = trainer(str(dr.kind))  # its DATA and min_seq_len
     if int(t.steps) < 1:
         raise ConfigError(f"train.steps={t.steps}: nothing to train; set train.steps >= 1")
     if int(t.batch_size) < 1:
@@ -61,13 +61,13 @@ def check(cfg) -> None:
     if not 0 <= float(t.eval_frac) < 1:
         raise ConfigError(f"train.eval_frac={t.eval_frac}: the share held out must be in [0, 1) "
                           "(at least one sequence is always held out)")
-    if int(t.seq_len) < min_seq_len(dr):
+    if int(t.seq_len) < tr.min_seq_len(dr):
         raise ConfigError(f"train.seq_len={t.seq_len} holds no position drafter={dr.kind} trains on: "
-                          f"set train.seq_len >= {min_seq_len(dr)}")
-    if dr.kind in FEATURE_KINDS:
+                          f"set train.seq_len >= {tr.min_seq_len(dr)}")
+    if tr.DATA == "features":
         n, least, what = int(cfg.features.respond) + int(cfg.features.conversations), 2, \
             "features.respond + features.conversations"
-    elif dr.kind == "specdec":  # it trains on the target's own answers only
+    elif tr.DATA == "answers":  # the target's own answers only
         n, least, what = min(int(cfg.data.prompts), int(cfg.data.respond)), 4, "answered prompts (drafter.data.respond)"
     else:
         n, least, what = int(cfg.data.prompts), 2, "data.prompts"
@@ -222,7 +222,7 @@ def fit(model, params, step_fn, tcfg, state_path: Path, resume: bool, desc: str,
     return history
 
 
-def train(cfg, target, items: list[dict], out: Path, eos: set[int], progress: bool = True) -> dict:
+def train(cfg, target, tokenizer, items: list[dict], out: Path, eos: set[int], device, progress: bool = True) -> dict:
     tcfg, dr = cfg.train, cfg.drafter
     torch.manual_seed(int(cfg.seed))
     rng = random.Random(int(cfg.seed))
@@ -271,6 +271,10 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
     }
     save_draft(draft, out, meta)
     card.write(out, meta)
+
+
+def said(s: dict) -> str:
+    return f"eval KL {s['eval_kl']:.3f}, top-1 agreement {s['eval_top1_agreement']:.1%}"
 
 
 def held_out(model, loss_of, evals: list, batch_size: int, history: list) -> dict:

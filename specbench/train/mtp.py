@@ -28,6 +28,23 @@ from specbench.errors import ConfigError
 from specbench.train.heads import collate
 from specbench.train.loop import fit_and_score
 
+DATA = "features"  # the trainer of drafter=mtp (the interface: specbench/train/__init__.py)
+
+
+def layers(cfg, num_target_layers: int) -> list:
+    """The final state (as ``features.layers`` names it)."""
+    return list(cfg.features.layers)
+
+
+def min_seq_len(dr) -> int:
+    """A token and its ``steps`` recursive steps past the next."""
+    return int(dr.steps) + 2
+
+
+def said(s: dict) -> str:
+    return (f"held-out top-1 agreement per step {[round(x, 3) for x in s['eval_top1_agreement']]}, "
+            f"expected accepted {s['eval_expected_accepted']:.2f}")
+
 
 def step_weights(beta: float, steps: int) -> torch.Tensor:
     """FastMTP's normalised exponential decay: beta^k / sum_j beta^j, k = 0..steps-1."""
@@ -69,7 +86,7 @@ def mtp_loss(model: MTPDrafter, tok, fin, valid, weights, head, steps: int):
     return (loss, *agree)
 
 
-def train(cfg, target, items: list[dict], out: Path, device, progress: bool = True) -> dict:
+def train(cfg, target, tokenizer, items: list[dict], out: Path, eos: set[int], device, progress: bool = True) -> dict:
     tcfg, dr = cfg.train, cfg.drafter
     torch.manual_seed(int(cfg.seed))
     steps = int(dr.steps)

@@ -23,12 +23,28 @@ import torch
 import torch.nn.functional as F
 
 from specbench.drafters import vocab_by_frequency
-from specbench.drafters.eagle3 import layer_config
+from specbench.drafters.eagle3 import layer_config, tap_layers
 from specbench.drafters.peagle import PEagleDrafter
 from specbench.errors import ConfigError
 from specbench.train.dflash import mask_token
 from specbench.train.heads import collate
 from specbench.train.loop import fit_and_score
+
+DATA = "features"  # the trainer of drafter=peagle (the interface: specbench/train/__init__.py)
+
+
+def layers(cfg, num_target_layers: int) -> list:
+    """EAGLE-3's: the states at the inputs of layers 2, L//2, L-3, and the teacher's."""
+    return [*tap_layers(num_target_layers), "final"]
+
+
+def min_seq_len(dr) -> int:
+    """A context before the entry, the entry and the token after it."""
+    return 3
+
+
+def said(s: dict) -> str:
+    return f"held-out top-1 agreement per depth {[round(x, 3) for x in s['eval_top1_agreement']]}"
 
 
 def cod_entries(n: int, depths: int, ratio: float, ratio_min: float, gen: torch.Generator) -> tuple:

@@ -28,6 +28,18 @@ from specbench.errors import ConfigError
 from specbench.train import card
 from specbench.train.loop import batches, fit, split
 
+DATA = "answers"  # the trainer of drafter=specdec (the interface: specbench/train/__init__.py)
+
+
+def min_seq_len(dr) -> int:
+    """A token and the next."""
+    return 2
+
+
+def said(s: dict) -> str:
+    return (f"held-out agreement per query {[round(x, 3) for x in s['eval_query_agreement']]}, "
+            f"chain tau {s['eval_chain_tau']:.2f}")
+
 
 def answered(items: list[dict]) -> list[dict]:
     """Sequences with at least two answer tokens written by the target."""
@@ -107,7 +119,7 @@ def chain_stats(model: SpecDrafter, batches) -> dict:
     return {"eval_query_agreement": agree, "eval_chain_tau": 1 + sum(prefix), "eval_cuts": n}
 
 
-def train(cfg, target, items: list[dict], out: Path, eos: set[int], progress: bool = True) -> dict:
+def train(cfg, target, tokenizer, items: list[dict], out: Path, eos: set[int], device, progress: bool = True) -> dict:
     tcfg, dr = cfg.train, cfg.drafter
     torch.manual_seed(int(cfg.seed))
     rng = random.Random(int(cfg.seed))
