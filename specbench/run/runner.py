@@ -2,7 +2,7 @@
 its AR baseline (found, run once under a lock, or run in turns: ``ar_baseline=paired``), run the
 method through the engine (``measure``), and append the record; a failure is recorded and the
 sweep goes on. The table at the end: ``summary``. Re-exported here: ``validate``, ``MethodRun``,
-``PeakMemory``, ``warm_compiled``, ``build_requests`` (their modules hold them)."""
+``build_requests``, ``Job`` (their modules hold them)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -28,8 +26,9 @@ from specbench.models import cached_model, load_tokenizer, resolve_device, resol
 from specbench.paths import file_lock
 from specbench.run import data as D, quality, tune
 from specbench.run import records as R
-from specbench.run.measure import MethodRun, _spec_len, accept_of, build_requests, rate_of, run_methods
+from specbench.run.measure import MethodRun, _spec_len, accept_of, run_methods
 from specbench.run.validation import check_prompts, validate
+from specbench.run.workload import Job, build_requests, rate_of
 
 __all__ = ["job", "measure", "fill_against_ar", "sweep_id_of", "FAILED", "SweepAborted", "Job"]
 
@@ -155,40 +154,13 @@ def serving_of(cfg) -> dict | None:
             **how}
 
 
-@dataclass
-class Job:
-    """One validated, loaded sweep point: its settings, what it runs on, and the records it has
-    written so far."""
-
-    cfg: DictConfig
-    method: str  # the method of the sweep point (a paired job also runs "ar")
-    model: Any  # None on backend=vllm (vLLM loads it in its own process)
-    tokenizer: Any
-    device: torch.device
-    dtype: torch.dtype
-    questions: list
-    sweep_id: str
-    written: list[dict] = field(default_factory=list)
-    bar: Any = None  # the job's progress bar (tqdm)
-
-    def record(self, name: str) -> dict:
-        """A record of method ``name`` with this job's settings and environment, not yet measured."""
-        return _record_base(self.cfg, name, self.device, self.dtype, self.sweep_id)
-
-    def fail(self, name: str, status: str, msg: str) -> dict:
-        rec = _fail(self.cfg, name, self.device, self.dtype, self.sweep_id, status, msg)
-        self.written.append(rec)
-        return rec
-
-
 def measure(job: Job, names: list[str]) -> list[dict]:
     """One record per method of ``names`` (taking turns unit by unit when there are several)."""
     cfg = job.cfg
     out = []
     run_cls = vllm_engine.VllmRun if vllm_engine.wanted(cfg) else MethodRun
-    for name, (metrics, requests, proposer) in zip(names, run_methods(cfg, names, job.model, job.tokenizer, job.device,
-                                                                     job.dtype, job.questions, job.bar, run_cls)):
-        rec = job.record(name)
+    for name, (metrics, requests, proposer) in zip(names, run_methods(job, names, run_cls)):
+        rec = _record_base(cfg, name, job.device, job.dtype, job.sweep_id)
         # task score (GSM8K accuracy, HumanEval pass@1) where the data set has one; outside the timing
         metrics["quality"] = quality.score(cfg.dataset.name, {q.id: q for q in job.questions}, requests)
         for r in requests:
@@ -251,7 +223,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
                                             backends.resolve(cfg.get("kernel", "torch"), device),
                                             cfg.get("compile", False) is True)  # graphs: captured by the engine
         if tune.wanted(cfg):  # K=auto: the setting chosen now (piloted on held-out prompts), then checked as any
-            cfg, _ = tune.choose(cfg, model, tokenizer, device, dtype)
+            cfg, _ = tune.choose(Job(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id))
             check_prompts(cfg, questions, tokenizer, npos, device)
     except ConfigError as e:
         return [_fail(cfg, method_name, device, dtype, sweep_id, "error", str(e))]
@@ -282,7 +254,7 @@ def _job(job: Job, resume: bool) -> list[dict]:
     """A validated, loaded job: its AR baseline (found, run, or paired) and the method."""
     cfg, method_name = job.cfg, job.method
     paired = cfg.ar_baseline == "paired" and method_name != "ar"
-    probe = job.record("ar")
+    probe = _record_base(cfg, "ar", job.device, job.dtype, job.sweep_id)
     scope = None if cfg.ar_baseline == "any" or resume else job.sweep_id
     ar = None if paired else _find_ar(cfg, probe, scope)
     n_turns = sum(len(q.turns) for q in job.questions)
@@ -353,13 +325,13 @@ def _measured(job: Job, name: str, run) -> list[dict] | None:
         traceback.print_exc(file=sys.stderr)
         failure = ("error", _one_line(e))
         if _poisons_device(e):
-            job.fail(name, *failure)
+            job.written.append(_fail(job.cfg, name, job.device, job.dtype, job.sweep_id, *failure))
             raise SweepAborted(f"{failure[1]}: the CUDA context is unusable after a device-side error, so "
                                "no later job can run in this process; records so far are kept; fix the "
                                "cause and rerun the sweep") from None
     # out of the except block: the traceback (and the KV cache it holds) is gone
     _free(job.device)
-    job.fail(name, *failure)
+    job.written.append(_fail(job.cfg, name, job.device, job.dtype, job.sweep_id, *failure))
     return None
 
 
