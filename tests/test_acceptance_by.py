@@ -13,7 +13,7 @@ from specbench.errors import ConfigError
 from specbench.paths import CONF_DIR
 from specbench.run import metrics as M
 from specbench.run import schema
-from specbench.run.measure import Tally
+from specbench.run.workload import Tally
 
 FIX = Path(__file__).parent / "fixtures" / "records.jsonl"
 OPEN, CLOSE = 5, 6

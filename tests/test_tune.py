@@ -5,6 +5,7 @@ import pytest
 
 from specbench.run import runner
 from specbench.run import tune
+from specbench.run.workload import Job
 from specbench.errors import ConfigError
 from test_config import tiny_cfg
 
@@ -49,8 +50,9 @@ def test_auto_picks_the_largest_bound(tiny_dirs, tmp_path, monkeypatch):
     """The choice is the bound's argmax: a long K with the best tau loses when its verify costs
     more than its tokens are worth (a narrower tie wins)."""
     taus = {1: 1.6, 2: 2.0, 4: 2.4}
-    monkeypatch.setattr(tune, "_pilot", lambda c, *a: {"tau": taus[int(c.K)], "accept_rate_per_pos": [], "width": int(c.K) + 1,
-                                                       "t_draft": 0.0, "t_verify_pilot": 0.0, "spec_len": int(c.K)})
+    monkeypatch.setattr(tune, "_pilot", lambda job: {"tau": taus[int(job.cfg.K)], "accept_rate_per_pos": [],
+                                                     "width": int(job.cfg.K) + 1, "t_draft": 0.0, "t_verify_pilot": 0.0,
+                                                     "spec_len": int(job.cfg.K)})
     cost = {1: 1.0, 2: 1.1, 3: 1.2, 5: 2.4}  # T(bs, n): a wide verify is dear
     monkeypatch.setattr(tune, "forward_times", lambda model, bs, ns, *a, **k: {n: cost[n] for n in ns})
     cfg = tiny_cfg(tiny_dirs, tmp_path, K="auto", **{"tune.K": [1, 2, 4]}, **PLD)
@@ -58,12 +60,13 @@ def test_auto_picks_the_largest_bound(tiny_dirs, tmp_path, monkeypatch):
     import torch
 
     model, tok = load_model(cfg.model, torch.device("cpu"), torch.float32), load_tokenizer(cfg.model)
-    out, info = tune.choose(cfg, model, tok, torch.device("cpu"), torch.float32)
+    job = Job(cfg, "pld", model, tok, torch.device("cpu"), torch.float32, [], "s")
+    out, info = tune.choose(job)
     assert info["chosen"] == {"K": 2} and out.K == 2 and out.K_auto  # 2.0/1.2 beats 1.6/1.1 and 2.4/2.4
     assert [round(c["bound"], 3) for c in info["candidates"]] == [round(1.6 / 1.1, 3), round(2.0 / 1.2, 3), 1.0]
     assert "<- chosen" in tune.table(info).splitlines()[3] and info["beats_ar"]
     cost[1] = 0.5  # AR's step so cheap that no candidate's bound reaches 1: said, and the best still runs
-    out, info = tune.choose(cfg, model, tok, torch.device("cpu"), torch.float32)
+    out, info = tune.choose(job)
     assert info["chosen"] == {"K": 2} and not info["beats_ar"] and "not expected to beat AR" in tune.table(info)
 
 
@@ -77,15 +80,16 @@ def test_auto_prices_on_a_gpu_cost_model(tiny_dirs, tmp_path, monkeypatch):
     from specbench.models import load_model, load_tokenizer
 
     taus = {1: 1.6, 2: 2.0, 4: 2.4}
-    monkeypatch.setattr(tune, "_pilot", lambda c, *a: {"tau": taus[int(c.K)], "accept_rate_per_pos": [], "width": int(c.K) + 1,
-                                                       "t_draft": 9.0, "t_verify_pilot": 0.0, "spec_len": int(c.K)})
+    monkeypatch.setattr(tune, "_pilot", lambda job: {"tau": taus[int(job.cfg.K)], "accept_rate_per_pos": [],
+                                                     "width": int(job.cfg.K) + 1, "t_draft": 9.0, "t_verify_pilot": 0.0,
+                                                     "spec_len": int(job.cfg.K)})
     monkeypatch.setattr(tune, "forward_times", lambda *a, **k: pytest.fail("profiled the target"))
     H = costmodel.SPECDECODE_BENCH_H100
     chosen = {}
     for bs in (1, 128):
         cfg = tiny_cfg(tiny_dirs, tmp_path, bs=bs, K="auto", **{"tune.K": [1, 2, 4], "tune.cost": H.name}, **PLD)
         model, tok = load_model(cfg.model, torch.device("cpu"), torch.float32), load_tokenizer(cfg.model)
-        out, info = tune.choose(cfg, model, tok, torch.device("cpu"), torch.float32)
+        out, info = tune.choose(Job(cfg, "pld", model, tok, torch.device("cpu"), torch.float32, [], "s"))
         kv = bs * info["ctx"]
         assert info["cost_model"] == H.name and f"on {H.name}" in tune.table(info)
         assert info["cost_s"]["1"] == pytest.approx(costmodel.step(H, bs, 1, kv))
@@ -173,7 +177,7 @@ def test_the_pilot_prices_the_verify_width_its_steps_ran(tiny_dirs, tmp_path, mo
     from specbench.decode.kv import RaggedCache
     from specbench.models import load_model, load_tokenizer
     from specbench.run import metrics as M
-    from specbench.run.measure import build_requests
+    from specbench.run.workload import build_requests
 
     shapes, plain = [], RaggedCache.forward  # (rows, width) of every verify forward
     monkeypatch.setattr(RaggedCache, "forward", lambda self, tokens, *a, **k: (
@@ -183,7 +187,7 @@ def test_the_pilot_prices_the_verify_width_its_steps_ran(tiny_dirs, tmp_path, mo
     cfg = tiny_cfg(tiny_dirs, tmp_path, bs=4, K=4, warmup=False, **PLD)
     cpu = torch.device("cpu")
     model, tok = load_model(cfg.model, cpu, torch.float32), load_tokenizer(cfg.model)
-    pilot = tune._pilot(cfg, "pld", model, tok, cpu, torch.float32, build_requests(cfg, tok))
+    pilot = tune._pilot(Job(cfg, "pld", model, tok, cpu, torch.float32, build_requests(cfg, tok), "s"))
     ran = sum(b * w for b, w in shapes) / sum(b for b, _ in shapes)  # per row-step, the root included
     assert pilot["width"] == pytest.approx(ran)
     assert pilot["width"] > seen[-1]["valid_nodes"] + 1 + 0.1  # the rows' drafts were ragged

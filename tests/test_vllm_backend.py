@@ -101,9 +101,9 @@ def test_the_hosts_work_between_turns_is_off_the_clock_on_vllm_as_on_ours(tiny_d
     out of its clock (``harness_s``), and so must vLLM's worker, in wall, queue and TTFT alike."""
     import time
 
-    from specbench.engines.vllm import engine as vllm_engine
+    from specbench.run import data as D
 
-    render = vllm_engine.D.render
+    render = D.render
     slow = 0.3
 
     def slow_render(tokenizer, history, turn, chat):
@@ -111,7 +111,7 @@ def test_the_hosts_work_between_turns_is_off_the_clock_on_vllm_as_on_ours(tiny_d
             time.sleep(slow)
         return render(tokenizer, history, turn, chat)
 
-    monkeypatch.setattr(vllm_engine.D, "render", slow_render)
+    monkeypatch.setattr(D, "render", slow_render)
     # one two-turn question: while its next turn renders, the engine has nothing else to do
     rec, = runner.job(vcfg(tiny_dirs, tmp_path, method={"name": "ar"}, bs=1, limit=1, batching="continuous",
                            warmup=False), sweep_id="s")

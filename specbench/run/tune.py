@@ -86,7 +86,7 @@ def check(cfg: DictConfig, target_config, device) -> list[tuple[dict, DictConfig
 def held_out(cfg: DictConfig, tokenizer) -> list:
     """The pilot's prompts: first turns of the ``tune.prompts`` questions after the measured
     ``limit`` ones (the pilot never sees a measured prompt)."""
-    from specbench.run.measure import build_requests
+    from specbench.run.workload import build_requests
 
     if cfg.limit is None:
         raise ConfigError("K=auto pilots on questions held out from the measured ones, and limit=null measures "
@@ -101,17 +101,19 @@ def held_out(cfg: DictConfig, tokenizer) -> list:
     return [dataclasses.replace(q, turns=q.turns[:1]) for q in qs]
 
 
-def _pilot(cfg, name, model, tokenizer, device, dtype, questions) -> dict:
-    """One candidate decoded over the held-out prompts at the job's batch size, every prompt at
-    least once (cycled to fill the last batch; untimed)."""
+def _pilot(job) -> dict:
+    """One candidate (``job``: its config, and the held-out prompts as its questions) decoded over
+    the held-out prompts at the job's batch size, every prompt at least once (cycled to fill the
+    last batch; untimed)."""
     from specbench.run.measure import MethodRun
 
+    cfg, questions = job.cfg, job.questions
     bs = int(cfg.bs)
     n = -(-max(len(questions), bs) // bs) * bs  # every held-out prompt, in full batches of bs rows
     rows = [questions[i % len(questions)] for i in range(n)]
     pcfg = with_setting(cfg, {"max_new_tokens": pilot_tokens(cfg), "batching": "static", "rate": "inf",
                               "repeats": 1, "limit": n, "ctx": cfg.ctx})
-    run = MethodRun(pcfg, name, model, tokenizer, device, dtype, rows)
+    run = MethodRun(dataclasses.replace(job, cfg=pcfg, questions=rows, bar=None), cfg.method.name)
     for unit in run.units():
         run.run_unit(unit)
     m = run.metrics()[0]
@@ -136,9 +138,10 @@ def _priced(T: dict, width: float) -> float:
     return T[lo] + (T[hi] - T[lo]) * (width - lo)
 
 
-def choose(cfg: DictConfig, model, tokenizer, device, dtype) -> tuple[DictConfig, dict | None]:
-    """The job's config with the chosen setting, and what was chosen and why (None: nothing to
-    size). Progress and the table of candidates go to stderr."""
+def choose(job) -> tuple[DictConfig, dict | None]:
+    """The config of ``job`` (a loaded ``workload.Job``) with the chosen setting, and what was
+    chosen and why (None: nothing to size). Progress and the table of candidates go to stderr."""
+    cfg, model, tokenizer, device, dtype = job.cfg, job.model, job.tokenizer, job.device, job.dtype
     name = cfg.method.name
     cands = check(cfg, model.config, device)
     if not cands:
@@ -150,7 +153,7 @@ def choose(cfg: DictConfig, model, tokenizer, device, dtype) -> tuple[DictConfig
     for s, c in cands:
         print(f"[specbench] K=auto: piloting {name} {_show(s)} at bs={bs} on {len(qs)} held-out prompt(s)",
               file=sys.stderr, flush=True)
-        rows.append({"setting": s, **_pilot(c, name, model, tokenizer, device, dtype, qs)})
+        rows.append({"setting": s, **_pilot(dataclasses.replace(job, cfg=c, questions=qs))})
     # the target's step cost, now, at the widths the candidates verify (and 1: AR's step)
     from specbench.run.data import render
 

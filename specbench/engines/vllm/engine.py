@@ -20,18 +20,18 @@ import functools
 import json
 import math
 import os
-import random
 import subprocess
 import tempfile
 from pathlib import Path
 
 from specbench import methods
 from specbench.methods.base import Proposer
-from specbench.run import data as D
 from specbench.run import metrics as M
 from specbench.decode.engine import RowResult
+from specbench.decode.requests import Request
 from specbench.errors import ConfigError
-from specbench.run.measure import Tally, rate_of
+from specbench.run.measure import method_cfg
+from specbench.run.workload import Workload
 from specbench.models import load_config, model_dir
 from specbench.paths import REPO, resolve_path
 
@@ -274,45 +274,53 @@ class _Described:
 
 
 class VllmRun:
-    """A ``measure.Run`` on vLLM: the same units (a batch and its turns, or the whole stream), the
-    same request records and metrics (a ``Tally``), plus vLLM's own counters (``metrics.vllm``)."""
+    """A ``measure.Run`` on vLLM: its ``workload`` (the same units, prompts, request records and
+    metrics as our engine's) drives one vLLM worker (``workload.Driver``); vLLM's own counters are
+    kept beside (``metrics.vllm``)."""
 
-    def __init__(self, cfg, method_name: str, model, tokenizer, device, dtype, questions):
-        from omegaconf import OmegaConf
-
-        from specbench.paths import CONF_DIR
-
-        self.cfg, self.name, self.model, self.tokenizer, self.device = cfg, method_name, None, tokenizer, device
-        self.questions = questions
-        mcfg = OmegaConf.merge(cfg, {"method": OmegaConf.load(CONF_DIR / "method" / f"{method_name}.yaml")}) \
-            if method_name != cfg.method.name else cfg
+    def __init__(self, job, method_name: str):
+        cfg, device = job.cfg, job.device
+        self.name = method_name
+        mcfg = method_cfg(cfg, method_name)
         method = methods.get(method_name)
         spec = spec_config(mcfg, method_name)
         self.K = (method.spec_len(mcfg, device) or 0) if spec is not None else 0
-        self.chat = bool(cfg.model.get("chat", True))
-        self.tally = Tally(cfg, tokenizer, self.K, self.K, method.positions(mcfg, load_config(cfg.model)),
-                           len(questions))
-        self.eos = sorted(_eos(cfg))
+        self.workload = Workload(job, self.K, self.K, method.positions(mcfg, load_config(cfg.model)))
         self.sampling = {"temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
-                         "max_tokens": int(cfg.max_new_tokens), "stop_token_ids": self.eos, "seed": int(cfg.seed)}
-        self.worker = Worker(cfg, engine_kwargs(cfg, str(dtype).replace("torch.", ""), spec), method_name)
+                         "max_tokens": int(cfg.max_new_tokens), "stop_token_ids": sorted(_eos(cfg)),
+                         "seed": int(cfg.seed)}
+        self.worker = Worker(cfg, engine_kwargs(cfg, str(job.dtype).replace("torch.", ""), spec), method_name)
         self.proposer = _Described(spec, self.worker)
         if cfg.warmup:  # the first batch's prompts, 8 tokens, untimed (vLLM's first steps are slow)
-            qs = questions[:int(cfg.bs)]
-            ids = [q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], self.chat) for q in qs]
-            self.worker.stream([{"id": f"w{i}", "prompt": p, "at": 0.0} for i, p in enumerate(ids)],
+            self.worker.stream([{"id": f"w{i}", "prompt": p, "at": 0.0}
+                                for i, p in enumerate(self.workload.warmup_prompts())],
                                {**self.sampling, "max_tokens": 8})
         self.iterations = 0  # vLLM's engine steps (one forward each)
-        self.continuous = self.tally.continuous
-        self.rate = rate_of(cfg)
         self.counters: dict = {}
 
     def units(self) -> list[tuple[int, int]]:
-        return self.tally.units()
+        return self.workload.units()
 
-    def _stream(self, requests, follow=None) -> tuple[list[dict], float]:
+    def run_unit(self, unit: tuple[int, int], progress=None) -> None:
+        self.workload.run(unit, self, progress)
+
+    def batch(self, prompts: list[list[int]]) -> tuple[list[RowResult], float]:
+        done, seconds = self._stream([{"id": str(i), "prompt": p, "at": 0.0} for i, p in enumerate(prompts)])
+        by_id = {m["id"]: m for m in done}
+        return [row_result(by_id[str(i)]) for i in range(len(prompts))], seconds
+
+    def stream(self, requests: list[Request], answered) -> float:
+        """The stream through the worker: it waits for each next turn (``answered``), off its clock
+        when nothing else is in flight (``worker.py``)."""
+        def follow(m):
+            nxt = answered(tuple(map(int, m["id"].split(":"))), row_result(m), m["done_s"])
+            return None if nxt is None else _message(nxt)
+
+        return self._stream([_message(r) for r in requests], follow)[1]
+
+    def _stream(self, requests: list[dict], follow=None) -> tuple[list[dict], float]:
         done, summary = self.worker.stream(requests, self.sampling, follow)
-        self.tally.trace += [tuple(x) for x in summary["trace"]]
+        self.workload.tally.trace += [tuple(x) for x in summary["trace"]]
         self.iterations += len(summary["trace"])
         for k, v in summary["counters"].items():
             if isinstance(v, list):
@@ -323,61 +331,9 @@ class VllmRun:
                 self.counters[k] = self.counters.get(k, 0) + v
         return done, summary["wall_s"]
 
-    def _run_stream(self, rep: int, progress=None) -> None:
-        cfg, tokenizer = self.cfg, self.tokenizer
-        rng = random.Random(int(cfg.seed))  # the same arrivals as our engine's stream
-        history = [[] for _ in self.questions]
-        prompts, reqs, t = {}, [], 0.0
-        for i, q in enumerate(self.questions):
-            prompt = q.ctx_ids if cfg.ctx is not None else D.render(tokenizer, [], q.turns[0], self.chat)
-            self.tally.check_positions(prompt)
-            prompts[f"{i}:0"] = prompt
-            reqs.append({"id": f"{i}:0", "prompt": prompt, "at": t})
-            t += rng.expovariate(self.rate) if math.isfinite(self.rate) else 0.0
-
-        def follow(m):
-            i, turn = map(int, m["id"].split(":"))
-            q = self.questions[i]
-            rec = self.tally.request(q, turn, i, rep, prompts[m["id"]], row_result(m))
-            history[i].append((q.turns[turn], rec["_text"]))
-            if progress is not None:
-                progress.update(1)
-            if turn + 1 < len(q.turns) and cfg.ctx is None:
-                nxt = D.render(tokenizer, history[i], q.turns[turn + 1], self.chat)
-                self.tally.check_positions(nxt)
-                key = f"{i}:{turn + 1}"
-                prompts[key] = nxt
-                return {"id": key, "prompt": nxt, "at": m["done_s"]}
-            return None
-
-        _, dt = self._stream(reqs, follow)
-        self.tally.timed(rep, dt)
-
-    def run_unit(self, unit: tuple[int, int], progress=None) -> None:
-        if self.continuous:
-            return self._run_stream(unit[0], progress)
-        cfg, tokenizer = self.cfg, self.tokenizer
-        rep, start = unit
-        batch = self.questions[start:start + cfg.bs]
-        history = [[] for _ in batch]
-        for turn in range(max(len(q.turns) for q in batch)):
-            rows = [i for i, q in enumerate(batch) if turn < len(q.turns)]
-            prompts = [batch[i].ctx_ids if cfg.ctx is not None else
-                       D.render(tokenizer, history[i], batch[i].turns[turn], self.chat) for i in rows]
-            self.tally.check_positions(max(prompts, key=len))
-            done, dt = self._stream([{"id": str(i), "prompt": p, "at": 0.0} for i, p in zip(rows, prompts)])
-            self.tally.timed(rep, dt)
-            by_id = {int(m["id"]): m for m in done}
-            for i, p in zip(rows, prompts):
-                q = batch[i]
-                rec = self.tally.request(q, turn, start // cfg.bs, rep, p, row_result(by_id[i]))
-                history[i].append((q.turns[turn], rec["_text"]))
-            if progress is not None:
-                progress.update(len(rows))
-
     def metrics(self) -> tuple[dict, list[dict]]:
         peak = self.worker.peak_rss()  # vLLM's worker is a process of its own: its peak RSS is the run's alone
-        m, requests = self.tally.metrics({}, self.iterations)
+        m, requests = self.workload.tally.metrics({}, self.iterations)
         m.update({"peak_mem_bytes": peak, "process_peak_bytes": peak, "energy_j": None, "nvml": None})
         c = self.counters
         drafts = c.get("vllm:spec_decode_num_drafts", 0)
@@ -399,6 +355,12 @@ class VllmRun:
 
     def close(self) -> None:
         self.worker.close()
+
+
+def _message(r: Request) -> dict:
+    """A request as the worker takes it: its key (question, turn) as "question:turn"."""
+    i, turn = r.key
+    return {"id": f"{i}:{turn}", "prompt": r.prompt, "at": r.arrival}
 
 
 def _eos(cfg) -> set[int]:

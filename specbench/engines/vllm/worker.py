@@ -23,7 +23,8 @@ Times are the client's (this process's ``perf_counter``, from ``begin``), as our
 answer. With no other request in flight the wait is off the clock: the host's work between turns
 (decoding, rendering the next prompt) counts in no wall, queue or TTFT, as our engine leaves its
 caller's ``on_done`` out of its clock. With others in flight it stays on it: vLLM's engine core
-(a process of its own by default) goes on decoding them meanwhile.
+(a process of its own by default) goes on decoding them meanwhile. One rule for every engine (the
+harness's time is off the clock wherever the engine stops for it): ``specbench/run/workload.py``.
 vLLM's own log goes to stderr: stdout carries only these messages.
 """
 
