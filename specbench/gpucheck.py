@@ -255,8 +255,11 @@ def _install(kit: Path, site: Path) -> None:
     subprocess.run([*pip, *wheels], check=True)
     # the checkout, as `pip install .` installs it (methods/, analysis/ and conf/ inside the package),
     # built by the kit's setuptools: no build isolation, nothing fetched
-    subprocess.run([*pip, "--no-build-isolation", str(REPO)], check=True, capture_output=True,
-                   env=dict(os.environ, PYTHONPATH=str(site)))
+    shutil.rmtree(REPO / "build", ignore_errors=True)  # an in-tree build would ship a stale build/lib too
+    r = subprocess.run([*pip, "--no-build-isolation", str(REPO)], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(site)))
+    if r.returncode:
+        raise SystemExit(f"specbench.gpucheck: pip could not install the checkout:\n{(r.stdout + r.stderr)[-3000:]}")
 
 
 def _run(cmd: list[str], env: dict, log, timeout: float) -> str:
@@ -287,8 +290,12 @@ def run(a) -> int:
     _install(kit, site)
     sys.path.insert(0, str(site))  # this process reads the records with them too (omegaconf, there)
     # the installed specbench, not the checkout's folder that the working directory would put first
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-               PYTHONSAFEPATH="1", SPECBENCH_CACHE=str(work / "cache"), PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1",
+    from specbench.run.records import code_state
+
+    paths = [str(site), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]  # no "" (the cwd)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONSAFEPATH="1",
+               SPECBENCH_CODE_STATE=code_state(REPO) or "",  # the records name the checkout's code, not site's
+               SPECBENCH_CACHE=str(work / "cache"), PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1",
                SPECBENCH_TEST_DEVICE=a.device, TOKENIZERS_PARALLELISM="false")
     shutil.copytree(kit / "cache", work / "cache")
     status: dict[str, str] = {}

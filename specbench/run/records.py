@@ -351,8 +351,9 @@ SOURCE_SUFFIXES = (".py", ".yaml", ".yml", ".cpp", ".h", ".toml", ".cfg", ".json
 
 @lru_cache(maxsize=1)
 def git_sha() -> str | None:
-    """The code of this checkout (``code_state`` of the repository), once per process."""
-    return code_state(REPO)
+    """The code of this checkout (``code_state`` of the repository), once per process; an install
+    run from a checkout elsewhere (the GPU check's) is told it in ``SPECBENCH_CODE_STATE``."""
+    return os.environ.get("SPECBENCH_CODE_STATE") or code_state(REPO)
 
 
 def code_state(root: Path) -> str | None:
