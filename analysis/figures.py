@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from specbench.analysis.load import k_label, method_rows, setting_of  # noqa: E402
+from specbench.analysis.load import k_label, method_rows, setting_of, untuned  # noqa: E402
 from specbench.analysis.tables import engines_table  # noqa: E402
 
 # The look of every figure. Legends and labels sit outside the axes, so a saved figure is cut to
@@ -271,7 +271,7 @@ def fig_tuned(df, out, written):
     for ax, series in zip(axes[0], tuned):
         a = sd[sd["series"] == series]
         keys = list(a.iloc[-1]["tuned_chosen"] or {})
-        fixed = sd[(~sd["K_auto"]) & (sd["series"] == series.replace(" (K=auto)", "", 1))].copy()
+        fixed = sd[(~sd["K_auto"]) & (sd["series"] == untuned(series))].copy()
         fixed["setting"] = fixed.apply(lambda r: setting_of(r, keys), axis=1)
         shades = plt.cm.viridis(np.linspace(0.1, 0.85, max(1, fixed["setting"].nunique())))
         for shade, (st, g) in zip(shades, fixed.groupby("setting")):
@@ -290,7 +290,7 @@ def fig_tuned(df, out, written):
             ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_xlabel("batch size / concurrency (log2)")
         ax.set_ylabel("speedup over AR")
-        ax.set_title(series.replace(" (K=auto)", ""), fontsize=9)
+        ax.set_title(untuned(series), fontsize=9)
         ax.legend(frameon=False, fontsize=6, loc="best")
     fig.suptitle(f"K=auto (bold) against each fixed setting\n{subtitle(df)}", fontsize=9)
     save(fig, out, "tuned_vs_fixed", written)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -63,6 +64,7 @@ def load(path: str | Path, method=None, model=None, dataset=None, sweep=None, ok
         row["accept_rates"] = (r.get("accept") or {}).get("rates")
         row["accept_sibling_rates"] = (r.get("accept") or {}).get("sibling_rates")
         row["K_auto"] = bool(r.get("K_auto"))  # K=auto: the setting was chosen per job (tuned.chosen)
+        row["K_auto_cost"] = r["K_auto"] if isinstance(r.get("K_auto"), str) else None  # priced on this cost model
         row["tuned_chosen"] = (r.get("tuned") or {}).get("chosen")
         row["alphas"] = m.get("accept_rate_per_pos") or []
         row["hist"] = m.get("accept_len_hist") or []
@@ -96,8 +98,14 @@ def k_label(row, sep: str = " ") -> str:
     return "" if k is None else f"{sep}K={k}"
 
 
+def untuned(series: str) -> str:
+    """A K=auto series' name without its K=auto part: the series of its fixed settings."""
+    return re.sub(r" \(K=auto(?: on [^)]*)?\)", "", series, count=1)
+
+
 def label(row) -> str:
-    base = _label(row) + (" (K=auto)" if row.get("K_auto") else "")
+    cost = row.get("K_auto_cost")
+    base = _label(row) + ((f" (K=auto on {cost})" if isinstance(cost, str) else " (K=auto)") if row.get("K_auto") else "")
     if row.get("accept") == "synthetic":  # drawn acceptance, not the target's: never mixed with real runs
         rates = row.get("accept_rates") or []
         sib = row.get("accept_sibling_rates")  # a tree's lower-ranked children; records before it: first child only
@@ -221,8 +229,9 @@ def load_cost_curves(path: str | Path) -> list[dict]:
 
 
 def method_rows(df):
-    """The method rows (not AR) with a ``series`` label: the method, and the dataset, temperature,
-    dtype and length where the rows differ in them (never one point of an fp32 and a bf16 job), and
+    """The method rows (not AR) with a ``series`` label: the method, and the dataset, model,
+    temperature, dtype, kernel, compile mode and length where the rows differ in them (never one
+    point of an fp32 and a bf16 job, or of an eager and a graphed one), and
     "(unpaired)" where its speedup stands on an AR job run apart (``ar_paired`` false)."""
     sd = df[df["method"] != "ar"].copy()
     if sd.empty:
@@ -231,9 +240,14 @@ def method_rows(df):
     multi_t = sd["temperature"].nunique() > 1
     multi_dt = sd["dtype"].nunique() > 1  # never average an fp32 and a bf16 job into one point
     multi_n = sd["max_new_tokens"].nunique() > 1
+    multi_m, multi_k = sd["model"].nunique() > 1, sd["kernel"].nunique() > 1
+    multi_c = sd["compile"].astype(str).nunique() > 1  # eager beside compiled or graphed: never one point
     # what differs between the rows beside the method and the data set (per_category names the data set its own way)
-    sd["settings"] = sd.apply(lambda r: (f", T={r['temperature']:g}" if multi_t else "")
+    sd["settings"] = sd.apply(lambda r: (f", {r['model']}" if multi_m else "")
+                              + (f", T={r['temperature']:g}" if multi_t else "")
                               + (f", {r['dtype']}" if multi_dt else "")
+                              + (f", {r['kernel']}" if multi_k else "")
+                              + (f", compile={r['compile']}" if multi_c else "")
                               + (f", {int(r['max_new_tokens'])} tok" if multi_n else ""), axis=1)
     sd["series"] = sd.apply(lambda r: r["label"] + (f", {r['dataset']}" if multi_ds else "") + r["settings"]
                             + (" (unpaired)" if r.get("ar_paired") is False else ""), axis=1)  # AR run apart

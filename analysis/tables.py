@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from specbench.analysis.load import _label, ar_baselines, method_rows, setting_of, spec_len
+from specbench.analysis.load import _label, ar_baselines, method_rows, setting_of, spec_len, untuned
 from specbench.run import records as R
 from specbench.run.data import category_order
 
@@ -22,7 +22,7 @@ def tuned_table(df) -> pd.DataFrame:
     rows = []
     for (series, bs), a in sd[sd["K_auto"]].groupby(["series", "bs"]):
         keys = list(a.iloc[-1]["tuned_chosen"] or {})
-        fixed = sd[(~sd["K_auto"]) & (sd["series"] == series.replace(" (K=auto)", "", 1)) & (sd["bs"] == bs)]
+        fixed = sd[(~sd["K_auto"]) & (sd["series"] == untuned(series)) & (sd["bs"] == bs)]
         best = fixed.loc[fixed["speedup"].idxmax()] if not fixed.empty else None
         t = a["speedup"].mean()
         rows.append({"method": series, "bs": int(bs), "chosen": setting_of(a.iloc[-1], keys),

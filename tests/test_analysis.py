@@ -663,3 +663,41 @@ def test_the_per_category_table_never_mixes_two_jobs_of_a_method(tmp_path):
     assert first[("speedup", "coding")].iloc[0] == pytest.approx(2.0)
     assert second[("speedup", "writing")].iloc[0] == pytest.approx(4.0)
     assert second[("speedup", "coding")].isna().all()  # not the first job's 2.0
+
+
+def test_report_keeps_apart_what_the_summary_and_the_series_used_to_merge(tmp_path):
+    """A K=auto job priced on a GPU cost model is a series of its own beside a profiled K=auto job
+    (the tuned table compares each with the same fixed settings); jobs that differ only in their
+    compile mode are two rows of the per-category table; a long error is printed whole under the
+    summary table, once."""
+    from specbench.analysis.load import untuned
+    from specbench.run.summary import summary_table
+
+    base = {"status": "ok", "model": "m", "dataset": "mt_bench", "bs": 1, "K": 2, "temperature": 0.0, "sweep_id": "s",
+            "max_new_tokens": 16}
+    rq = [{"id": "q", "turn": 1, "category": "writing", "batch": 0, "new_tokens": 10, "wall_s": 1.0, "steps": 5,
+           "accepted": 5}]
+    ar = dict(base, method="ar", job_id="a", K=None, metrics={"speedup": 1.0, "tau": 1.0, "tokens_per_s": 10.0},
+              requests=rq)
+
+    def sd(job, speedup, **kw):
+        return dict(base, method="pld", job_id=job, ar_job_id="a", ar_paired=False, requests=rq,
+                    metrics={"speedup": speedup, "tau": 2.0, "tokens_per_s": 10.0 * speedup}, **kw)
+
+    recs = [ar, sd("f", 1.2), sd("p", 1.3, K_auto=True, tuned={"chosen": {"K": 2}}),
+            sd("h", 1.1, K_auto="specdecode-bench-h100", tuned={"chosen": {"K": 2}})]
+    p = tmp_path / "records.jsonl"
+    for r in recs:
+        R.append(p, r)
+    t = tables.tuned_table(load(p)).set_index("method")
+    assert {untuned(m) for m in t.index} == {"pld (unpaired)"} and len(t) == 2
+    assert t["tuned speedup"].to_dict() == {"pld (K=auto) (unpaired)": 1.3,
+                                            "pld (K=auto on specdecode-bench-h100) (unpaired)": 1.1}
+    assert set(t["best fixed speedup"]) == {1.2}
+    R.append(p, sd("g", 1.4, compile="graphs"))
+    cat = tables.per_category(load(p))
+    assert {"pld, compile=graphs (unpaired)", "pld, compile=False (unpaired)"} <= set(cat.index.get_level_values("method"))
+    err = "bs=3 is larger than the 2 prompts of dataset=mt_bench limit=2: raise limit (null = all) or lower bs"
+    table = summary_table([dict(base, method="pld", job_id=f"e{i}", status="error", error=err, metrics=None)
+                           for i in range(2)])
+    assert table.count(f"  ! {err}") == 1

@@ -101,6 +101,16 @@ def test_auto_prices_on_a_gpu_cost_model(tiny_dirs, tmp_path, monkeypatch):
         chosen[bs] = info["chosen"]["K"]
     # a verify of 5 costs the H100 about what one does at bs 1, and more than twice as much at bs 128
     assert chosen == {1: 4, 128: 2}
+    # an EAGLE tree drafts one forward per depth: priced at depth + 1, not at its width
+    from specbench.run.tune import _modelled
+
+    rows = [{"tree": True, "width": 17.0, "spec_len": 4, "t_draft": 1.0}, {"tree": False, "width": 5.0, "spec_len": 4,
+                                                                            "t_draft": 1.0}]
+    eagle = tiny_cfg(tiny_dirs, tmp_path, method={"name": "eagle"})
+    R = costmodel.resolve("h100:llama-3.1-8b")
+    _modelled(eagle, "h100:llama-3.1-8b", rows, 1, 512)
+    for r in rows:
+        assert r["t_draft"] == pytest.approx(R.draft("eagle", 1, 5, 512, R.target(1, r["width"], 512)))
     monkeypatch.setattr(__import__("specbench").methods.get("pld"), "cost_kind", None)
     with pytest.raises(ConfigError, match="tune.cost prices n-gram and EAGLE-style drafting only, and pld declares"):
         tune.check(cfg, model.config, torch.device("cpu"))

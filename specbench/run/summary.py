@@ -53,6 +53,10 @@ def summary_table(recs: list[dict]) -> str:
              for r, why in flags if why]
     if flags:
         out += ["", "Speedups that cannot be right:", *flags]
+    errors = list(dict.fromkeys(str(r["error"]) for r in recs if r.get("status") != "ok" and r.get("error")))
+    long = [e for e in errors if len(f"error: {e}") > 60]  # cut in the table: whole here, once each
+    if long:
+        out += ["", "Errors:", *(f"  ! {e}" for e in long)]
     return "\n".join(out)
 
 

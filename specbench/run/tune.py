@@ -206,15 +206,19 @@ def _profiled(cfg, model, rows, bs, ctx, device, dtype) -> dict:
 def _modelled(cfg, spec, rows, bs, ctx) -> dict:
     """T(bs, width) per shape off the cost model ``spec`` at bs x ctx KV tokens, each row's draft
     time replaced by the model's for the method's ``cost_kind`` (the measured one kept as
-    ``t_draft_here``)."""
+    ``t_draft_here``). The candidates are those the method lists on this machine's device (a tree
+    method's trees for a CPU here, not a GPU's)."""
     from specbench.analysis import costmodel
 
     cost, kind = costmodel.resolve(str(spec)), methods.get(cfg.method.name).cost_kind
     kv = bs * ctx
     T = {tree: {w: costmodel.step(cost, bs, w, kv) for w in widths} for tree, widths in _widths(rows).items()}
     for r in rows:
+        # a chain drafts its width - 1 tokens one forward each; a tree one forward per depth, each over
+        # that depth's nodes (as wide a read of the drafter's weights as one token): depth + 1 prices it
+        drafted = r["spec_len"] + 1 if r["tree"] and r["spec_len"] else r["width"]
         r["t_draft_here"] = r["t_draft"]  # the forward alone prices n-gram drafting, as in analysis.replay
-        r["t_draft"] = cost.draft(kind, bs, r["width"], kv, cost.target(bs, r["width"], kv))
+        r["t_draft"] = cost.draft(kind, bs, drafted, kv, cost.target(bs, r["width"], kv))
     return T
 
 
@@ -225,7 +229,8 @@ def _show(s: dict) -> str:
 def table(info: dict) -> str:
     """The candidates as the pilot measured and priced them, the chosen one marked."""
     head = f"{'setting':<24} {'tau':>5} {'width':>6} {'draft ms':>9} {'verify ms':>10} {'bound':>6}"
-    on = f" on {info['cost_model']}" if info.get("cost_model") else ""
+    on = (f" on {info['cost_model']}: the cost model's target and GPU, acceptance from this job's model"
+          if info.get("cost_model") else "")
     lines = [f"K=auto at bs={info['bs']} (T(bs,1) = {info['cost_s']['1'] * 1e3:.1f} ms{on}; "
              f"{info['seconds']:.0f} s of pilots on {len(info['prompts'])} held-out prompt(s))", head]
     for r in info["candidates"]:
