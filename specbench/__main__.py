@@ -18,6 +18,7 @@ GROUPS = ("method", "model", "dataset", "draft_model", "logger", "accept", "expe
 def preprocess(argv: list[str]) -> list[str]:
     from specbench.errors import ConfigError, did_you_mean
     from specbench.paths import group_options
+    from specbench.run import schema
 
     from specbench import methods
 
@@ -60,6 +61,8 @@ def preprocess(argv: list[str]) -> list[str]:
                               f"dataset.config={val}")
         if eq or sign.startswith("~"):
             check_key(key.lstrip("+~"), shown, runs)
+        if eq and not key.lstrip("+").startswith(("method.", "hydra.")):  # kernel=avx2: refused before the sweep
+            schema.check_choice(key.lstrip("+"), [v.strip().strip("'\"") for v in val.split(",")])
         out.append(arg)
     return out
 

@@ -121,6 +121,9 @@ TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, batchin
     (["method=eagel"], "unknown method 'eagel'; did you mean eagle? choices: ar, combo, dflash"),
     (["experiment=headlin"], "unknown experiment 'headlin'; did you mean headline? choices: "),
     (["+experiment=headline"], "a preset is experiment=headline (no +)"),
+    (["kernel=native,avx2"], "unknown kernel 'avx2'; choices: auto, torch, onednn, native"),  # before the sweep
+    (["batching=dynamic"], "unknown batching 'dynamic'; choices: static, continuous"),
+    (["dataset.order=categorie"], "unknown dataset.order 'categorie'; did you mean categories? choices: file, "),
     (["model=smollm2"], "unknown model 'smollm2'; did you mean smollm2-135m? choices: "),
 ])
 def test_an_unknown_key_is_refused_in_one_line_with_the_valid_keys(argv, msg):

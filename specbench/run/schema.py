@@ -190,6 +190,29 @@ def declared(path: str) -> list[str] | None:
     return [f.name for f in dataclasses.fields(tp)]
 
 
+def check_choice(key: str, values: list[str]) -> None:
+    """Refuse, before a sweep starts, a command-line value of ``key`` outside the setting's fixed
+    choices (a ``Literal`` of strings): each of ``values``, the items of a comma list. Values in
+    Hydra's sweep or interpolation syntax are left to the job's own check."""
+    tp = Run
+    for part in key.split("."):
+        tp = typing.get_type_hints(tp).get(part) if dataclasses.is_dataclass(tp) else None
+        if tp is None:
+            return
+    args = typing.get_args(tp)
+    optional = typing.get_origin(tp) is typing.Union and type(None) in args
+    if optional:
+        tp = next(a for a in args if a is not type(None))
+    choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
+    if not choices or not all(isinstance(c, str) for c in choices):
+        return
+    for v in values:
+        if any(c in v for c in "()[]{}$") or (optional and v == "null"):
+            continue
+        if v not in choices:
+            raise ConfigError(f"unknown {key} '{v}';{did_you_mean(v, choices)} choices: {', '.join(choices)}")
+
+
 def _owner(path: str) -> str:
     return f"{path}'s" if path else "top-level"
 
