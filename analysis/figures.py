@@ -153,12 +153,12 @@ def fig_acceptance(df, out, written):
     sd = sd[sd["alphas"].map(len) > 0]
     if sd.empty:
         return
-    # one line per (label, K): the largest batch size only would hide nothing for greedy
-    # the largest K of each series shows every position; smaller K repeat its prefix
-    cmap, mk = colors(sd["series"]), markers(sd["series"])
+    # one line per job name (a series, and its input length where the jobs differ in it): the
+    # largest K of each shows every position; smaller K repeat its prefix
+    cmap, mk = colors(sd["job"]), markers(sd["job"])
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
     seen = set()
-    for lab, g in sd.groupby("series"):
+    for lab, g in sd.groupby("job"):
         r = g.sort_values("K").iloc[-1]
         a = r["alphas"]
         ax.plot(range(1, len(a) + 1), a, marker=mk[lab], ms=3.5, lw=1.3, color=cmap[lab], label=f"{lab}{k_label(r, ', ')}")
