@@ -76,11 +76,12 @@ class MethodRun:
 
         # compile=graphs: the target's forwards replayed from graphs over its pool's fixed buffers
         self.pool = pool_of(model, device, dtype) if cfg.get("compile") == "graphs" else None
-        self.compiled = is_compiled(model) or self.pool is not None
+        self.compiled = is_compiled(model)  # compile=true (compile=graphs: the pool, below)
         fresh = self.proposer.snapshot()  # what it has learned across requests: nothing yet
         if cfg.warmup:  # the job's own shapes: a full batch of its ragged prompts (padding masks, tree masks)
             ids = self.workload.warmup_prompts()  # the first batch, as the timed job will see it
-            if self.compiled:  # every graph the timed job can need, with the method's taps in place
+            if self.compiled:  # every graph the timed job can need, with the method's taps in place (the
+                # pool's are captured by its own warm-up below)
                 warm_compiled(model, len(ids), device, dtype, self.proposer.hidden_layers)
             engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
             if self.pool is not None:  # room for the job's longest turns, and every bucket it can meet, now
@@ -190,7 +191,7 @@ class MethodRun:
             "energy_j": self.nvml.energy_j,
             "nvml": self.nvml.result,
         })
-        if self.compiled:
+        if self.compiled or self.pool is not None:
             metrics["compile"] = {"graphs_in_timing": self.graphs_timed}
             if self.graphs_timed:
                 print(f"[specbench] warning: {self.name}: torch.compile made {self.graphs_timed} graph(s) inside the "
