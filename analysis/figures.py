@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from specbench.analysis.load import k_label, method_rows, setting_of, untuned  # noqa: E402
+from specbench.analysis.load import ctx_suffix, k_label, method_rows, setting_of, untuned  # noqa: E402
 from specbench.analysis.tables import engines_table  # noqa: E402
 
 # The look of every figure. Legends and labels sit outside the axes, so a saved figure is cut to
@@ -179,10 +179,8 @@ def fig_time_split(df, out, written):
     rows = df.dropna(subset=["wall_s"]).copy()
     if rows.empty:
         return
-    multi_ctx = rows["ctx"].nunique(dropna=False) > 1  # each input length its own bar
-    rows["name"] = rows.apply(lambda r: r["label"] + k_label(r) + f" bs={int(r['bs'])}"
-                              + (f" ctx={int(r['ctx'])}" if multi_ctx and r["ctx"] == r["ctx"] and r["ctx"] is not None
-                                 else ""), axis=1)
+    rows["name"] = rows.apply(lambda r: r["label"] + k_label(r) + f" bs={int(r['bs'])}", axis=1) \
+        + ctx_suffix(rows["ctx"], " ")  # each input length its own bar
     rows = rows.drop_duplicates("name", keep="last").sort_values(["bs", "method", "K"], na_position="first")
     if len(rows) > 14:
         rows = rows[rows["bs"] == rows["bs"].min()]

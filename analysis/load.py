@@ -98,6 +98,13 @@ def k_label(row, sep: str = " ") -> str:
     return "" if k is None else f"{sep}K={k}"
 
 
+def ctx_suffix(ctx: pd.Series, sep: str = ", ") -> pd.Series:
+    """Each row's input length (``<sep>ctx=N``) where the rows differ in it; "" otherwise, and for a
+    row with none (the prompt as asked)."""
+    multi = ctx.nunique(dropna=False) > 1
+    return ctx.map(lambda c: f"{sep}ctx={int(c)}" if multi and c == c and c is not None else "")
+
+
 def untuned(series: str) -> str:
     """A K=auto series' name without its K=auto part: the series of its fixed settings."""
     return re.sub(r" \(K=auto(?: on [^)]*)?\)", "", series, count=1)
@@ -251,6 +258,6 @@ def method_rows(df):
                               + (f", {int(r['max_new_tokens'])} tok" if multi_n else ""), axis=1)
     sd["series"] = sd.apply(lambda r: r["label"] + (f", {r['dataset']}" if multi_ds else "") + r["settings"]
                             + (" (unpaired)" if r.get("ar_paired") is False else ""), axis=1)  # AR run apart
-    multi_ctx = sd["ctx"].nunique(dropna=False) > 1  # a figure of one mark per job names its input length
-    sd["job"] = sd["series"] + sd["ctx"].map(lambda c: f", ctx={int(c)}" if multi_ctx and c == c and c is not None else "")
+    sd["ctx_label"] = ctx_suffix(sd["ctx"])  # a figure of one mark per job names its input length
+    sd["job"] = sd["series"] + sd["ctx_label"]
     return sd

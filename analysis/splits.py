@@ -37,12 +37,11 @@ def split_rows(df: pd.DataFrame, splits=SPLITS) -> pd.DataFrame:
     sd = method_rows(df)
     if sd.empty or "acceptance_by" not in sd:
         return pd.DataFrame()
-    multi_bs, multi_ctx = sd["bs"].nunique() > 1, sd["ctx"].nunique(dropna=False) > 1
+    multi_bs = sd["bs"].nunique() > 1
     rows = []
     for _, r in sd.iterrows():
         by = r["acceptance_by"] if isinstance(r["acceptance_by"], dict) else {}
-        name = r["series"] + k_label(r, ", ") + (f", bs={int(r['bs'])}" if multi_bs else "") + \
-            (f", ctx={int(r['ctx'])}" if multi_ctx and r["ctx"] == r["ctx"] and r["ctx"] is not None else "")
+        name = r["series"] + k_label(r, ", ") + (f", bs={int(r['bs'])}" if multi_bs else "") + r["ctx_label"]
         for split in splits:
             parts = by.get(split) or {}
             if not parts or (len(parts) < 2 and split != "thinking"):

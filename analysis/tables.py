@@ -79,7 +79,6 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
     ar_of = ar_baselines(df)
     sd = method_rows(df)  # a row per method and whatever else differs between the jobs (their settings)
     multi_ds = df["dataset"].nunique() > 1  # each data set's categories (and overall) on rows of their own
-    multi_ctx = not sd.empty and sd["ctx"].nunique(dropna=False) > 1
     for _, r in sd.iterrows():
         if (ar := ar_of(r)) is None:
             continue
@@ -93,10 +92,8 @@ def per_category(df: pd.DataFrame) -> pd.DataFrame:
             tps_ar = b["new_tokens"].sum() / b["wall_s"].sum()
             steps = g["steps"].sum()
             tau = 1 + g["accepted"].sum() / steps if steps else float("nan")
-            ctx = r.get("ctx")
             rows.append({"method": r["label"] + (f" ({r['dataset']})" if multi_ds else "") + r["settings"]
-                         + (f", ctx={int(ctx)}" if multi_ctx and ctx == ctx and ctx is not None else "")
-                         + (" (unpaired)" if r.get("ar_paired") is False else ""), "T": float(r["temperature"]),
+                         + r["ctx_label"] + (" (unpaired)" if r.get("ar_paired") is False else ""), "T": float(r["temperature"]),
                          "K": spec_len(r), "bs": int(r["bs"]),
                          "category": cat,
                          "speedup": tps / tps_ar, "tau": tau})

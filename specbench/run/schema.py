@@ -179,30 +179,40 @@ def _in_range(v, meta: dict) -> bool:
 PRESET_KEYS = ("bench",)
 
 
+def _type_at(path: str):
+    """The schema's type at a dotted ``path`` ("" for the top level), None where it declares none."""
+    tp = Run
+    for part in path.split(".") if path else ():
+        tp = typing.get_type_hints(tp).get(part) if dataclasses.is_dataclass(tp) else None
+        if tp is None:
+            return None
+    return tp
+
+
+def _optional(tp) -> tuple:
+    """(the type inside ``Optional[...]``, True), or (``tp``, False)."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return tp, False
+
+
+def _unknown_choice(key: str, v, choices) -> ConfigError:
+    return ConfigError(f"unknown {key} '{v}';{did_you_mean(v, choices)} choices: {', '.join(map(str, choices))}")
+
+
 def declared(path: str) -> list[str] | None:
     """The keys the schema declares at ``path`` ("" for the top level, ``model``, ``slo``, ...);
     None at a setting it does not describe key by key (a method's, a logger's, a value)."""
-    tp = Run
-    for part in path.split(".") if path else ():
-        tp = typing.get_type_hints(tp).get(part)
-        if not dataclasses.is_dataclass(tp):
-            return None
-    return [f.name for f in dataclasses.fields(tp)]
+    tp = _type_at(path)
+    return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else None
 
 
 def check_choice(key: str, values: list[str]) -> None:
     """Refuse, before a sweep starts, a command-line value of ``key`` outside the setting's fixed
     choices (a ``Literal`` of strings): each of ``values``, the items of a comma list. Values in
     Hydra's sweep or interpolation syntax are left to the job's own check."""
-    tp = Run
-    for part in key.split("."):
-        tp = typing.get_type_hints(tp).get(part) if dataclasses.is_dataclass(tp) else None
-        if tp is None:
-            return
-    args = typing.get_args(tp)
-    optional = typing.get_origin(tp) is typing.Union and type(None) in args
-    if optional:
-        tp = next(a for a in args if a is not type(None))
+    tp, optional = _optional(_type_at(key))
     choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
     if not choices or not all(isinstance(c, str) for c in choices):
         return
@@ -210,7 +220,7 @@ def check_choice(key: str, values: list[str]) -> None:
         if any(c in v for c in "()[]{}$") or (optional and v == "null"):
             continue
         if v not in choices:
-            raise ConfigError(f"unknown {key} '{v}';{did_you_mean(v, choices)} choices: {', '.join(choices)}")
+            raise _unknown_choice(key, v, choices)
 
 
 def _owner(path: str) -> str:
@@ -254,15 +264,12 @@ def _check_node(node: DictConfig, schema, prefix: str, group: str | None) -> Non
         if dataclasses.is_dataclass(tp):
             _check_node(v, tp, key + ".", f.name)
             continue
-        optional = typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)
-        if optional:
-            if v is None:
-                continue
-            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        tp, optional = _optional(tp)
+        if optional and v is None:
+            continue
         if typing.get_origin(tp) is Literal:
-            choices = typing.get_args(tp)
-            if v not in choices:
-                raise ConfigError(f"unknown {key} '{v}';{did_you_mean(v, choices)} choices: {', '.join(map(str, choices))}")
+            if v not in typing.get_args(tp):
+                raise _unknown_choice(key, v, typing.get_args(tp))
             continue
         if tp is Any:
             continue
