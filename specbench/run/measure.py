@@ -136,17 +136,22 @@ class MethodRun:
             self.workload.run(unit, self, progress)
         self._rng = _rng_state(self.device)
 
-    def batch(self, prompts: list[list[int]]) -> tuple[list, float]:
-        """One static batch's turn through the engine, timed (``workload.Driver``)."""
+    def _timed(self, call):
+        """(what ``call()`` returns, its seconds less the harness's: the engine stops for the
+        ``on_done`` callbacks a stream makes), counting the graphs made inside the timing."""
         graphs = self._made()
         sync(self.device)
-        t = time.perf_counter()
-        out = self.eng.generate(prompts, int(self.cfg.max_new_tokens), self.gen)
+        harness, t0 = self.eng.harness_s, time.perf_counter()
+        out = call()
         sync(self.device)
-        dt = time.perf_counter() - t
+        dt = time.perf_counter() - t0 - (self.eng.harness_s - harness)
         self.graphs_timed += self._made() - graphs
         self._take_trace()
         return out, dt
+
+    def batch(self, prompts: list[list[int]]) -> tuple[list, float]:
+        """One static batch's turn through the engine, timed (``workload.Driver``)."""
+        return self._timed(lambda: self.eng.generate(prompts, int(self.cfg.max_new_tokens), self.gen))
 
     def stream(self, requests: list[Request], answered) -> float:
         """``batching=continuous``: the requests served, at most ``bs`` in flight, each next turn
@@ -159,15 +164,8 @@ class MethodRun:
             if nxt is not None:
                 queue.add(nxt)
 
-        graphs = self._made()
-        sync(self.device)
-        harness, t0 = self.eng.harness_s, time.perf_counter()
-        self.eng.serve(queue, int(self.cfg.max_new_tokens), self.gen, concurrency=int(self.cfg.bs), on_done=on_done)
-        sync(self.device)
-        dt = time.perf_counter() - t0 - (self.eng.harness_s - harness)
-        self.graphs_timed += self._made() - graphs
-        self._take_trace()
-        return dt
+        return self._timed(lambda: self.eng.serve(queue, int(self.cfg.max_new_tokens), self.gen,
+                                                  concurrency=int(self.cfg.bs), on_done=on_done))[1]
 
     def _take_trace(self) -> None:
         """The engine's per-step trace of its last call, as step durations."""

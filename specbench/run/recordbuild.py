@@ -106,19 +106,17 @@ class RecordBuilder:
         rec["status"], rec["error"] = status, msg
         return rec
 
-    @staticmethod
-    def against_ar(rec: dict, ar: dict | None) -> None:
-        """A measured record's speedup, token match and quality against its AR record ``ar`` (AR's
-        own: 1; None: none found)."""
-        if rec["method"] == "ar":
-            rec["metrics"]["speedup"] = 1.0
-            if rec["temperature"] == 0:
-                rec["metrics"]["match_ar"] = 1.0
-        elif ar is not None:
-            fill_against_ar(rec, ar)
 
-
-def fill_against_ar(rec: dict, ar: dict) -> None:
+def against_ar(rec: dict, ar: dict | None) -> None:
+    """A measured record's speedup, token match and quality against its AR record ``ar`` (AR's
+    own: 1; None: none found)."""
+    if rec["method"] == "ar":
+        rec["metrics"]["speedup"] = 1.0
+        if rec["temperature"] == 0:
+            rec["metrics"]["match_ar"] = 1.0
+        return
+    if ar is None:
+        return
     m, a = rec["metrics"], ar["metrics"]
     if m.get("tokens_per_s") and a.get("tokens_per_s"):
         m["speedup"] = m["tokens_per_s"] / a["tokens_per_s"]

@@ -2,7 +2,7 @@
 its AR baseline (found, run once under a lock, or run in turns: ``ar_baseline=paired``), run the
 method through the engine (``measure``), and append the record; a failure is recorded and the
 sweep goes on. Records are built by ``recordbuild``; the table at the end is ``summary``.
-Re-exported here: ``validate``, ``MethodRun``, ``build_requests``, ``Job``, ``fill_against_ar``
+Re-exported here: ``validate``, ``MethodRun``, ``build_requests``, ``Job``
 (their modules hold them)."""
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from specbench.models import cached_model, load_tokenizer, resolve_device, resol
 from specbench.paths import file_lock
 from specbench.run import records as R, tune
 from specbench.run.measure import MethodRun, _spec_len, run_methods
-from specbench.run.recordbuild import RecordBuilder, fill_against_ar
+from specbench.run.recordbuild import RecordBuilder, against_ar
 from specbench.run.validation import check_prompts, validate
 from specbench.run.workload import Job, build_requests
 
-__all__ = ["job", "measure", "fill_against_ar", "sweep_id_of", "FAILED", "SweepAborted", "Job"]
+__all__ = ["job", "measure", "sweep_id_of", "FAILED", "SweepAborted", "Job"]
 
 FAILED: list[str] = []  # one-line errors of this sweep's jobs (sets the exit code)
 
@@ -202,7 +202,7 @@ def _measured(job: Job, name: str, run) -> list[dict] | None:
 
 def _keep(job: Job, rec: dict, ar: dict | None) -> dict | None:
     """Pair ``rec`` with the AR record ``ar``, append and log it; None when it could not be written."""
-    RecordBuilder.against_ar(rec, ar)
+    against_ar(rec, ar)
     if not _append(job.cfg, rec):
         return None
     job.written.append(rec)
