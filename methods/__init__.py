@@ -1,14 +1,15 @@
 """Registry of speculative-decoding methods: name -> proposer class, imported lazily.
 
-Built-in methods live here: a module ``methods/<name>.py`` beside a yaml
-``conf/method/<name>.yaml`` is a method (its class: the ``Proposer`` subclass whose
-``name`` is ``<name>``); ``REGISTRY`` names the classes of the first ones explicitly. A
-method from another package needs no fork: its package declares an entry point in the group
-``specbench.methods`` (``name = "my_pkg.my_module:MyProposer"``), or a run names the class
-itself (``method=my_pkg.my_module:MyProposer``). Such a method declares its own settings
-(``Proposer.Settings``, a dataclass; or ``Proposer.config_file``, a yaml beside its module),
-which ``<name>.<key>=...`` overrides and Hydra checks as it does a built-in method's. A method's
-keys are those its settings declare: any other is refused (``check_keys``), never ignored.
+One discovery. A built-in method is a module ``methods/<name>.py`` here whose ``Proposer``
+subclass has ``name = "<name>"``; a method from another package needs no fork: its package
+declares an entry point in the group ``specbench.methods`` (``name = "my_pkg.my_module:MyProposer"``);
+and a run may name a class itself (``method=my_pkg.my_module:MyProposer``).
+
+One loader. Every method declares its settings as a dataclass, ``Proposer.Settings`` (a field
+``name: str`` and one field a key, typed, with its default). ``settings`` reads it, and ``store``
+puts it into Hydra's config store as ``method/<name>``: Hydra refuses a key it does not declare
+and a value of the wrong type, ``<name>.<key>=...`` overrides it, and each ``check`` keeps only
+what types cannot say (ranges, choices, files).
 """
 
 from __future__ import annotations
@@ -16,43 +17,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import pkgutil
 from importlib import metadata
 from pathlib import Path
 
 from specbench.errors import did_you_mean, unknown_key
 
 GROUP = "specbench.methods"  # the entry-point group of outside methods
-
-REGISTRY: dict[str, str] = {
-    "ar": "specbench.methods.ar:AR",
-    "pld": "specbench.methods.pld:PromptLookup",
-    "leviathan": "specbench.methods.leviathan:Leviathan",
-    "medusa": "specbench.methods.medusa:Medusa",
-    "eagle": "specbench.methods.eagle:Eagle",
-    "specdec": "specbench.methods.specdec:SpecDec",
-    "lookahead": "specbench.methods.lookahead:Lookahead",
-    "rest": "specbench.methods.rest:Rest",
-    "reject": "specbench.methods.reject:Reject",
-    "recycle": "specbench.methods.recycle:TokenRecycling",
-    "sam": "specbench.methods.sam:SamDecoding",
-    "suffix": "specbench.methods.suffix:SuffixDecoding",
-    "combo": "specbench.methods.combo:Combo",
-}
-
-
-def found() -> dict[str, str]:
-    """Built-in methods beyond ``REGISTRY``: name -> module, for each yaml under conf/method with a
-    module of its name here."""
-    from specbench.paths import CONF_DIR
-
-    here = Path(__file__).parent
-    return {p.stem: f"specbench.methods.{p.stem}" for p in sorted((CONF_DIR / "method").glob("*.yaml"))
-            if p.stem not in REGISTRY and (here / f"{p.stem}.py").exists()}
+NOT_METHODS = ("base",)  # modules here that are not a method
 
 
 def builtin() -> list[str]:
-    """The built-in methods: ``REGISTRY``'s and those found beside their yaml."""
-    return sorted({*REGISTRY, *found()})
+    """The built-in methods: each module here but ``NOT_METHODS`` (its name is the method's)."""
+    return sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])
+                  if not m.name.startswith("_") and m.name not in NOT_METHODS)
 
 
 @functools.cache
@@ -81,11 +59,8 @@ def names() -> list[str]:
 
 def target(name: str) -> str:
     """``module:Class`` of a method name (or of a ``module:Class`` name itself)."""
-    if name in REGISTRY:
-        return REGISTRY[name]
-    here = found()
-    if name in here:
-        mod = importlib.import_module(here[name])
+    if name in builtin():
+        mod = importlib.import_module(f"{__name__}.{name}")
         from specbench.methods.base import Proposer
 
         own = [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, Proposer)
@@ -117,43 +92,49 @@ def get(name: str):
 
 
 def settings(name: str):
-    """The method config node of an outside method (its ``Settings`` dataclass, its
-    ``config_file``, or just its name), with ``name`` set to the name it was chosen by."""
+    """The method config node a run of ``name`` starts from: its ``Settings`` dataclass as a
+    structured config (typed; a key it lacks refused), ``name`` set to the name it was chosen by.
+    A method that declares no settings has ``name`` alone."""
     from omegaconf import OmegaConf
 
     cls = get(name)
-    if getattr(cls, "Settings", None) is not None:
-        if not dataclasses.is_dataclass(cls.Settings):
-            raise KeyError(f"method '{name}': {cls.__name__}.Settings must be a dataclass")
-        fields = {f.name for f in dataclasses.fields(cls.Settings)}
-        if "name" not in fields:
-            raise KeyError(f"method '{name}': {cls.__name__}.Settings needs a field `name: str`")
-        node = OmegaConf.structured(cls.Settings)
-    elif getattr(cls, "config_file", None):
-        path = Path(importlib.import_module(cls.__module__).__file__).parent / cls.config_file
-        if not path.exists():
-            raise KeyError(f"method '{name}': its config_file {path} does not exist")
-        node = OmegaConf.load(path)
+    if cls.Settings is None:
+        node = OmegaConf.structured(_named(name))
+    elif not dataclasses.is_dataclass(cls.Settings):
+        raise KeyError(f"method '{name}': {cls.__name__}.Settings must be a dataclass")
+    elif "name" not in {f.name for f in dataclasses.fields(cls.Settings)}:
+        raise KeyError(f"method '{name}': {cls.__name__}.Settings needs a field `name: str`")
     else:
-        node = OmegaConf.create({})
+        node = OmegaConf.structured(cls.Settings)
     node.name = name
     return node
 
 
-def defaults(name: str):
-    """The method config node a run of ``name`` starts from: a built-in method's yaml, an outside
-    method's own settings (``settings``)."""
-    from omegaconf import OmegaConf
-
-    from specbench.paths import CONF_DIR
-
-    path = CONF_DIR / "method" / f"{name}.yaml"
-    return OmegaConf.load(path) if name in builtin() and path.exists() else settings(name)
+@functools.cache
+def _named(name: str):
+    return dataclasses.make_dataclass("Settings", [("name", str, dataclasses.field(default=name))])
 
 
 def keys(name: str) -> list[str]:
-    """The keys method ``name`` declares (those of ``defaults``): the only ones its settings take."""
-    return [str(k) for k in defaults(name).keys()]
+    """The keys method ``name`` declares (those of its ``settings``): the only ones it takes."""
+    return [str(k) for k in settings(name).keys()]
+
+
+def store(named=()) -> None:
+    """Put every registered method's settings, and those of each ``module:Class`` in ``named``,
+    into Hydra's config store as ``method/<name>``: before a config is composed. A method of
+    ``named`` that does not import (or is no proposer) raises KeyError with the reason in one line;
+    an installed one that is not named and does not import is left out, so it fails no other run."""
+    from hydra.core.config_store import ConfigStore
+
+    for name in dict.fromkeys([*names(), *(n for n in named if is_target(n))]):
+        try:
+            node = settings(name)
+        except KeyError:
+            if name in named:
+                raise
+            continue
+        ConfigStore.instance().store(group="method", name=name, node=node)
 
 
 def check_keys(node, name: str, where: str = "method.") -> None:
@@ -165,22 +146,22 @@ def check_keys(node, name: str, where: str = "method.") -> None:
         raise unknown_key(f"{where}{bad[0]}", own, f"{name}'s")
 
 
-def register(name: str, target: str) -> None:
-    """Register ``name`` -> ``'module:Class'`` in this process (for tests; outside packages use
-    the entry point group, which every process of a sweep sees)."""
-    REGISTRY[name] = target
-
-
 def member_cfg(cfg, name: str, opts=None, where: str | None = None):
-    """``cfg`` with ``method`` replaced by method ``name``'s own settings (``defaults``: its yaml, or an
-    outside method's), ``opts`` over them (a key it does not declare is refused; ``where``: how
+    """``cfg`` with ``method`` replaced by method ``name``'s own settings (``settings``), ``opts``
+    over them (a key it does not declare, or a value not of its type, is refused; ``where``: how
     ``opts`` are reached, for the message). A member's drafts are taken apart as deterministic
     candidates (``Draft.rows``): ``deterministic_drafts`` tells a method that could sample them not to."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
 
-    conf = defaults(name)
-    check_keys(opts or {}, name, where or f"{name}.")
+    from specbench.errors import ConfigError
+
+    where = where or f"{name}."
+    check_keys(opts or {}, name, where)
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # not struct: the member's own keys
-    out.method = OmegaConf.merge(conf, opts or {})
+    try:
+        out.method = OmegaConf.merge(settings(name), opts or {})
+    except ValidationError as e:
+        raise ConfigError(f"{where}{e.full_key}: {str(e).splitlines()[0]}") from None
     out.deterministic_drafts = True
     return out

@@ -43,10 +43,9 @@ class MethodSpec:
     its vLLM counterpart and the settings that run it on a tiny model."""
 
     name = "base"
-    # the settings of a method from another package: a dataclass (with a field `name: str`), or a
-    # yaml file beside its module; a built-in method's are conf/method/<name>.yaml
+    # its settings: a dataclass with a field `name: str` and a typed field, with its default, per key
+    # (`<name>.<key>=...` on the command line); None: it takes none. See specbench.methods.
     Settings = None
-    config_file: str | None = None
     lossless = True  # False for relaxed acceptance rules; recorded with every job
     # target hidden states the method drafts from ("final" = after the final norm, or a
     # decoder layer index); the engine hands them to start() and update() (specbench.decode.hidden)

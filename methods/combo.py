@@ -23,6 +23,9 @@ under sampling, Lookahead are refused at their first draft).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 from specbench import methods
 from specbench import backends
 from specbench.methods.base import BatchState, Proposer
@@ -66,6 +69,14 @@ def depth_of(parents: list[int]) -> int:
 
 class Combo(Proposer):
     name = "combo"
+
+    @dataclass
+    class Settings:  # `combo.<key>=...` is short for `method.<key>=...`
+        name: str = "combo"
+        of: list[str] = field(default_factory=lambda: ["pld", "suffix"])  # the members (each with its own settings); Token Recycling is the costliest to run beside them
+        opts: dict[str, Any] = field(default_factory=dict)  # per member, settings over its own: combo.opts.recycle.tree_size=4
+        max_nodes: Any = "auto"  # a draft's most nodes; auto: one pass of the native kernel's tile less the root (3 with AVX2), null: no cut
+        prior: float = 0.5  # the acceptance rate a member starts from at every depth (one pseudo-observation)
     learned = ("right", "tried", "wins", "steps")  # each member's acceptance so far (and its members')
 
     @classmethod

@@ -17,7 +17,9 @@ another size than the one it was trained with (null: the checkpoint's).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -31,6 +33,12 @@ from specbench.paths import resolve_path
 
 class DFlash(Proposer):
     name, title = "dflash", "DFlash"
+
+    @dataclass
+    class Settings:  # `dflash.<key>=...` is short for `method.<key>=...`
+        name: str = "dflash"
+        checkpoint: str = "checkpoints/smollm2-135m/dflash"  # ours (python -m specbench.train drafter=dflash target=<model>), or a downloaded folder: Z Lab's layout or vLLM's speculators dflash
+        block_size: Optional[int] = None  # slots per block (the anchor + masks; B-1 drafts, or B for sample_from_anchor checkpoints); null: the checkpoint's
     dspark_heads = False  # drafts with DSpark's Markov and confidence heads (methods/dspark.py)
     published = "Z Lab's, DeepSpec's or vLLM's speculators format"
     per_row = ("cache",)  # the drafter's keys and values of each row's verified context (a DrafterCache)
@@ -43,7 +51,7 @@ class DFlash(Proposer):
     def check(cls, cfg, target_config) -> None:
         m, n = cfg.method, cls.name
         b = m.get("block_size")
-        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 2):
+        if b is not None and b < 2:
             raise ConfigError(f"{n}.block_size must be null (the checkpoint's) or an integer >= 2 (the anchor and "
                               f"at least one mask slot), got {b!r}")
         folder = resolve_path(m.checkpoint)

@@ -20,6 +20,9 @@ DeepSpec's at T > 0.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from specbench.decode.tree import Draft
@@ -34,15 +37,21 @@ from specbench.paths import resolve_path
 
 class DSpark(DFlash):
     name, title = "dspark", "DSpark"
+
+    @dataclass
+    class Settings:  # `dspark.<key>=...` is short for `method.<key>=...`
+        name: str = "dspark"
+        checkpoint: str = "checkpoints/smollm2-135m/dspark"  # ours (python -m specbench.train drafter=dspark target=<model>), or a downloaded folder: DeepSpec's layout or vLLM's speculators dspark
+        block_size: Optional[int] = None  # slots per block (B drafts for DeepSpec's checkpoints, slot k drafting x_{p+k+1}); null: the checkpoint's
+        threshold: float = 0.0  # verify a row's drafts up to the first slot whose confidence is below this; 0: all (DeepSpec's default)
+        sample_drafts: bool = True  # at a temperature: draw each draft from the drafter's distribution, accepted with min(1, p/q) (DeepSpec); false: its argmax (the one-hot rule)
     dspark_heads = True
     published = "DeepSpec's or vLLM's speculators dspark format"
 
     @classmethod
     def check(cls, cfg, target_config) -> None:
-        if not isinstance(cfg.method.get("sample_drafts", True), bool):
-            raise ConfigError(f"dspark.sample_drafts must be true or false, got {cfg.method.get('sample_drafts')!r}")
-        t = cfg.method.get("threshold", 0.0)
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= float(t) <= 1.0:
+        t = cfg.method.threshold
+        if not 0.0 <= t <= 1.0:
             raise ConfigError(f"dspark.threshold must be a number in [0, 1] (0: verify every draft), got {t!r}")
         super().check(cfg, target_config)
 

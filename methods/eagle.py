@@ -19,6 +19,9 @@ are deterministic candidates (no q), so sampling uses the lossless tree rule.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Optional
+
 import torch
 
 from specbench.methods.base import BatchState, Proposer
@@ -41,6 +44,16 @@ TUNE = {"cuda": [(3, 16), (4, 32), (5, 60), (6, 80), (7, 100)],
 
 class Eagle(Proposer):
     name = "eagle"
+
+    @dataclass
+    class Settings:  # `eagle.<key>=...` is short for `method.<key>=...`
+        name: str = "eagle"
+        version: Any = 2  # 2: EAGLE-1/2's drafter; 3: EAGLE-3's (three layers' features fused); 3.1: EAGLE 3.1's (a norm per tapped layer, the post-norm state fed back). All draft EAGLE-2's dynamic tree
+        checkpoint: str = "checkpoints/smollm2-135m/eagle"  # ours (python -m specbench.train drafter=eagle|eagle3 target=<model>), or a published folder: SafeAILab's EAGLE-1/2 or EAGLE-3 layout, or vLLM's speculators eagle3
+        top_k: Any = "auto"  # children per expanded node, and the frontier kept per depth (auto: 4 CPU, 10 CUDA)
+        depth: Any = "auto"  # draft tree depth, drafter steps per engine step (auto: 2 CPU, 5 CUDA)
+        total_tokens: Any = "auto"  # nodes sent to the verifier (auto: 6 CPU, 60 CUDA)
+        tree: Optional[str] = None  # null: EAGLE-2's dynamic tree; or EAGLE-1's static tree by name (mc_sim_7b_63: 25 nodes, depth 5; top_k/depth/total_tokens then unused)
     cost_kind = "eagle"
     hidden_layers = ("final",)
 

@@ -8,6 +8,7 @@ the engine a chain with the distributions it sampled from; the engine verifies i
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -76,6 +77,10 @@ def hf_draft_cfg(cfg):
 
 class Leviathan(Proposer):
     name = "leviathan"
+
+    @dataclass
+    class Settings:  # the draft comes from the draft_model group: draft_model=self_layers (draft_model.layers=n) or draft_model=<hub id / folder>
+        name: str = "leviathan"
 
     @classmethod
     def check(cls, cfg, target_config) -> None:

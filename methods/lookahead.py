@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from specbench.methods.base import BatchState, Proposer
 from specbench.decode.tree import Draft, prefix_tree
@@ -80,6 +81,15 @@ class Pool:
 
 class Lookahead(Proposer):
     name = "lookahead"
+
+    @dataclass
+    class Settings:  # `lookahead.<key>=...` is short for `method.<key>=...`
+        name: str = "lookahead"
+        W: Any = "auto"  # window columns (lookahead tokens per level; auto: 7 CUDA, 1 CPU)
+        N: Any = "auto"  # N-gram size: N-1 window levels, N-1 draft tokens per guess (auto: 4 CUDA, 3 CPU)
+        G: Any = "auto"  # N-grams verified per step (the paper sets G = W; auto: 7 CUDA, 2 CPU)
+        pool_cap: Optional[int] = None  # continuations kept per first token (null = G)
+        prompt_ngrams: bool = True  # seed the pool with the prompt's N-grams
     cost_kind = "ngram"
     per_row = ("levels", "pools", "n_window")  # the window, n-gram pool and window size per row
 

@@ -17,9 +17,11 @@ candidate passes when p(x) > min(eps, delta * exp(-H(p)))), recorded ``lossless:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import functools
-import sys
 from pathlib import Path
+import sys
+from typing import Any
 
 import torch
 
@@ -47,6 +49,16 @@ def named_trees() -> dict[str, list[list[int]]]:
 
 class Medusa(Proposer):
     name = "medusa"
+
+    @dataclass
+    class Settings:  # `medusa.<key>=...` is short for `method.<key>=...`
+        name: str = "medusa"
+        checkpoint: str = "checkpoints/smollm2-135m/medusa"  # ours (python -m specbench.train drafter=medusa target=<model>) or a published Medusa-1 folder
+        tree: str = "default"  # default: sparse tree from the heads' measured accuracies; chain: top-1 per head; or a published tree (mc_sim_7b_63, ...)
+        tree_size: Any = "auto"  # nodes of the default tree (auto: 7 on CPU, the checkpoint's 32 elsewhere; null: the checkpoint's)
+        accept: str = "exact"  # exact (lossless) | typical (Medusa's typical acceptance when sampling; lossy)
+        eps: float = 0.09  # typical acceptance: p(x) > min(eps, delta * exp(-H(p)))
+        delta: float = 0.3
     per_row = ("f",)  # [B, d] each row's last committed token's final state
     hidden_layers = ("final",)
 

@@ -16,7 +16,9 @@ drafter (or another model folder carrying one). ``K`` drafts a step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -47,6 +49,11 @@ def checkpoint_folder(cfg) -> str:
 
 class MTP(Proposer):
     name = "mtp"
+
+    @dataclass
+    class Settings:  # `mtp.<key>=...` is short for `method.<key>=...`
+        name: str = "mtp"
+        checkpoint: Optional[str] = None  # null: the module inside the target's own checkpoint (DeepSeek-V3/R1, GLM-4.5, MiMo); or a speculators mtp folder (python -m specbench.train drafter=mtp target=<model>)
     hidden_layers = ("final",)
 
     @classmethod

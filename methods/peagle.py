@@ -15,7 +15,9 @@ tokens a step (null: the depths the checkpoint was trained for).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -29,13 +31,19 @@ from specbench.paths import resolve_path
 
 class PEagle(Proposer):
     name = "peagle"
+
+    @dataclass
+    class Settings:  # `peagle.<key>=...` is short for `method.<key>=...`
+        name: str = "peagle"
+        checkpoint: str = "checkpoints/smollm2-135m/peagle"  # a P-EAGLE folder in vLLM's speculators format (speculators_model_type: peagle)
+        K: Optional[int] = None  # drafts a step (the first from the last verified entry, K-1 mask slots); null: the checkpoint's depths
     per_row = ("cache", "drafts")  # the drafter's keys and values of each row's entries (a DrafterCache); the next drafts [B, K]
 
     @classmethod
     def check(cls, cfg, target_config) -> None:
         m = cfg.method
         k = m.get("K")
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        if k is not None and k < 1:
             raise ConfigError(f"peagle.K must be null (the checkpoint's depths) or an integer >= 1, got {k!r}")
         folder = resolve_path(m.checkpoint)
         if not Path(folder).exists():

@@ -8,6 +8,8 @@ costs O(new tokens x n-gram sizes) whatever the context length and batch size.""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from specbench.methods.base import BatchState, Proposer
 from specbench.decode.tree import Draft
 
@@ -62,6 +64,12 @@ class NgramIndex:
 
 class PromptLookup(Proposer):
     name = "pld"
+
+    @dataclass
+    class Settings:  # `pld.<key>=...` is short for `method.<key>=...`
+        name: str = "pld"
+        max_ngram: int = 3  # the longest n-gram looked up first ...
+        min_ngram: int = 1  # ... down to this one
     cost_kind = "ngram"
     per_row = ("index",)  # an n-gram index per row
 

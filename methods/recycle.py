@@ -14,8 +14,10 @@ best-first by a prior score (``rank_tree``), or a list of rank paths.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import heapq
 from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -57,13 +59,21 @@ def tree_of(m, device) -> list[tuple[int, ...]]:
 
 class TokenRecycling(Proposer):
     name = "recycle"
+
+    @dataclass
+    class Settings:  # `recycle.<key>=...` is short for `method.<key>=...`
+        name: str = "recycle"
+        topk: int = 8  # candidates kept per token (the paper's 8)
+        tree_size: Any = "auto"  # nodes of the default tree, rank paths best-first (auto: 3 CPU, 64 CUDA)
+        tree: Any = None  # or the tree itself: a list of rank paths, e.g. [[0], [1], [0, 0]] (a parent before its children)
+        warm: Optional[str] = None  # a file: the matrix is loaded from it before the job (when it exists) and saved to it after
     cost_kind = "ngram"
     learned = ("next", "known", "steps_with_draft")  # the matrix: the target's candidates seen so far
 
     @classmethod
     def check(cls, cfg, target_config) -> None:
         m = cfg.method
-        if not isinstance(m.topk, int) or isinstance(m.topk, bool) or m.topk < 1:
+        if m.topk < 1:
             raise ConfigError(f"recycle.topk must be an integer >= 1, got {m.topk!r}")
         if m.tree_size != "auto" and (not isinstance(m.tree_size, int) or isinstance(m.tree_size, bool)
                                       or m.tree_size < 1):

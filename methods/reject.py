@@ -13,6 +13,9 @@ emits the target's own next token. Output equals AR's; what changes is the kerne
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from specbench.methods.base import BatchState, Proposer
@@ -23,11 +26,16 @@ from specbench.errors import ConfigError
 class Reject(Proposer):
     name = "reject"
 
+    @dataclass
+    class Settings:
+        name: str = "reject"
+        token: Optional[int] = None  # a token id, or null = the tokenizer's BOS
+
     @classmethod
     def check(cls, cfg, target_config) -> None:
         t = cfg.method.get("token")
         vocab = int(getattr(target_config, "vocab_size", 0) or 0)
-        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < (vocab or t + 1)):
+        if t is not None and not 0 <= t < (vocab or t + 1):
             raise ConfigError(f"reject.token must be a token id in 0..{vocab - 1} or null (the tokenizer's BOS), "
                               f"got {t!r}")
 

@@ -19,12 +19,14 @@ value).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import hashlib
 import json
+from pathlib import Path
 import shutil
 import sys
 import sysconfig
-from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -131,6 +133,14 @@ def build_datastore(spec: str, tokenizer, vocab_size: int, progress: bool = True
 
 class Rest(Proposer):
     name = "rest"
+
+    @dataclass
+    class Settings:  # `rest.<key>=...` is short for `method.<key>=...`
+        name: str = "rest"
+        datastore: str = "sharegpt"  # sharegpt | python_code | a .txt / .jsonl path (built once into $SPECBENCH_CACHE/rest)
+        num_draft: Any = "auto"  # trie nodes verified per step (auto: the paper's 64 on CUDA, 7 on CPU)
+        max_suffix: int = 16  # longest context suffix searched first ...
+        min_suffix: int = 2  # ... down to this many tokens
     cost_kind = "ngram"
 
     @classmethod

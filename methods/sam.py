@@ -21,8 +21,10 @@ was verified.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 import functools
 import sys
+from typing import Any, Optional
 
 from specbench import methods
 from specbench.methods import member_cfg
@@ -140,6 +142,16 @@ class Row:
 
 class SamDecoding(Proposer):
     name = "sam"
+
+    @dataclass
+    class Settings:  # `sam.<key>=...` is short for `method.<key>=...`
+        name: str = "sam"
+        min_match: int = 2  # a shorter match drafts from the fallback (or nothing)
+        corpus: Optional[str] = None  # static automaton: null, sharegpt, python_code or a .txt/.jsonl path (REST's datastores)
+        corpus_tokens: int = 300000  # ... its first N tokens (the automaton is built in memory once per process)
+        static_bias: int = 4  # a corpus match counts this many tokens shorter than one in the row's own text (the paper's 4)
+        fallback: str = "none"  # none, or a method whose draft a row takes when its match is short (recycle, eagle, pld, ...)
+        fallback_opts: dict[str, Any] = field(default_factory=dict)  # the fallback's own settings over its defaults, e.g. sam.fallback_opts.tree_size=4
     cost_kind = "ngram"
     per_row = ("rows",)  # each row's automaton state
     learned = ("used",)  # (and its fallback's)
@@ -149,7 +161,7 @@ class SamDecoding(Proposer):
         m = cfg.method
         for key, lo in (("min_match", 1), ("static_bias", 0), ("corpus_tokens", 1)):
             v = m[key]
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            if v < lo:
                 raise ConfigError(f"sam.{key} must be an integer >= {lo}, got {v!r}")
         fb = m.fallback
         if fb not in (None, "none"):

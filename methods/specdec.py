@@ -11,6 +11,8 @@ from the queries' distributions and verified by the lossless rule.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specbench.methods.base import BatchState, Proposer
@@ -25,12 +27,19 @@ from specbench.decode.verify import greedy_pick, sample, warp
 class SpecDec(Proposer):
     name = "specdec"
 
+    @dataclass
+    class Settings:  # `specdec.<key>=...` is short for `method.<key>=...`
+        name: str = "specdec"
+        checkpoint: str = "checkpoints/smollm2-135m/specdec"  # python -m specbench.train drafter=specdec target=<model>
+        beta: int = 1  # greedy: accept a draft token among the target's top-beta (1 = exact; > 1 is lossy)
+        tol: float = 1.0  # ... whose log-probability is within tol of the top-1's
+
     @classmethod
     def check(cls, cfg, target_config) -> None:
         m = cfg.method
-        if not isinstance(m.beta, int) or isinstance(m.beta, bool) or m.beta < 1:
+        if m.beta < 1:
             raise ConfigError(f"specdec.beta must be an integer >= 1 (1 = exact greedy), got {m.beta!r}")
-        if not isinstance(m.tol, (int, float)) or isinstance(m.tol, bool) or m.tol <= 0:
+        if m.tol <= 0:
             raise ConfigError(f"specdec.tol must be a number > 0 (log-probability gap to the top-1), got {m.tol!r}")
         folder = resolve_path(m.checkpoint)
         drafters.check_fits(folder, cfg, target_config, "specdec", "specdec.checkpoint")

@@ -18,6 +18,7 @@ with build isolation, a second torch; it is not installed by the project (docs/m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import heapq
 
 from specbench.methods.base import BatchState, Proposer
@@ -107,6 +108,16 @@ def grow(node: Node, budget: int, min_prob: float, tree: bool) -> tuple[list[int
 
 class SuffixDecoding(Proposer):
     name = "suffix"
+
+    @dataclass
+    class Settings:  # `suffix.<key>=...` is short for `method.<key>=...`; K caps the draft's nodes
+        name: str = "suffix"
+        max_depth: int = 24  # longest substring the trees hold (vLLM's suffix_decoding_max_tree_depth default)
+        spec_factor: float = 1.0  # at most spec_factor * (pattern length) + spec_offset draft nodes (and at most K)
+        spec_offset: float = 0.0
+        min_prob: float = 0.1  # nodes whose estimated path probability is under this are left out
+        tree: bool = True  # false: the likeliest chain only
+        global_tree: bool = True  # the tree of every response of the job beside the request's own (false: its own text only)
     cost_kind = "ngram"
     per_row = ("rows",)  # each row's own suffix tree and match state
     learned = ("glob", "used")  # the global tree holds every earlier response of the job
@@ -114,12 +125,12 @@ class SuffixDecoding(Proposer):
     @classmethod
     def check(cls, cfg, target_config) -> None:
         m = cfg.method
-        if not isinstance(m.max_depth, int) or isinstance(m.max_depth, bool) or m.max_depth < 2:
+        if m.max_depth < 2:
             raise ConfigError(f"suffix.max_depth must be an integer >= 2, got {m.max_depth!r}")
-        if not float(m.spec_factor) > 0 or float(m.spec_offset) < 0:
+        if not m.spec_factor > 0 or m.spec_offset < 0:
             raise ConfigError(f"suffix.spec_factor must be > 0 and suffix.spec_offset >= 0, got {m.spec_factor}, "
                               f"{m.spec_offset}")
-        if not 0 <= float(m.min_prob) < 1:
+        if not 0 <= m.min_prob < 1:
             raise ConfigError(f"suffix.min_prob must be in [0, 1), got {m.min_prob}")
 
     def __init__(self, cfg, target, tokenizer, device, dtype):
@@ -129,7 +140,7 @@ class SuffixDecoding(Proposer):
         self.D = int(m.max_depth)
         self.factor, self.offset, self.min_prob = float(m.spec_factor), float(m.spec_offset), float(m.min_prob)
         self.tree = bool(m.tree)
-        self.use_global = bool(m.get("global", True))
+        self.use_global = bool(m.global_tree)
         self.glob = SuffixTree(self.D)  # every response of the job (kept across its batches)
         self.rows: list[dict] = []
         self.used = {"request": 0, "global": 0, "none": 0}

@@ -3,8 +3,9 @@
 Before Hydra starts, config-group choices are checked (one-line error listing the
 choices), every key is checked against what declares it (a method's settings, the run's schema:
 an unknown key is refused in one line, whether set or added with ``+``), `draft_model=<hub id or
-folder>` is rewritten to `draft_model=hf draft_model.path=<...>`, and a method from another package (an entry point of ``specbench.methods``, or
-``method=module:Class``) gets its settings into Hydra's config store as ``method/<name>``.
+folder>` is rewritten to `draft_model=hf draft_model.path=<...>`, and every method's settings
+(built in, an entry point of ``specbench.methods``, or ``method=module:Class``) go into Hydra's
+config store as ``method/<name>`` (``specbench.methods.store``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def preprocess(argv: list[str]) -> list[str]:
                               f"dataset.config={val}")
         if eq or sign.startswith("~"):
             check_key(key.lstrip("+~"), shown, runs)
+        if eq and key.lstrip("+").startswith("method.") and key.count(".") == 1:
+            check_value(key.lstrip("+"), val, shown, runs())
         if eq and not key.lstrip("+").startswith(("method.", "hydra.")):  # kernel=avx2: refused before the sweep
             schema.check_choice(key.lstrip("+"), [v.strip().strip("'\"") for v in val.split(",")])
         out.append(arg)
@@ -97,6 +100,43 @@ def check_key(key: str, shown: str, swept) -> None:
         raise unknown_key(shown, own[lack[0]], f"{lack[0]}'s")
 
 
+def check_value(key: str, val: str, shown: str, swept: list[str]) -> None:
+    """Refuse, in one line, a value of a method's setting that its type does not take
+    (``pld.max_ngram=abc``): each value of a comma list, as Hydra parses it, merged into the
+    settings of each method of the sweep that declares the key. A range, a glob or an
+    interpolation is Hydra's to expand and check."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    from specbench.errors import ConfigError
+
+    from specbench import methods
+
+    try:
+        parsed = OverridesParser.create().parse_override(f"{key}={val}")
+    except Exception:  # noqa: BLE001 - Hydra says what is wrong with its own syntax
+        return
+    v = parsed.value()
+    if isinstance(v, ChoiceSweep):
+        values = v.list
+    elif parsed.is_sweep_override() or "${" in val:
+        return
+    else:
+        values = [v]
+    field = key.partition(".")[2]
+    for name in swept:
+        node = methods.settings(name)
+        if field not in node:
+            continue
+        for one in values:
+            try:
+                OmegaConf.merge(node, {field: one})
+            except ValidationError as e:
+                raise ConfigError(f"{shown}={one}: {str(e).splitlines()[0]} ({name}'s {field})") from None
+
+
 def swept_by_default(argv: list[str]) -> list[str]:
     """The methods a command line that names none runs: its sweep's (conf/config.yaml's, a preset's,
     or as ``hydra.`` overrides set it), else the config's method; [] where that cannot be told."""
@@ -104,7 +144,10 @@ def swept_by_default(argv: list[str]) -> list[str]:
 
     from specbench.paths import CONF_DIR
 
+    from specbench import methods
+
     own = [a for a in argv if a.startswith("hydra") or a.lstrip("+").startswith("experiment=")]
+    methods.store()
     try:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
             cfg = compose("config", overrides=own, return_hydra_config=True)
@@ -114,36 +157,27 @@ def swept_by_default(argv: list[str]) -> list[str]:
     return [v.strip() for v in str(params.get("method") or cfg.method.name).split(",")]
 
 
-def store_outside_methods(argv: list[str]) -> list[str]:
-    """Put the settings of every method named in ``argv`` that is not built in (an entry point
-    or ``module:Class``) into Hydra's config store as ``method/<name>``; returns their names.
-    A class that cannot be imported, or is no proposer, is refused in one line."""
-    from hydra.core.config_store import ConfigStore
-
+def store_methods(argv: list[str]) -> None:
+    """Every registered method's settings, and those of each class ``argv`` names
+    (``method=module:Class``), into Hydra's config store as ``method/<name>``. A method named that
+    cannot be imported, or is no proposer, is refused in one line."""
     from specbench.errors import ConfigError
 
     from specbench import methods
 
-    names = []
-    for arg in argv:
-        key, eq, val = arg.partition("=")
-        if key == "method" and eq:
-            names += [v.strip() for v in val.split(",") if v.strip() not in methods.builtin()]
-    for name in dict.fromkeys(names):
-        try:
-            node = methods.settings(name)
-        except KeyError as e:
-            raise ConfigError(e.args[0]) from None
-        ConfigStore.instance().store(group="method", name=name, node=node)
-    return names
+    named = [v.strip() for a in argv if a.startswith("method=") for v in a.partition("=")[2].split(",")]
+    try:
+        methods.store(named)
+    except KeyError as e:
+        raise ConfigError(e.args[0]) from None
 
 
 def main() -> int:
     from specbench.errors import ConfigError
 
     try:
+        store_methods(sys.argv[1:])
         sys.argv[1:] = preprocess(sys.argv[1:])
-        store_outside_methods(sys.argv[1:])
     except ConfigError as e:
         print(f"specbench: error: {e}", file=sys.stderr)
         return 2

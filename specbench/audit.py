@@ -161,7 +161,7 @@ def tiny_proposer(name: str, model, tok, folder: Path, device):
     cfg = OmegaConf.create({"K": 3, "progress": False, "temperature": 0.0, "seed": 0,
                             "model": {"name": "tiny", "path": str(folder / "target")},
                             "draft_model": {"name": "auto", "layers": None, "path": None},
-                            "method": methods.defaults(name)})
+                            "method": methods.settings(name)})
     cfg = OmegaConf.merge(cfg, cls.tiny(model, tok, folder / name))
     cls.check(cfg, model.config)
     return cls(cfg, model, tok, torch.device(device), torch.float32)

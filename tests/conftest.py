@@ -54,3 +54,11 @@ def _isolated_cache(request, tmp_path_factory, monkeypatch):
     # unit tests get an empty cache dir; slow tests share the user's converted models
     if "SPECBENCH_CACHE" not in os.environ and request.node.get_closest_marker("slow") is None:
         monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def pytest_configure(config):
+    """Every method's settings in Hydra's config store (``method/<name>``), as ``python -m specbench``
+    puts them there, for the tests that compose a run config."""
+    from specbench import methods
+
+    methods.store()

@@ -34,7 +34,7 @@ def composed(overrides=()):
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_option_composes(group):
-    opts = paths.group_options(group)
+    opts = methods.names() if group == "method" else paths.group_options(group)  # methods: the config store's
     assert opts
     for opt in opts:
         cfg = composed([f"{group}={opt}"])
@@ -44,12 +44,11 @@ def test_every_option_composes(group):
             assert cfg.model.name == f"random-{cfg.model.shape}"
         else:
             assert cfg[group].name == opt
-        if group == "method":
-            assert opt in methods.builtin()  # every method yaml has a registered module
 
 
-def test_every_registered_method_has_a_config():
-    assert set(methods.builtin()) == set(paths.group_options("method"))
+def test_every_registered_method_has_its_settings_and_no_yaml():
+    assert not paths.group_options("method")  # a method's settings are its dataclass, not a yaml
+    assert all(composed([f"method={name}"]).method.keys() == methods.settings(name).keys() for name in methods.builtin())
 
 
 def test_default_sweep_and_multirun_mode():
@@ -173,9 +172,8 @@ def test_an_unknown_key_in_a_composed_config_is_refused_before_the_model_loads(t
 
 def register_fakes(monkeypatch, **classes):
     """Register test-only proposer classes under these method names for one test."""
-    real_get = methods.get
-    for name in classes:
-        monkeypatch.setitem(methods.REGISTRY, name, "x:y")
+    real_get, real_plugins = methods.get, methods.plugins
+    monkeypatch.setattr(methods, "plugins", lambda: {**real_plugins(), **{name: "x:y" for name in classes}})
     monkeypatch.setattr(methods, "get", lambda n: classes.get(n) or real_get(n))
 
 
@@ -192,7 +190,10 @@ def tiny_cfg(tiny_dirs, tmp_path, **over):
         cfg.progress = False
         cfg.draft_model.layers = 1
         for k, v in over.items():
-            OmegaConf.update(cfg, k, v, force_add=True)
+            if k == "method":  # a method of its own (a fake's name, or its keys as given): untyped
+                cfg.method = OmegaConf.merge(OmegaConf.to_container(cfg.method), v)
+            else:
+                OmegaConf.update(cfg, k, v, force_add=True)
     return cfg
 
 
@@ -645,7 +646,8 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(tiny_dirs, tmp_path, mo
         assert "\n" not in recs[-1]["error"]
     cfg = tiny_cfg(tiny_dirs, tmp_path, K=0, **{"method": {"name": "pld"}})
     assert runner.job(cfg, sweep_id="f")[0]["error"].startswith("K must be")
-    monkeypatch.setitem(methods.REGISTRY, "broken", "specbench.methods.no_such_module:X")  # a method that fails to import
+    real_plugins = methods.plugins
+    monkeypatch.setattr(methods, "plugins", lambda: {**real_plugins(), "broken": "specbench.methods.no_such_module:X"})
     cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "broken"}})
     assert runner.job(cfg, sweep_id="f")[0]["error"].startswith(
         "method 'broken': cannot import specbench.methods.no_such_module:X (ModuleNotFoundError")

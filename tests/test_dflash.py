@@ -32,7 +32,7 @@ def target4():
 
 def cfg_of(folder, **method):
     return OmegaConf.create({"K": 3, "temperature": 0.0, "model": {"name": "tiny", "path": None},
-                             "method": {**methods.defaults("dflash"), "checkpoint": str(folder), **method}})
+                             "method": {**methods.settings("dflash"), "checkpoint": str(folder), **method}})
 
 
 def proposer(target, folder, device=CPU, **method):

@@ -33,8 +33,7 @@ def documented(monkeypatch):
     files = {REPO / "specbench" / "drafters" / "next_head.py": doc_blocks("1", "python")[0],
              REPO / "specbench" / "train" / "next_head.py": doc_blocks("3", "python")[0],
              CONF_DIR / "drafter" / "next_head.yaml": doc_blocks("4", "yaml")[0],
-             REPO / "methods" / "next_head.py": doc_blocks("5", "python")[0],
-             CONF_DIR / "method" / "next_head.yaml": doc_blocks("5", "yaml")[0]}
+             REPO / "methods" / "next_head.py": doc_blocks("5", "python")[0]}
     assert not any(f.exists() for f in files)
     row = doc_blocks("2", "python")[0].strip().rstrip(",")
     name, kind = eval("{" + row + "}", {"Kind": drafters.Kind}).popitem()
@@ -77,7 +76,7 @@ def test_the_documented_drafter_method_trains_and_decodes_as_greedy(feature_setu
     assert card.startswith("# next_head: next_head drafter for tiny") and "method=next_head next_head.checkpoint=" in card
 
     mcfg = OmegaConf.create({"K": 1, "temperature": 0.0, "model": {"name": "tiny", "path": None},
-                             "method": {**methods.defaults(documented), "checkpoint": str(out)}})
+                             "method": {**methods.settings(documented), "checkpoint": str(out)}})
     cls = methods.get(documented)
     cls.check(mcfg, target.config)
     prompts = [items[i]["tokens"][:8].tolist() for i in range(4)]

@@ -34,7 +34,7 @@ def target4():
 
 def cfg_of(folder, name="dspark", **method):
     return OmegaConf.create({"K": 3, "temperature": 0.0, "model": {"name": "tiny", "path": None},
-                             "method": {**methods.defaults(name), "checkpoint": str(folder), **method}})
+                             "method": {**methods.settings(name), "checkpoint": str(folder), **method}})
 
 
 def proposer(target, folder, device=CPU, **method):

@@ -26,7 +26,7 @@ CPU = torch.device("cpu")
 
 def cfg_of(folder=None, path=None, K=3):
     return OmegaConf.create({"K": K, "temperature": 0.0, "model": {"name": "tiny", "path": str(path) if path else None},
-                             "method": {**methods.defaults("mtp"), "checkpoint": str(folder) if folder else None}})
+                             "method": {**methods.settings("mtp"), "checkpoint": str(folder) if folder else None}})
 
 
 def proposer(target, folder=None, device=CPU, path=None, K=3):

@@ -31,7 +31,7 @@ def target8():
 
 def cfg_of(folder, **method):
     return OmegaConf.create({"K": 3, "temperature": 0.0, "model": {"name": "tiny", "path": None},
-                             "method": {**methods.defaults("peagle"), "checkpoint": str(folder), **method}})
+                             "method": {**methods.settings("peagle"), "checkpoint": str(folder), **method}})
 
 
 def proposer(target, folder, device=CPU, **method):
@@ -155,7 +155,7 @@ def test_other_checkpoints_and_settings_are_refused(target8, tmp_path):
         methods.get("peagle").check(cfg_of(FIXTURE, K=0), target8.config)
     with pytest.raises(ConfigError, match="a speculators 'peagle' checkpoint; .* and peagle \\(method=peagle\\)"):
         methods.get("eagle").check(OmegaConf.create({"K": 3, "temperature": 0.0, "model": {"name": "t", "path": None},
-                                                     "method": {**methods.defaults("eagle"), "checkpoint": str(FIXTURE),
+                                                     "method": {**methods.settings("eagle"), "checkpoint": str(FIXTURE),
                                                                 "version": 3}}), target8.config)
     with pytest.raises(NotImplementedError):  # backend=vllm: "no counterpart in vLLM" (not mapped yet)
         methods.get("peagle").vllm_config(cfg_of(FIXTURE))

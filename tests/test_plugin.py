@@ -56,16 +56,17 @@ def test_bad_outside_methods_are_refused_in_one_line(installed):
         methods.get("json:dumps")
     with pytest.raises(KeyError, match="unknown method 'bigrams'"):
         methods.get("bigrams")
-    from specbench.__main__ import preprocess, store_outside_methods
+    from specbench.__main__ import preprocess, store_methods
 
     assert preprocess(["method=bigram", "bigram.successor=first"]) == ["method=bigram", "method.successor=first"]
     with pytest.raises(ConfigError, match="cannot import no_such_pkg.mod:X"):
-        store_outside_methods(["method=ar,no_such_pkg.mod:X"])
+        store_methods(["method=ar,no_such_pkg.mod:X"])
 
 
 def test_an_outside_methods_unknown_key_is_refused_in_one_line(installed, tmp_path, monkeypatch):
-    """A plug-in's keys are its ``Settings`` dataclass's fields or its ``config_file``'s keys: any
-    other is refused in both forms (``bigram.kk=3``, ``+method.kk=3``), as a built-in method's."""
+    """A plug-in's keys are its ``Settings`` dataclass's fields: any other is refused in both forms
+    (``bigram.kk=3``, ``+method.kk=3``), as a built-in method's, and so is a value of the wrong type;
+    a class without ``Settings`` takes no keys."""
     from specbench.__main__ import preprocess
 
     for argv, msg in ((["method=bigram", "bigram.max_drafts=2"],
@@ -76,15 +77,15 @@ def test_an_outside_methods_unknown_key_is_refused_in_one_line(installed, tmp_pa
         with pytest.raises(ConfigError) as e:
             preprocess(argv)
         assert str(e.value) == msg
-    (tmp_path / "filed.py").write_text(
-        "from specbench.api import Proposer\n"
-        "class Filed(Proposer):\n    name = 'filed'\n    config_file = 'filed.yaml'\n")
-    (tmp_path / "filed.yaml").write_text("depth: 2\nwidth: 3\n")
+    with pytest.raises(ConfigError) as e:
+        preprocess(["method=bigram", "bigram.max_draft=lots"])
+    assert str(e.value).startswith("bigram.max_draft=lots: Value 'lots' of type 'str' could not be converted to Integer")
+    assert "\n" not in str(e.value)
+    (tmp_path / "bare.py").write_text("from specbench.api import Proposer\nclass Bare(Proposer):\n    name = 'bare'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError) as e:
-        preprocess(["method=filed:Filed", "method.dept=3"])
-    assert str(e.value) == "unknown key method.dept; did you mean method.depth? filed:Filed's keys: depth, width"
-    assert preprocess(["method=filed:Filed", "method.depth=3"]) == ["method=filed:Filed", "method.depth=3"]
+        preprocess(["method=bare:Bare", "method.depth=3"])
+    assert str(e.value) == "unknown key method.depth; bare:Bare's keys: none"
 
 
 @pytest.mark.parametrize("successor", ["latest", "first"])
@@ -134,7 +135,7 @@ def test_an_installed_wheel_runs_without_the_checkout(tiny_dirs, tmp_path):
     inst = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                           capture_output=True, text=True, timeout=300)
     assert inst.returncode == 0, inst.stderr[-2000:]
-    for f in ("specbench/conf/config.yaml", "specbench/conf/method/eagle.yaml", "specbench/conf/experiment/headline.yaml",
+    for f in ("specbench/conf/config.yaml", "specbench/conf/experiment/headline.yaml",
               "specbench/backends/csrc/few_rows.cpp", "specbench/drafters/eagle.py",
               "specbench/drafters/trees/medusa.json", "specbench/train/card.py", "specbench/methods/pld.py",
               "specbench/analysis/report.py"):

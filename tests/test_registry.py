@@ -39,15 +39,14 @@ def build(tiny, tmp_path, monkeypatch):
     """A fresh proposer of ``name`` for the tiny target, checked and built as a run does."""
     folder, model, tok, _ = tiny
     monkeypatch.syspath_prepend(str(PLUGIN / "src"))
-    for name, target in PLUGINS.items():
-        monkeypatch.setitem(methods.REGISTRY, name, target)
+    monkeypatch.setattr(methods, "plugins", lambda: dict(PLUGINS))  # as if the example were installed
 
     def make(name, over=None):  # over: settings over the tiny ones ({"method": {"paths": 2}})
         cls = methods.get(name)
         cfg = OmegaConf.create({"K": 3, "progress": False, "temperature": 0.0, "seed": 0,
                                 "model": {"name": "tiny", "path": str(folder)},
                                 "draft_model": {"name": "auto", "layers": None, "path": None},
-                                "method": methods.defaults(name)})
+                                "method": methods.settings(name)})
         cfg = OmegaConf.merge(cfg, cls.tiny(model, tok, tmp_path / name), over or {})
         cls.check(cfg, model.config)
         return cls(cfg, model, tok, DEVICE, torch.float32)
@@ -79,10 +78,15 @@ def test_every_method_decodes_as_greedy_with_rows_joining(tiny, build, name):
 
 
 def test_the_registry_lists_every_built_in_method():
-    """Each yaml under conf/method names a registered method (none is left out of the tests above)."""
-    from specbench.paths import CONF_DIR
+    """Each module of methods/ but base is a registered method (none is left out of the tests
+    above), its settings a dataclass whose name is the method's."""
+    from specbench.paths import REPO
 
-    assert {p.stem for p in (CONF_DIR / "method").glob("*.yaml")} <= set(methods.builtin())
+    mods = {p.stem for p in (REPO / "methods").glob("*.py") if p.stem not in ("__init__", "base")}
+    assert mods == set(methods.builtin()) and len(mods) >= 17
+    for name in mods:
+        assert methods.settings(name).name == name
+        assert methods.get(name).Settings is not None
 
 
 DOC = REPO / "docs" / "adding-a-method.md"
@@ -99,15 +103,11 @@ def doc_block(section: str, lang: str) -> str:
 
 @pytest.fixture
 def documented():
-    """docs/adding-a-method.md's two methods, written where a newcomer writes them: each a module
-    and a yaml, nothing else (removed afterwards). Section 1 and 2: last_token (a chain); section
-    6: last_token_tree (a tree)."""
-    from specbench.paths import CONF_DIR
-
+    """docs/adding-a-method.md's two methods, written where a newcomer writes them: each a module,
+    nothing else (removed afterwards). Section 1: last_token (a chain); section 6: last_token_tree
+    (a tree)."""
     files = {REPO / "methods" / "last_token.py": doc_block("1", "python"),
-             CONF_DIR / "method" / "last_token.yaml": doc_block("2", "yaml"),
-             REPO / "methods" / "last_token_tree.py": doc_block("6", "python"),
-             CONF_DIR / "method" / "last_token_tree.yaml": doc_block("6", "yaml")}
+             REPO / "methods" / "last_token_tree.py": doc_block("6", "python")}
     assert not any(f.exists() for f in files)
     try:
         for f, text in files.items():
@@ -120,11 +120,11 @@ def documented():
             sys.modules.pop(f"specbench.methods.{name}", None)
 
 
-def test_the_documented_method_is_one_module_and_one_yaml(tiny, build, documented):
-    """The worked example runs as written: found beside its yaml, its drafts accepted, greedy
+def test_the_documented_method_is_one_module(tiny, build, documented):
+    """The worked example runs as written: found as a module, its settings its own, its drafts accepted, greedy
     identity at bs 4 and with rows joining."""
     name = documented[0]
-    assert name in methods.names()
+    assert name in methods.names() and methods.keys(name) == ["name", "max_draft"]
     _, model, _, cases = tiny
     prompts, refs = cases[4]
     res = run_engine(model, build(name), prompts, N_NEW)

@@ -60,7 +60,7 @@ def make(name, model, truth, datastore):
         return test_feature_methods.make(name, model)
     if name in test_training_free.NAMES or name == "suffix_own":
         if name == "suffix_own":  # the request's own tree only: a row's drafts are its own
-            return test_training_free.make("suffix", model, **{"global": False})
+            return test_training_free.make("suffix", model, global_tree=False)
         return test_training_free.make(name, model)
     return test_search_methods.make(name, model, datastore)
 

@@ -172,7 +172,7 @@ def test_every_drafter_kind_trains_and_decodes_as_ar(tiny8, tmp_path, kind):
     own = {} if method == "leviathan" else {"checkpoint": str(out)}  # leviathan reads draft_model
     cfg = OmegaConf.create({"K": 3, "temperature": 0.0, "model": {"name": folder.name, "path": str(folder)},
                             "draft_model": {"name": "trained", "path": str(out), "layers": None},
-                            "method": {**methods.defaults(method), **own, **settings}})
+                            "method": {**methods.settings(method), **own, **settings}})
     methods.get(method).check(cfg, target.config)
     prop = methods.get(method)(cfg, target, AutoTokenizer.from_pretrained(folder), CPU, torch.float32)
     prompts, refs = greedy_cases(target, 16)[1]

@@ -26,7 +26,7 @@ def cfg(name, K=4, temperature=0.0, **m):
             "sam": {"min_match": 1, "corpus": None, "corpus_tokens": 100000, "static_bias": 4, "fallback": "none",
                     "fallback_opts": {}},
             "suffix": {"max_depth": 12, "spec_factor": 1.0, "spec_offset": 1.0, "min_prob": 0.1, "tree": True,
-                       "global": True},
+                       "global_tree": True},
             "combo": {"of": ["pld", "suffix", "recycle"], "opts": {}, "prior": 0.5}}[name]
     return OmegaConf.create({"K": K, "temperature": temperature, "method": {"name": name, **base, **m}})
 

@@ -16,7 +16,6 @@ from specbench.hf import eos_ids
 from specbench.decode.requests import Request, Requests
 from specbench.decode.graphs import pool_of
 from specbench.models import compiled_graphs, is_compiled
-from specbench.paths import CONF_DIR
 from specbench.run.monitor import NvmlMonitor, PeakMemory, weight_bytes
 from specbench.run.workload import Workload
 from specbench.decode.timing import PhaseTimer, sync
@@ -42,11 +41,15 @@ class Run(Protocol):
 
 
 def method_cfg(cfg: DictConfig, method_name: str) -> DictConfig:
-    """The job's config for method ``method_name``: the job's own, or with that method's yaml (a
-    paired job's AR)."""
+    """The job's config for method ``method_name``: the job's own, or with that method's own settings
+    (a paired job's AR)."""
+    from specbench import methods
+
     if method_name == cfg.method.name:
         return cfg
-    return OmegaConf.merge(cfg, {"method": OmegaConf.load(CONF_DIR / "method" / f"{method_name}.yaml")})
+    out = OmegaConf.create(OmegaConf.to_container(cfg))
+    out.method = methods.settings(method_name)
+    return out
 
 
 class MethodRun:

@@ -68,10 +68,19 @@ def _where(folder: Path) -> str:
         return "<this folder>"
 
 
-def _conf(group: str, name: str) -> dict:
+def _method(name: str) -> dict:
+    """Method ``name``'s default settings."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"))
+    from specbench import methods
+
+    return OmegaConf.to_container(methods.settings(name))
+
+
+def _builtin() -> list[str]:
+    from specbench import methods
+
+    return methods.builtin()
 
 
 def use_lines(meta: dict, folder: Path) -> list[str]:
@@ -80,14 +89,14 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
     where, kind = _where(folder), meta["kind"]
     lines = ["## Use", ""]
     if kind in ("eagle", "medusa", "specdec"):
-        mconf = _conf("method", kind)
+        mconf = _method(kind)
         pick = f"method={kind}" + ("" if mconf.get("checkpoint") == where else f" {kind}.checkpoint={where}")
         lines += ["```bash", f"python -m specbench {pick}", "```", ""]
     elif kind == "eagle3":
         v = meta.get("drafter", {}).get("version", 3)
         lines += ["```bash", f"python -m specbench method=eagle eagle.version={v} eagle.checkpoint={where}", "```", ""]
     elif kind in ("dflash", "dspark"):
-        pick = "" if _conf("method", kind).get("checkpoint") == where else f" {kind}.checkpoint={where}"
+        pick = "" if _method(kind).get("checkpoint") == where else f" {kind}.checkpoint={where}"
         lines += ["```bash", f"python -m specbench method={kind}{pick}", "```", "",
                   f"Drafts with the block it was trained with; `{kind}.block_size=<B>` drafts with another."]
         if kind == "dspark":
@@ -98,7 +107,7 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
     elif kind == "mtp":
         lines += ["```bash", f"python -m specbench method=mtp mtp.checkpoint={where} K={meta['drafter']['steps']}", "```", "",
                   "`K` drafts that many tokens a step (one forward of the module each)."]
-    elif kind not in BODIES and (CONF_DIR / "method" / f"{kind}.yaml").exists():  # a new kind, run by its namesake method
+    elif kind not in BODIES and kind in _builtin():  # a new kind, run by its namesake method
         lines += ["```bash", f"python -m specbench method={kind} {kind}.checkpoint={where}", "```", ""]
     if kind == "eagle":
         from specbench.methods.eagle import AUTO
@@ -124,7 +133,7 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
                      f"tree has {AUTO_CPU_TREE} nodes on a CPU{expected(AUTO_CPU_TREE)} and the checkpoint's "
                      f"{own} on a GPU{expected(own)}.")
     elif kind == "specdec":
-        mconf = _conf("method", "specdec")
+        mconf = _method("specdec")
         lines.append(f"{meta['k']} draft tokens per forward (the checkpoint's queries; K above {meta['k']} is capped); "
                      f"verification `specdec.beta={mconf['beta']}` (1 = exact, lossless), `specdec.tol={mconf['tol']}`.")
     elif kind == "draft_lm":
