@@ -144,10 +144,10 @@ def swept_by_default(argv: list[str]) -> list[str]:
 
     from specbench.paths import CONF_DIR
 
-    from specbench import methods
+    from specbench.run import schema
 
     own = [a for a in argv if a.startswith("hydra") or a.lstrip("+").startswith("experiment=")]
-    methods.store()
+    schema.store()
     try:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
             cfg = compose("config", overrides=own, return_hydra_config=True)
@@ -157,17 +157,16 @@ def swept_by_default(argv: list[str]) -> list[str]:
     return [v.strip() for v in str(params.get("method") or cfg.method.name).split(",")]
 
 
-def store_methods(argv: list[str]) -> None:
-    """Every registered method's settings, and those of each class ``argv`` names
-    (``method=module:Class``), into Hydra's config store as ``method/<name>``. A method named that
+def store_configs(argv: list[str]) -> None:
+    """The run's schema, every registered method's settings and those of each class ``argv`` names
+    (``method=module:Class``) into Hydra's config store (``schema.store``). A method named that
     cannot be imported, or is no proposer, is refused in one line."""
     from specbench.errors import ConfigError
-
-    from specbench import methods
+    from specbench.run import schema
 
     named = [v.strip() for a in argv if a.startswith("method=") for v in a.partition("=")[2].split(",")]
     try:
-        methods.store(named)
+        schema.store(named)
     except KeyError as e:
         raise ConfigError(e.args[0]) from None
 
@@ -176,7 +175,7 @@ def main() -> int:
     from specbench.errors import ConfigError
 
     try:
-        store_methods(sys.argv[1:])
+        store_configs(sys.argv[1:])
         sys.argv[1:] = preprocess(sys.argv[1:])
     except ConfigError as e:
         print(f"specbench: error: {e}", file=sys.stderr)

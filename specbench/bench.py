@@ -85,11 +85,11 @@ def jobs(name: str, overrides: list[str]) -> list[list[str]]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from specbench import methods
+    from specbench.run import schema
 
     own = [o for o in overrides if o.startswith("hydra.")]
     task = [o for o in overrides if not o.startswith("hydra.")]
-    methods.store()
+    schema.store()
     with initialize_config_dir(str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=[f"experiment={name}", *own], return_hydra_config=True)
     params = [f"{k}={v}" for k, v in (cfg.hydra.sweeper.params or {}).items()]

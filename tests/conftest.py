@@ -57,8 +57,8 @@ def _isolated_cache(request, tmp_path_factory, monkeypatch):
 
 
 def pytest_configure(config):
-    """Every method's settings in Hydra's config store (``method/<name>``), as ``python -m specbench``
+    """The run's schema and every method's settings in Hydra's config store, as ``python -m specbench``
     puts them there, for the tests that compose a run config."""
-    from specbench import methods
+    from specbench.run import schema
 
-    methods.store()
+    schema.store()

@@ -56,11 +56,11 @@ def test_bad_outside_methods_are_refused_in_one_line(installed):
         methods.get("json:dumps")
     with pytest.raises(KeyError, match="unknown method 'bigrams'"):
         methods.get("bigrams")
-    from specbench.__main__ import preprocess, store_methods
+    from specbench.__main__ import preprocess, store_configs
 
     assert preprocess(["method=bigram", "bigram.successor=first"]) == ["method=bigram", "method.successor=first"]
     with pytest.raises(ConfigError, match="cannot import no_such_pkg.mod:X"):
-        store_methods(["method=ar,no_such_pkg.mod:X"])
+        store_configs(["method=ar,no_such_pkg.mod:X"])
 
 
 def test_an_outside_methods_unknown_key_is_refused_in_one_line(installed, tmp_path, monkeypatch):

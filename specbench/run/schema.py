@@ -1,10 +1,12 @@
-"""The run config's schema: every setting of conf/config.yaml and of the model, dataset and draft_model
-groups, with its type and range, declared once as dataclasses. ``check`` holds a composed config
-to it before anything loads, strictly (Hydra reads ``K=true`` as a boolean and ``K=1.5`` as a
-float; neither is an integer here; a key none declares is refused, not ignored), and says what is
-wrong in one line. A method's own settings (``cfg.method``) are checked by the method
-(``Proposer.check``), its keys against its yaml (``methods.check_keys``). The defaults are the configs'
-(conf/); the dataclasses hold types and ranges only and are never instantiated."""
+"""The run config's schema: every top-level setting (``Config``: its type, range, default and what
+it is) and those of the model, dataset, draft_model and accept groups (types and ranges; their
+defaults are their options' yaml in conf/), declared once as dataclasses. ``store`` puts ``Config``
+into Hydra's config store as the base conf/config.yaml composes on, so Hydra refuses a key none
+declares. ``check`` holds a composed config to the types, strictly (Hydra reads ``K=true`` as a
+boolean and ``K=1.5`` as a float; neither is an integer here), and says what is wrong in one line:
+Hydra's node has every setting typed ``Any``, so that no value is coerced before ``check`` sees it.
+A method's own settings (``cfg.method``) are its ``Settings`` dataclass's, checked by the method
+(``Proposer.check``), its keys by ``methods.check_keys``."""
 
 from __future__ import annotations
 
@@ -20,10 +22,16 @@ from specbench.errors import ConfigError, did_you_mean, unknown_key
 from specbench.models import DTYPES
 
 
-def setting(*, lo=None, hi=None, above=None, required_by: tuple = (), doc: str | dict = ""):
-    """A field with its range: ``lo`` <= v <= ``hi``, v > ``above``; ``required_by``: the
-    group options (``name``) for which it must be given; ``doc``: what it is (per option: a dict)."""
-    return field(metadata={"lo": lo, "hi": hi, "above": above, "required_by": required_by, "doc": doc})
+def setting(default=dataclasses.MISSING, *, lo=None, hi=None, above=None, required_by: tuple = (),
+            doc: str | dict = ""):
+    """A field with its default (a dataclass or a list: made anew for each config) and its range:
+    ``lo`` <= v <= ``hi``, v > ``above``; ``required_by``: the group options (``name``) for which it
+    must be given; ``doc``: what it is (per option: a dict)."""
+    meta = {"lo": lo, "hi": hi, "above": above, "required_by": required_by, "doc": doc}
+    if dataclasses.is_dataclass(default) or isinstance(default, list):
+        return field(default_factory=default if dataclasses.is_dataclass(default) else lambda: list(default),
+                     metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -75,73 +83,77 @@ class Accept:
 
 
 @dataclass
-class Slo:
-    ttft_ms: Optional[float] = setting(above=0)
-    tpot_ms: Optional[float] = setting(above=0)
+class Slo:  # goodput: requests per second whose TTFT and TPOT stay under these (null = no bound)
+    ttft_ms: Optional[float] = setting(None, above=0)
+    tpot_ms: Optional[float] = setting(None, above=0)
 
 
 @dataclass
-class Tune:
-    K: Any  # a list of integers >= 1: checked in check()
-    prompts: int = setting(lo=1)
-    tokens: Optional[int] = setting(lo=1)
-    reps: int = setting(lo=1)
-    cost: Optional[str] = None  # a cost model (analysis.costmodel): checked in check()
+class Tune:  # K=auto: each setting the method lists is piloted (untimed) on held-out questions (the ones after limit)
+    K: Any = setting([1, 2, 3, 4, 6, 8])  # the lengths a chain method chooses among (tree methods list their own sizes): checked in check()
+    prompts: int = setting(8, lo=1)  # held-out questions piloted (first turns, each at least once, in batches of bs rows)
+    tokens: Optional[int] = setting(None, lo=1)  # new tokens per pilot row (null: the job's max_new_tokens; acceptance grows along an answer)
+    reps: int = setting(3, lo=1)  # forwards per profiled cost point (median)
+    cost: Optional[str] = None  # price on a GPU cost model instead of profiling here: specdecode-bench-h100, <gpu>:<model>, a fitted .json (analysis.costmodel; checked in check())
 
 
 @dataclass
-class Vllm:
-    python: str
-    enforce_eager: bool
-    max_num_batched_tokens: Optional[int] = setting(lo=1)
-    block_size: Optional[int] = setting(lo=1)
-    prefix_caching: bool
-    kv_cache_gb: float = setting(above=0)
-    threads: Any  # a core list such as 0-1 (VLLM_CPU_OMP_THREADS_BIND) or null
+class Vllm:  # backend=vllm: its settings that change the numbers (recorded; in the AR pairing key)
+    python: str = ".venv-vllm/bin/python"  # the interpreter of vLLM's environment (make setup-vllm)
+    enforce_eager: bool = True  # false: vLLM compiles its model (torch.compile; minutes more per engine start on 2 cores)
+    max_num_batched_tokens: Optional[int] = setting(None, lo=1)  # tokens per scheduler step (null: vLLM's default; it chunks longer prefills)
+    block_size: Optional[int] = setting(None, lo=1)  # KV cache block size (null: vLLM's default)
+    prefix_caching: bool = False  # vLLM's prefix cache (false: every prompt prefilled, as our engine does)
+    kv_cache_gb: float = setting(2, above=0)  # KV cache per engine, GiB (CPU: VLLM_CPU_KVCACHE_SPACE)
+    threads: Any = None  # CPU cores its engine binds (VLLM_CPU_OMP_THREADS_BIND, e.g. 0-1); null = all
 
 
 @dataclass
-class Thinking:  # a model that thinks: its span's tags, each one token of its vocabulary (null: none)
-    open: Optional[str]
-    close: Optional[str]
+class Thinking:  # a model that thinks: acceptance inside and outside its thinking span (metrics.acceptance_by.thinking)
+    open: Optional[str] = "<think>"  # the tags, each one token of the tokenizer's vocabulary; a tokenizer with neither: no split
+    close: Optional[str] = "</think>"
 
 
 @dataclass
-class Run:
+class Config:
+    """The run's settings (`python -m specbench key=value`): each with its type, range and default.
+    The groups (model, dataset, draft_model, method, logger, accept) come from conf/ and the
+    methods' own settings; conf/config.yaml picks their defaults."""
+
     model: Model
     dataset: Dataset
     draft_model: DraftModel
     method: Any  # checked by the method
     logger: Any
     accept: Accept
-    K: Any  # an integer >= 1 or auto: checked in check()
-    bs: int = setting(lo=1)
-    batching: Literal["static", "continuous"]
-    rate: Any  # inf or a number > 0: checked in check()
-    prefill_chunk: Optional[int] = setting(lo=1)
-    slo: Slo
-    tune: Tune
-    thinking: Thinking
-    ctx: Optional[int] = setting(lo=1)
-    limit: Optional[int] = setting(lo=1)
-    max_new_tokens: int = setting(lo=1)
-    temperature: float = setting(lo=0)
-    top_k: int = setting(lo=0)
-    top_p: float = setting(above=0, hi=1)
-    seed: int
-    dtype: Literal[("auto",) + tuple(DTYPES)]
-    device: str
-    kernel: Literal[KERNELS]
-    backend: Literal["specbench", "vllm"]
-    vllm: Vllm
-    compile: Any  # true, false or graphs: models.check_compile says so in its own words
-    warmup: bool
-    repeats: int = setting(lo=1)
-    resume: bool
-    ar_baseline: Literal["sweep", "any", "paired"]
-    results_dir: str
-    records: str
-    progress: bool
+    K: Any = 4  # speculation length (draft tokens per step); ignored by ar. auto: sized per method and batch size (tune). Checked in check()
+    bs: int = setting(1, lo=1)  # batch size: prompts decoded together (batching=continuous: requests in flight)
+    batching: Literal["static", "continuous"] = "static"  # static: bs prompts start together and the batch drains; continuous: bs requests stay in flight, the next joins as a row finishes
+    rate: Any = "inf"  # batching=continuous: requests arriving per second (Poisson, seeded); inf = all at once. Checked in check()
+    prefill_chunk: Optional[int] = setting(None, lo=1)  # null: prompts joining together prefilled in one left-padded forward; N: each alone, N tokens between decoding steps
+    slo: Slo = setting(Slo)
+    tune: Tune = setting(Tune)
+    thinking: Thinking = setting(Thinking)
+    ctx: Optional[int] = setting(None, lo=1)  # null = natural prompts; N = every prompt exactly N tokens (first turns only)
+    limit: Optional[int] = setting(8, lo=1)  # first N questions of the dataset (null = all; MT-Bench: one per category)
+    max_new_tokens: int = setting(64, lo=1)  # per turn (the default sweep stays under ~5 min on 2 CPU cores)
+    temperature: float = setting(0.0, lo=0)  # 0 = greedy
+    top_k: int = setting(0, lo=0)
+    top_p: float = setting(1.0, above=0, hi=1)
+    seed: int = 0
+    dtype: Literal[("auto",) + tuple(DTYPES)] = "auto"  # auto = fp32 on CPU, bf16 on CUDA
+    device: str = "auto"  # auto = cuda when there is one, else cpu
+    kernel: Literal[KERNELS] = "auto"  # linear layers (target and drafters), specbench.backends: auto = native on an AVX2 CPU (own kernels + fused Llama layers), else onednn (prepacked), torch on GPU
+    backend: Literal["specbench", "vllm"] = "specbench"  # specbench: this engine; vllm: vLLM's engine on the same prompts and token ids, same records (make setup-vllm; docs/vllm.md)
+    vllm: Vllm = setting(Vllm)
+    compile: Any = False  # true: torch.compile the target's forward (dynamic shapes); graphs: its decode/verify forwards captured at static shapes (CUDA graphs on a GPU; fullgraph compile on the CPU); both in the untimed warm-up, kernel=torch. models.check_compile says what it takes
+    warmup: bool = True  # one short untimed generation before each timed job
+    repeats: int = setting(1, lo=1)  # N: time the whole prompt set N times per job (error bars then resample repeats x batches)
+    resume: bool = False  # true: skip jobs whose ok record (same settings, machine and code) exists; AR pairs across sweeps
+    ar_baseline: Literal["sweep", "any", "paired"] = "paired"  # speedup against: paired = AR run by each job, taking turns with the method batch by batch (survives a drifting host or another process); sweep = an AR job of this sweep (run once, if missing); any = any matching AR record
+    results_dir: str = "results"
+    records: str = "${results_dir}/records.jsonl"
+    progress: bool = True
 
 
 def _is(v, tp) -> bool:
@@ -177,11 +189,42 @@ def _in_range(v, meta: dict) -> bool:
 
 # Top-level keys an experiment preset carries beside the settings (read by specbench.bench, not by a job).
 PRESET_KEYS = ("bench",)
+BASE = "specbench_config"  # Config's name in Hydra's config store (conf/config.yaml's first default)
+
+
+def _loose(tp, top: bool = False):
+    """``tp`` as Hydra's node: the same keys and defaults, every setting typed ``Any`` (``check``
+    holds the types), a group's node empty until its option is composed; at the top, the
+    presets' own keys too."""
+    hints, out = typing.get_type_hints(tp), []
+    for f in dataclasses.fields(tp):
+        sub = hints[f.name]
+        if dataclasses.is_dataclass(sub) and f.default_factory is not dataclasses.MISSING:
+            node = _loose(sub)
+            out.append((f.name, node, field(default_factory=node)))
+        elif f.default_factory is not dataclasses.MISSING:
+            out.append((f.name, Any, field(default_factory=f.default_factory)))
+        else:
+            out.append((f.name, Any, field(default=None if f.default is dataclasses.MISSING else f.default)))
+    out += [(k, Any, field(default=None)) for k in PRESET_KEYS] if top else []
+    return dataclasses.make_dataclass(tp.__name__, out)
+
+
+def store(named=()) -> None:
+    """Put ``Config`` into Hydra's config store as conf/config.yaml's base, and every method's settings
+    as ``method/<name>`` (``methods.store``; ``named``: the methods a command line names), before a
+    config is composed."""
+    from hydra.core.config_store import ConfigStore
+
+    from specbench import methods
+
+    ConfigStore.instance().store(name=BASE, node=_loose(Config, top=True))
+    methods.store(named)
 
 
 def _type_at(path: str):
     """The schema's type at a dotted ``path`` ("" for the top level), None where it declares none."""
-    tp = Run
+    tp = Config
     for part in path.split(".") if path else ():
         tp = typing.get_type_hints(tp).get(part) if dataclasses.is_dataclass(tp) else None
         if tp is None:
@@ -278,9 +321,9 @@ def _check_node(node: DictConfig, schema, prefix: str, group: str | None) -> Non
 
 
 def check(cfg: DictConfig) -> None:
-    """Hold a composed run config to ``Run``; one ConfigError line for the first setting that
+    """Hold a composed run config to ``Config``; one ConfigError line for the first setting that
     does not fit (its name, what it must be, what it got)."""
-    _check_node(cfg, Run, "", None)
+    _check_node(cfg, Config, "", None)
     K = cfg.get("K")
     if K != "auto" and not (_is(K, int) and K >= 1):
         raise ConfigError(f"K must be an integer >= 1, got {K!r} (or auto: sized per method and batch size)")

@@ -142,7 +142,9 @@ def use_lines(meta: dict, folder: Path) -> list[str]:
         drafts = [p.stem for p in sorted((CONF_DIR / "draft_model").glob("*.yaml"))
                   if OmegaConf.load(p).get("path") == where]
         pick = f"draft_model={drafts[0]}" if drafts else f"draft_model=smollm2-135m-draft draft_model.path={where}"
-        k = OmegaConf.load(CONF_DIR / "config.yaml").K
+        from specbench.run.schema import Config
+
+        k = Config.K
         lines += ["```bash", f"python -m specbench method=leviathan {pick}", "```", "",
                   f"Drafts K={k} tokens a step by default (`K=...`)."]
     return lines + [""]
