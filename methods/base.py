@@ -134,9 +134,9 @@ class Proposer(MethodSpec):
     # and at the start of every repeat, so a timed request only benefits from those before it
     learned: tuple = ()
     # attributes holding one entry per batch row (a list, a tensor whose first dimension is the
-    # row, or a cache with select_rows(keep) and add_rows(other): drafters.cache.DrafterCache): the
-    # base's start, add_rows and select_rows keep them from what new_rows makes, so a method with
-    # per-row state writes none of that bookkeeping
+    # row, or a cache with select_rows(keep) and add_rows(other): drafters.cache.DrafterCache, or
+    # DraftRaggedCache for a draft model's): the base's start, add_rows and select_rows keep them
+    # from what new_rows makes, so a method with per-row state writes none of that bookkeeping
     per_row: tuple = ()
 
     def __init__(self, cfg, target, tokenizer, device: torch.device, dtype: torch.dtype):

@@ -187,23 +187,27 @@ class Eagle(Proposer):
             return sum(int(x.numel()) for x in self.expand)
         return (self.depth - 1) * self.top_k
 
-    def start(self, state: BatchState, hidden=None) -> None:
+    # the drafter's cache of each row (a DrafterCache) and its prediction of the root's feature
+    # (h_last): the base keeps both as rows leave and join, from what new_rows makes
+    per_row = ("cache", "h_last")
+
+    def new_rows(self, state: BatchState, hidden=None) -> dict:
         blk = self.drafter.block
         dt = next(self.drafter.parameters()).dtype
         longest = max(len(s) for s in state.seqs)
         # the drafter's own cache, a pair (f_i, x_{i+1}) a verified token: room for every token the
         # batch may add, a step's widest append and a propose's tree after them
-        self.cache = DrafterCache(1, blk.Hk, blk.Dh, len(state.seqs), self.device, dt,
-                                  longest + state.max_new_tokens + self.depth + 2 + self._tree_room())
-        self._append(state, hidden)
+        cache = DrafterCache(1, blk.Hk, blk.Dh, len(state.seqs), self.device, dt,
+                             longest + state.max_new_tokens + self.depth + 2 + self._tree_room())
+        return {"cache": cache, "h_last": self._append(cache, state, hidden)}
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
-        self._append(state, hidden)
+        self.h_last = self._append(self.cache, state, hidden)
 
-    def _append(self, state: BatchState, hidden) -> None:
+    def _append(self, cache: DrafterCache, state: BatchState, hidden) -> torch.Tensor:
         """Append pairs (f_i, x_{i+1}) for the newly committed tokens: their features and
-        the tokens that followed them (the last ``counts[b]`` tokens of each sequence)."""
-        cache = self.cache
+        the tokens that followed them (the last ``counts[b]`` tokens of each sequence).
+        Returns the drafter's output at each row's last pair [B, d]."""
         feats = self.drafter.features(hidden)
         counts = hidden.counts
         B, new = feats.shape[:2]
@@ -217,18 +221,7 @@ class Eagle(Proposer):
         mask = torch.cat([cache.visible(new), own], dim=2)
         h, new_keys, new_values = self.drafter.step(feats, toks, pos, cache.scratch(new)[0], mask)
         cache.append([(new_keys, new_values)], counts, hidden.lens)
-        self.h_last = h[torch.arange(B, device=dev), counts - 1]
-
-    def add_rows(self, state: BatchState, hidden=None) -> None:
-        """The new rows' drafter caches are built from their prompts alone, then appended."""
-        old, old_h = self.cache, self.h_last
-        self.start(state, hidden)
-        old.add_rows(self.cache)
-        self.cache, self.h_last = old, torch.cat([old_h, self.h_last])
-
-    def select_rows(self, keep: list[int]) -> None:
-        self.cache.select_rows(keep)
-        self.h_last = self.h_last[torch.tensor(keep, dtype=torch.long, device=self.device)]
+        return h[torch.arange(B, device=dev), counts - 1]
 
     # ------------------------------------------------------------------ the static tree
     def _propose_static(self) -> Draft:

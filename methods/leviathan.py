@@ -19,6 +19,7 @@ from specbench import backends, drafters
 from specbench.devices import to_device
 from specbench.decode.tree import Draft, pad_rows
 from specbench.decode.kv import RaggedCache
+from specbench.drafters.cache import DraftRaggedCache
 from specbench.errors import ConfigError
 from specbench.hf import max_positions, text_config
 from specbench.models import cached_model, load_config, load_tokenizer, model_cfg, self_layers_draft
@@ -174,17 +175,16 @@ class Leviathan(Proposer):
     def modules(self):
         return [self.draft]
 
-    def start(self, state: BatchState, hidden=None) -> None:
-        self.dcache = RaggedCache(self.draft, self.device, self.dtype)
-        prompts = [s[:-1] for s in state.seqs]
-        self.dcache.prefill(prompts, room=state.max_new_tokens + self.K + 2)
-        self.fed = [list(p) for p in prompts]
+    # the draft's cache of each row (a DraftRaggedCache: room for the answers, rows join as the
+    # target's do) and the tokens in it (fed); the base keeps both as rows leave and join
+    per_row = ("dcache", "fed")
 
-    def add_rows(self, state: BatchState, hidden=None) -> None:
-        running, fed = self.dcache, self.fed
-        self.start(state, hidden)  # the new rows' draft cache, from their prompts alone
-        running.add_rows(self.dcache, room=state.max_new_tokens + self.K + 2, rows=state.rows, wider=True)
-        self.dcache, self.fed = running, fed + self.fed
+    def new_rows(self, state: BatchState, hidden=None) -> dict:
+        room = state.max_new_tokens + self.K + 2
+        dcache = DraftRaggedCache(self.draft, self.device, self.dtype, room=room, rows=state.rows, wider=True)
+        prompts = [s[:-1] for s in state.seqs]
+        dcache.prefill(prompts, room=room)
+        return {"dcache": dcache, "fed": [list(p) for p in prompts]}
 
     def _pick(self, logits: torch.Tensor, state: BatchState):
         """The draft's next token (and the distribution q it was drawn from), over the
@@ -251,10 +251,6 @@ class Leviathan(Proposer):
         for fed, row in zip(self.fed, rows or ()):
             fed.extend(row)
         self.unread = None
-
-    def select_rows(self, keep: list[int]) -> None:
-        self.fed = [self.fed[i] for i in keep]
-        self.dcache.select_rows(keep)
 
     def describe(self) -> dict:
         return {"draft_params": sum(p.numel() for p in self.draft.parameters())}

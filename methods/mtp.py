@@ -25,6 +25,7 @@ import torch
 from specbench.decode.tree import Draft, pad_rows
 from specbench.decode.kv import RaggedCache
 from specbench.drafters import formats, randomize
+from specbench.drafters.cache import DraftRaggedCache
 from specbench.errors import ConfigError
 from specbench.methods.base import BatchState, Proposer
 from specbench.paths import resolve_path
@@ -104,7 +105,11 @@ class MTP(Proposer):
     def modules(self):
         return [self.drafter]
 
-    def _new(self, state: BatchState, hidden) -> tuple:
+    # the module's cache (a DraftRaggedCache: rows join it as the target's cache), first and state:
+    # the base keeps them as rows leave and join, from what new_rows makes
+    per_row = ("kv", "first", "state")
+
+    def new_rows(self, state: BatchState, hidden=None) -> dict:
         """A cache of the rows' prompt entries (x_1.., h_0..), left-padded; their first drafts."""
         d = self.drafter
         dt = next(d.parameters()).dtype
@@ -115,26 +120,14 @@ class MTP(Proposer):
         shift = (P - hidden.counts)[:, None]  # left-padded as prefill pads: slot j of row b holds its entry j - shift
         src = (torch.arange(P, device=h.device)[None] - shift).clamp(min=0)
         h = h.gather(1, src[..., None].expand(-1, -1, h.shape[-1]))
-        kv = RaggedCache(d, self.device, dt)
-        out = kv.prefill(toks, room=state.max_new_tokens + self.K + 2, hidden=h).out[:, -1]
-        return kv, *self._draft(out)
+        room = state.max_new_tokens + self.K + 2
+        kv = DraftRaggedCache(d, self.device, dt, room=room, rows=state.rows, wider=True)
+        first, feed = self._draft(kv.prefill(toks, room=room, hidden=h).out[:, -1])
+        return {"kv": kv, "first": first, "state": feed}
 
     def _draft(self, y: torch.Tensor) -> tuple:
         d = self.drafter
         return d.logits(y).argmax(-1), d.fed_back(y)
-
-    def start(self, state: BatchState, hidden=None) -> None:
-        self.kv, self.first, self.state = self._new(state, hidden)
-
-    def add_rows(self, state: BatchState, hidden=None) -> None:
-        kv, first, st = self._new(state, hidden)
-        self.kv.add_rows(kv, room=state.max_new_tokens + self.K + 2, rows=state.rows, wider=True)
-        self.first, self.state = torch.cat([self.first, first]), torch.cat([self.state, st])
-
-    def select_rows(self, keep: list[int]) -> None:
-        self.kv.select_rows(keep)
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.first, self.state = self.first[idx], self.state[idx]
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
         """The committed tokens' entries (h_i, x_{i+1}) join the cache; the last drafts anew."""

@@ -19,6 +19,7 @@ from specbench.methods.base import BatchState, Proposer
 from specbench import drafters
 from specbench.decode.tree import Draft, pad_rows
 from specbench.decode.kv import RaggedCache
+from specbench.drafters.cache import DraftRaggedCache
 from specbench.errors import ConfigError
 from specbench.paths import resolve_path
 from specbench.decode.verify import greedy_pick, sample, warp
@@ -76,16 +77,14 @@ class SpecDec(Proposer):
     def modules(self):
         return [self.drafter]
 
-    def start(self, state: BatchState, hidden=None) -> None:
-        self.dcache = RaggedCache(self.drafter, self.device, self.dtype)
-        self.dcache.prefill([s[:-1] for s in state.seqs])
-        self.fed = [len(s) - 1 for s in state.seqs]
+    # the drafter's cache of each row (a DraftRaggedCache) and how many of its tokens it holds (fed);
+    # the base keeps both as rows leave and join
+    per_row = ("dcache", "fed")
 
-    def add_rows(self, state: BatchState, hidden=None) -> None:
-        running, fed = self.dcache, self.fed
-        self.start(state, hidden)  # the new rows' drafter cache, from their prompts alone
-        running.add_rows(self.dcache)
-        self.dcache, self.fed = running, fed + self.fed
+    def new_rows(self, state: BatchState, hidden=None) -> dict:
+        dcache = DraftRaggedCache(self.drafter, self.device, self.dtype)
+        dcache.prefill([s[:-1] for s in state.seqs])
+        return {"dcache": dcache, "fed": [len(s) - 1 for s in state.seqs]}
 
     def propose(self, state: BatchState) -> Draft:
         B, K, dev = len(state.seqs), self.K, self.device
@@ -110,10 +109,6 @@ class SpecDec(Proposer):
             return Draft.chain(greedy_pick(logits), relaxed=self.relaxed)
         q = warp(logits, state.sampling)  # each query's own distribution: the exact q its token is drawn from
         return Draft.chain(sample(q.flatten(0, 1), state.gen).view(B, K), q=q)
-
-    def select_rows(self, keep: list[int]) -> None:
-        self.fed = [self.fed[i] for i in keep]
-        self.dcache.select_rows(keep)
 
     def describe(self) -> dict:
         return {"beta": self.beta, "tol": self.tol, "queries": self.K, "draft_layers": len(self.drafter.body.layers),

@@ -116,6 +116,8 @@ def build_kit(kit: Path = KIT) -> dict:
 
 
 # ---------------------------------------------------------------------------- random drafters (there)
+# the random drafters random_drafters writes there, a folder each: not a table of drafter kinds
+# (drafters.KINDS), those the check measures (Leviathan drafts with the target's own layers there)
 KINDS = ("eagle", "eagle3", "medusa", "dflash", "dspark", "peagle", "mtp")
 
 

@@ -1,4 +1,6 @@
-"""A drafter's own cache of keys and values, per row, that grows in place (DFlash, P-EAGLE, EAGLE).
+"""A drafter's own cache of keys and values, per row, that grows in place (DFlash, P-EAGLE, EAGLE);
+and a draft model's ``RaggedCache`` that rows join as a method's ``per_row`` attribute
+(``DraftRaggedCache``: Leviathan, SpecDec, MTP).
 
 Per layer one buffer [B, Hk, width, Dh], made once a batch with room for the prompts, every token
 the batch may add and a step's own scratch: row b's first ``lens[b]`` slots are its verified
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from specbench.decode.kv import RaggedCache
 
 
 class Scratch:
@@ -116,3 +120,17 @@ class DrafterCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+class DraftRaggedCache(RaggedCache):
+    """A draft model's own ``RaggedCache`` (Leviathan's draft, SpecDec's Spec-Drafter, MTP's module)
+    kept as a method's ``per_row`` attribute. It is made with the settings rows join it with
+    (``RaggedCache.add_rows``'s ``room``, ``rows`` and ``wider``, as the engine's target cache takes
+    them), so the ``add_rows(other)`` the base's bookkeeping calls needs nothing more."""
+
+    def __init__(self, model, device, dtype, room: int = 0, rows: int = 0, wider: bool = False):
+        super().__init__(model, device, dtype)
+        self.joins = {"room": room, "rows": rows, "wider": wider}
+
+    def add_rows(self, *others: RaggedCache, **settings) -> None:
+        super().add_rows(*others, **{**self.joins, **settings})

@@ -11,7 +11,10 @@ module. Every trainer has the same interface, so the command line is a lookup:
 - ``train(cfg, target, tokenizer, items, out, eos, device, progress=True) -> dict``: fits the
   drafter (resumable from ``out/_train_state.pt``); ``{"draft": model, "summary": {...}, ...}``;
 - ``finish(cfg, result, out, target_name, data_meta, command)``: writes the checkpoint and its card;
-- ``said(summary) -> str``: the held-out scores, in the line the command prints at the end.
+- ``said(summary) -> str``: the held-out scores, in the line the command prints at the end;
+- optional, its card's own sections (``specbench.train.card``; without them the card is plain):
+  ``card_body(meta) -> list[str]`` (description, data, training) and ``card_use(meta, where) ->
+  list[str]`` (the run that picks the checkpoint at ``where``).
 """
 
 from __future__ import annotations

@@ -193,3 +193,42 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
                              target_vocab_size=int(model.vocab_size), draft_vocab=int(model.vocab_size))
     save(out, model, anchors=int(dr.anchors))
     card.write(out, meta)
+
+
+def card_body(meta: dict) -> list[str]:
+    """A DFlash or DSpark card's description, data and training sections (``card.render`` adds the rest)."""
+    from specbench.train import card
+
+    s, ts, dr = meta["train_summary"], meta["train_settings"], meta["drafter"]
+    agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
+    dspark = meta["kind"] == "dspark"
+    heads = (f" + a {dr['markov_type']} Markov head of rank {dr['markov_rank']} and "
+             f"{'a confidence head' if dr['confidence'] else 'no confidence head'}" if dspark else "")
+    return [
+        f"# {meta['name']}: {'DSpark' if dspark else 'DFlash'} drafter for {meta['target']}", "",
+        f"A block-diffusion drafter for `method={meta['kind']}` ({'DeepSpec' if dspark else 'Z Lab'}'s layout): "
+        f"fc([the target's states after decoder layers {s['target_layer_ids']}]) -> {dr['layers']} non-causal draft "
+        f"layer(s) over [context ; block of {dr['block_size']}] -> the target's output layer{heads}; mask token "
+        f"{s['mask_token_id']}. Only the drafter's own weights are stored ({s['trainable_params']:,} parameters, bf16); "
+        "the embedding and output layer are the target's.",
+        *card.feature_data(meta),
+        "", "## Training",
+        f"- {s['steps']} steps, batch {ts['batch_size']} x up to {ts['seq_len']} tokens x {dr['anchors']} blocks, "
+        f"AdamW lr {ts['lr']}, loss decay gamma {dr['gamma']}, layers initialised from the {dr.get('init')}, "
+        f"seed {meta['seed']}; {s['trained_block_positions']:,} drafted positions seen",
+        card.losses(s),
+        f"- held-out top-1 agreement with the target's greedy token, per block slot: {agree}; expected accepted "
+        f"drafts a block (chain product): {s['eval_expected_accepted']:.2f}"
+        + (" (teacher-forced: the Markov head reads the data's previous tokens, not its own drafts)" if dspark else ""),
+    ]
+
+
+def card_use(meta: dict, where: str) -> list[str]:
+    """Its card's Use lines (``card.use_lines``): the run that picks the checkpoint at ``where``."""
+    from specbench.train import card
+
+    kind = meta["kind"]
+    return [*card.run_block(kind, where),
+            f"Drafts with the block it was trained with; `{kind}.block_size=<B>` drafts with another.",
+            *(["`dspark.threshold=<c>` verifies a row's drafts up to the first slot whose confidence is below c."]
+              if kind == "dspark" else [])]

@@ -30,8 +30,7 @@ from pathlib import Path
 
 import torch
 
-FORMATS = ("medusa", "eagle", "eagle3")
-KINDS = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3"}  # --format -> the drafter kind it exports
+FORMATS = ("medusa", "eagle", "eagle3")  # each the published layout of the drafter kind of its name
 
 
 def export_medusa(heads, target, out, base_model: str) -> None:
@@ -63,9 +62,9 @@ def main(argv=None) -> int:
         if not drafters.is_draft_checkpoint(folder):
             raise ConfigError(f"{a.checkpoint} is not a specbench drafter checkpoint (no drafter.json)")
         meta = drafters.read_meta(folder)
-        if meta.get("kind") != KINDS[a.format]:
+        if meta.get("kind") != a.format:
             raise ConfigError(f"{a.checkpoint} holds a {meta.get('kind')} drafter; --format {a.format} exports "
-                              f"a {KINDS[a.format]} drafter")
+                              f"a {a.format} drafter")
         mcfg = model_cfg(meta["target"])
         target = load_model(mcfg, cpu, torch.float32)
         if a.format == "medusa":

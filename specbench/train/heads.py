@@ -251,3 +251,75 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
     else:
         save(model, out, meta)
     card.write(out, meta)
+
+
+def card_body(meta: dict) -> list[str]:
+    """Its card's description, data and training sections (``card.render`` adds the rest)."""
+    s, d, fs, ts = meta["train_summary"], meta["data"], meta["feature_settings"], meta["train_settings"]
+    what = {
+        "eagle": "EAGLE feature-level drafter for `method=eagle`: fc([token embedding; target feature]) -> one "
+                 "decoder layer -> the target's output layer restricted to the draft vocabulary",
+        "medusa": f"{meta.get('heads')} Medusa heads for `method=medusa`: a residual SiLU block per head on the "
+                  "target's last hidden state, then the target's output layer restricted to the draft vocabulary",
+        "eagle3": "EAGLE-3 drafter for `method=eagle eagle.version=3`: fc([the target's states at the inputs of "
+                  "layers 2, L//2, L-3]) -> one decoder layer over [embedding; feature] -> its own head over the "
+                  "draft vocabulary (SafeAILab's EAGLE-3 layout)",
+    }[meta["kind"]]
+    agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
+    per = "unrolled step (tree depth)" if meta["kind"] in ("eagle", "eagle3") else "head"
+    lines = [
+        f"# {meta['name']}: {meta['kind']} drafter for {meta['target']}", "",
+        f"{what} ({meta['draft_vocab']} most frequent tokens of the feature set). Only the drafter's own weights "
+        f"are stored ({s['trainable_params']:,} parameters, bf16); "
+        + ("the embedding is the target's." if meta["kind"] == "eagle3" else
+           "the embedding and output layer are the target's."),
+        "", "## Data",
+        f"- {d['sequences']} sequences of the ShareGPT training slice ({d['tokens']:,} token positions): "
+        f"{d['answered']} first turns answered by the target itself (greedy, up to {fs['max_new_tokens']} tokens; "
+        f"{d['answer_tokens']:,} answer tokens) and {d['sequences'] - d['answered']} whole conversations "
+        f"(both roles, up to {fs['max_tokens']} tokens)",
+        f"- dropped: {d['dropped']} (overlap with MT-Bench / HumanEval / GSM-Symbolic prompts, or a duplicate of "
+        "the evaluation slice)",
+        f"- stored per position: the target's hidden states at layers {fs['layers']} (fp16); feature set key {d['key']}",
+        "", "## Training",
+        f"- {s['steps']} steps, batch {ts['batch_size']} x up to {ts['seq_len']} tokens, AdamW lr {ts['lr']}, "
+        f"seed {meta['seed']}, {s['train_seconds_this_run']:.0f} s",
+        card.losses(s),
+        f"- held-out top-1 agreement with the target's greedy token, per {per}: {agree}",
+    ]
+    if meta.get("acc"):
+        lines.append(f"- expected accepted drafts of the {meta['drafter']['tree_size']}-node tree it was trained "
+                     f"for (product of per-rank accuracies): {s['tree_expected_accepted']:.2f}")
+    return lines
+
+
+def card_use(meta: dict, where: str) -> list[str]:
+    """Its card's Use lines (``card.use_lines``): the run that picks the checkpoint at ``where``, and
+    the tree it drafts there by default."""
+    kind = meta["kind"]
+    if kind == "eagle3":
+        v = meta.get("drafter", {}).get("version", 3)
+        return ["```bash", f"python -m specbench method=eagle eagle.version={v} eagle.checkpoint={where}", "```", ""]
+    if kind == "eagle":
+        from specbench.methods.eagle import AUTO
+
+        c, g = AUTO["cpu"], AUTO["cuda"]
+        return [*card.run_block("eagle", where),
+                f"Draft tree with `eagle.top_k`, `eagle.depth` and `eagle.total_tokens` at `auto` "
+                f"(methods/eagle.py): top_k {c['top_k']}, depth {c['depth']}, {c['total_tokens']} nodes "
+                f"verified on a CPU; top_k {g['top_k']}, depth {g['depth']}, {g['total_tokens']} nodes on a GPU."]
+    from specbench.methods.medusa import AUTO_CPU_TREE
+
+    acc = meta.get("acc")
+
+    def expected(n):
+        if not acc:
+            return ""
+        e = sum(math.prod(acc[d][i] for d, i in enumerate(p)) for p in sparse_tree(acc, n))
+        return f" (expected accepted drafts by the heads' held-out accuracies: {e:.2f})"
+
+    own = int(meta["drafter"]["tree_size"])
+    return [*card.run_block("medusa", where),
+            f"{meta.get('heads')} heads; with `medusa.tree_size=auto` (methods/medusa.py) the sparse "
+            f"tree has {AUTO_CPU_TREE} nodes on a CPU{expected(AUTO_CPU_TREE)} and the checkpoint's "
+            f"{own} on a GPU{expected(own)}."]

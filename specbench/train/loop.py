@@ -321,3 +321,50 @@ def fit_and_score(cfg, model, items: list[dict], out: Path, loss_of, progress: b
                "train_seconds_this_run": train_s, "eval_sequences": len(evals), "train_sequences": len(trains),
                "trainable_params": sum(p.numel() for p in params)}
     return {"summary": summary, "loss_curve": [round(h[0], 4) for h in history[::10]]}
+
+
+def card_body(meta: dict) -> list[str]:
+    """A draft LM's card's description, data and training sections (``card.render`` adds the rest)."""
+    s = meta["train_summary"]
+    d = meta["data"]
+    lines = [
+        f"# {meta['name']}: a draft LM for {meta['target']}",
+        "",
+        f"A {meta['layers']}-layer causal LM with {meta['target']}'s tokenizer for `method=leviathan`: the target's "
+        f"token embedding (shared, frozen), {meta['layers']} transformer layer(s) of its own (initialised from the "
+        f"target's first layers), and the target's output layer restricted to the {meta['draft_vocab']} most "
+        "frequent tokens of the distillation data.",
+        "",
+        "## Data",
+        f"- {d['sequences']} ShareGPT first turns ({d['dropped_for_benchmark_overlap']} dropped for overlapping "
+        f"MT-Bench / HumanEval / GSM prompts), {d['answered']} of them answered by the target itself "
+        f"(greedy, up to {meta['data_settings']['max_new_tokens']} tokens)",
+        f"- {d['tokens']} token positions with the target's top-{meta['data_settings']['topk']} distribution, "
+        f"{d['response_tokens']} of them in the target's own answers",
+        "",
+        "## Training",
+        f"- {s['steps']} steps, batch {meta['train_settings']['batch_size']} x up to "
+        f"{meta['train_settings']['seq_len']} tokens, AdamW lr {meta['train_settings']['lr']}, seed {meta['seed']}",
+        f"- trainable parameters: {s['trainable_params']:,}",
+        f"- final train loss (soft cross-entropy, last 20 steps): {s['train_loss_last20']:.3f}; "
+        f"KL to the teacher's top-k: {s['train_kl_last20']:.3f}",
+        f"- held-out ({s['eval_sequences']} sequences): loss {s['eval_loss']:.3f}, KL {s['eval_kl']:.3f}, "
+        f"top-1 agreement with the target {s['eval_top1_agreement']:.1%}",
+        "",
+    ]
+    return lines
+
+
+def card_use(meta: dict, where: str) -> list[str]:
+    """A draft LM's card's Use lines (``card.use_lines``): the run that picks the checkpoint at ``where``."""
+    from omegaconf import OmegaConf
+
+    from specbench.paths import CONF_DIR
+    from specbench.run.schema import Config
+
+    drafts = [p.stem for p in sorted((CONF_DIR / "draft_model").glob("*.yaml"))
+              if OmegaConf.load(p).get("path") == where]
+    pick = f"draft_model={drafts[0]}" if drafts else f"draft_model=smollm2-135m-draft draft_model.path={where}"
+    k = Config.K
+    return ["```bash", f"python -m specbench method=leviathan {pick}", "```", "",
+            f"Drafts K={k} tokens a step by default (`K=...`)."]

@@ -116,3 +116,32 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
                              target_vocab_size=int(model.config.vocab_size), draft_vocab=int(model.config.vocab_size))
     save(out, model, steps=int(dr.steps))
     card.write(out, meta)
+
+
+def card_body(meta: dict) -> list[str]:
+    """Its card's description, data and training sections (``card.render`` adds the rest)."""
+    from specbench.train import card
+
+    s, ts, dr = meta["train_summary"], meta["train_settings"], meta["drafter"]
+    agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
+    return [
+        f"# {meta['name']}: MTP module for {meta['target']}", "",
+        "A multi-token-prediction module for `method=mtp` (vLLM's speculators `mtp` layout): the embedding of the next "
+        "token and the previous state, each normed, fused by `input_proj`, one decoder layer of the target's kind, a final "
+        f"norm, the target's output layer; its normed output is fed back for the next draft. Only its own weights are "
+        f"stored ({s['trainable_params']:,} parameters, bf16).",
+        *card.feature_data(meta),
+        "", "## Training",
+        f"- FastMTP's recipe: {dr['steps']} recursive steps, loss weights beta^k normalised (beta {dr['beta']}), soft "
+        f"cross-entropy towards the target's distribution; {s['steps']} steps, batch {ts['batch_size']} x up to "
+        f"{ts['seq_len']} tokens, AdamW lr {ts['lr']}, initialised from the {dr.get('init')}, seed {meta['seed']}",
+        card.losses(s),
+        f"- held-out top-1 agreement with the target's greedy token, per step (teacher-forced): {agree}; expected "
+        f"accepted drafts a chain (product): {s['eval_expected_accepted']:.2f}",
+    ]
+
+
+def card_use(meta: dict, where: str) -> list[str]:
+    """Its card's Use lines (``card.use_lines``): the run that picks the checkpoint at ``where``."""
+    return ["```bash", f"python -m specbench method=mtp mtp.checkpoint={where} K={meta['drafter']['steps']}", "```", "",
+            "`K` drafts that many tokens a step (one forward of the module each)."]

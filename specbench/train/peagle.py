@@ -137,3 +137,33 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
                              target_vocab_size=int(model.vocab_size), draft_vocab=int(model.d2t.numel()))
     save(out, model)
     card.write(out, meta)
+
+
+def card_body(meta: dict) -> list[str]:
+    """Its card's description, data and training sections (``card.render`` adds the rest)."""
+    from specbench.train import card
+
+    s, ts, dr = meta["train_summary"], meta["train_settings"], meta["drafter"]
+    agree = ", ".join(f"{x:.1%}" for x in s["eval_top1_agreement"])
+    return [
+        f"# {meta['name']}: P-EAGLE drafter for {meta['target']}", "",
+        "A parallel EAGLE-3 drafter for `method=peagle` (vLLM's speculators `peagle` layout): fc([the target's states "
+        f"at the inputs of layers 2, L//2, L-3]) -> {dr['layers']} layers (EAGLE-3's first) over [embedding; feature], "
+        f"mask slots (token {s['mask_token_id']}, a learned `mask_hidden` feature) drafting a step's {dr['depths']} "
+        f"tokens in one forward -> its own head over {meta['draft_vocab']} draft tokens. Only its own weights are "
+        f"stored ({s['trainable_params']:,} parameters, bf16); the embedding is the target's.",
+        *card.feature_data(meta),
+        "", "## Training",
+        f"- COD sampling (depth d keeps max({dr['down_sample']}^d, {dr['down_sample_min']}) of the chains), soft "
+        f"cross-entropy towards the target's distribution; {s['steps']} steps, batch {ts['batch_size']} x up to "
+        f"{ts['seq_len']} tokens, AdamW lr {ts['lr']}, seed {meta['seed']}",
+        card.losses(s),
+        f"- held-out top-1 agreement with the target's greedy token, per depth (teacher-forced): {agree}; expected "
+        f"accepted drafts a step (product): {s['eval_expected_accepted']:.2f}",
+    ]
+
+
+def card_use(meta: dict, where: str) -> list[str]:
+    """Its card's Use lines (``card.use_lines``): the run that picks the checkpoint at ``where``."""
+    return ["```bash", f"python -m specbench method=peagle peagle.checkpoint={where}", "```", "",
+            f"Drafts the {meta['drafter']['depths']} tokens a step it was trained for; `peagle.K=<k>` drafts k."]

@@ -171,3 +171,38 @@ def finish(cfg, result: dict, out: Path, target_name: str, data_meta: dict, comm
     }
     save_draft(model, out, meta)
     card.write(out, meta)
+
+
+def card_body(meta: dict) -> list[str]:
+    """Its card's description, data and training sections (``card.render`` adds the rest)."""
+    s, d, ds, ts = meta["train_summary"], meta["data"], meta["data_settings"], meta["train_settings"]
+    agree = ", ".join(f"{x:.1%}" for x in s["eval_query_agreement"])
+    lines = [
+        f"# {meta['name']}: SpecDec Spec-Drafter for {meta['target']}", "",
+        f"A non-autoregressive drafter for `method=specdec`: {meta['k']} learned [MASK] queries after the context "
+        f"predict {meta['k']} draft tokens in one forward; the target's token embedding (shared, frozen), "
+        f"{meta['layers']} transformer layer(s) of its own (initialised from the target's first layers), the "
+        f"target's output layer restricted to the {meta['draft_vocab']} most frequent answer tokens. Only the "
+        f"drafter's own weights are stored ({s['trainable_params']:,} parameters, bf16).",
+        "", "## Data",
+        f"- {s['train_sequences'] + s['eval_sequences']} ShareGPT training-slice first turns answered by the target "
+        f"itself (greedy, up to {ds['max_new_tokens']} tokens; {d['dropped_for_benchmark_overlap']} prompts dropped "
+        f"for overlapping MT-Bench / HumanEval / GSM prompts); distillation set key {d['key']}",
+        f"- training cuts: {meta['drafter']['groups']} random cut points per answer per step",
+        "", "## Training",
+        f"- {s['steps']} steps, batch {ts['batch_size']} sequences, AdamW lr {ts['lr']}, seed {meta['seed']}, "
+        f"{s['train_seconds_this_run']:.0f} s this run",
+        f"- final train loss (last 20 steps): {s['train_loss_last20']:.3f}",
+        f"- held-out ({s['eval_sequences']} answers, {s['eval_cuts']} cuts): top-1 agreement with the target's "
+        f"greedy token per query: {agree}; tau of a greedy {meta['k']}-token chain: {s['eval_chain_tau']:.2f}",
+    ]
+    return lines
+
+
+def card_use(meta: dict, where: str) -> list[str]:
+    """Its card's Use lines (``card.use_lines``): the run that picks the checkpoint at ``where``, and
+    how it drafts and verifies there by default."""
+    mconf = card.method_defaults("specdec")
+    return [*card.run_block("specdec", where),
+            f"{meta['k']} draft tokens per forward (the checkpoint's queries; K above {meta['k']} is capped); "
+            f"verification `specdec.beta={mconf['beta']}` (1 = exact, lossless), `specdec.tol={mconf['tol']}`."]
