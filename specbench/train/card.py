@@ -21,7 +21,6 @@ import shlex
 import sys
 from pathlib import Path
 
-from specbench.paths import CONF_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = "docs/benchmarks/drafters.md"
