@@ -322,7 +322,7 @@ def test_a_draft_model_with_fewer_positions_bounds_the_job(tiny_dirs, tmp_path):
 def test_a_refusal_on_a_cold_cache_converts_no_model_and_builds_no_kernel(tmp_path, monkeypatch):
     """On an empty cache a refused job must answer at once: no GGUF conversion (~30 s) to read
     the target's config, no native kernel build (~40 s) to label the error record."""
-    from specbench.backends import extension
+    from specbench.kernels import extension
 
     monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("converted the GGUF to refuse a job"))
     monkeypatch.setattr(extension, "unavailable", lambda: pytest.fail("built the kernel to refuse a job"))

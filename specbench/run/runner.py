@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specbench import backends, loggers
+from specbench import kernels, loggers
 from specbench.engines.vllm import engine as vllm_engine
 from specbench.errors import ConfigError
 from specbench.models import cached_model, load_tokenizer, resolve_device, resolve_dtype
@@ -85,7 +85,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
             model = None
         else:
             model, tokenizer = cached_model(cfg.model, device, dtype,
-                                            backends.resolve(cfg.get("kernel", "torch"), device),
+                                            kernels.resolve(cfg.get("kernel", "torch"), device),
                                             cfg.get("compile", False) is True)  # graphs: captured by the engine
         if tune.wanted(cfg):  # K=auto: the setting chosen now (piloted on held-out prompts), then checked as any
             cfg, _ = tune.choose(Job(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id))

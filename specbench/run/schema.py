@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from specbench.backends import KERNELS
+from specbench.kernels import KERNELS
 from specbench.errors import ConfigError, did_you_mean, unknown_key
 from specbench.models import DTYPES
 
