@@ -166,7 +166,7 @@ def test_an_unknown_key_in_a_composed_config_is_refused_before_the_model_loads(t
         with pytest.raises(ConfigError) as e:
             runner.validate(tiny_cfg(tiny_dirs, tmp_path, **over))
         assert str(e.value).startswith(msg), str(e.value)
-    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, method={**pld, "kk": 3}), sweep_id="typo")
+    recs = runner.run(tiny_cfg(tiny_dirs, tmp_path, method={**pld, "kk": 3}), sweep_id="typo")
     assert [(r["status"], r["error"]) for r in recs] == [("error", "unknown key method.kk; pld's keys: max_ngram, "
                                                                    "min_ngram")]
 
@@ -271,10 +271,10 @@ def test_a_refused_job_writes_one_error_record_and_the_sweep_goes_on(tiny_dirs, 
                       ({"K": True}, "K must be an integer >= 1, got True"),
                       ({"K": "many"}, "K must be an integer >= 1, got 'many'"),
                       ({"dataset.max_turns": -1}, "dataset.max_turns must be")):
-        recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}},
+        recs = runner.run(tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}},
                                    **over), sweep_id="bad")
         assert len(recs) == 1 and recs[0]["status"] == "error" and recs[0]["error"].startswith(msg), recs[0]["error"]
-    ok = runner.job(tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}),
+    ok = runner.run(tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}),
                     sweep_id="bad")
     assert [r["status"] for r in ok] == ["ok", "ok"]
     assert [r["status"] for r in R.read(tmp_path / "records.jsonl")] == ["error"] * 5 + ["ok", "ok"]
@@ -287,7 +287,7 @@ def test_a_prompt_too_long_is_refused_before_the_model_loads(tiny_dirs, tmp_path
     monkeypatch.setattr(runner, "cached_model", lambda *a, **k: pytest.fail("the model was loaded"))
     cfg = tiny_cfg(tiny_dirs, tmp_path, **{"dataset.path": str(qs), "method": {"name": "pld", "max_ngram": 3,
                                                                                  "min_ngram": 1}})
-    rec, = runner.job(cfg, sweep_id="long")
+    rec, = runner.run(cfg, sweep_id="long")
     assert rec["status"] == "error" and rec["error"].startswith("question 2: a prompt of ")
     assert "exceeds the 512 positions of the job's models" in rec["error"]
 
@@ -330,7 +330,7 @@ def test_a_refusal_on_a_cold_cache_converts_no_model_and_builds_no_kernel(tmp_pa
                       (["method=pld", "K=true"], "K must be an integer >= 1, got True"),
                       (["method=pld", "ctx=8190"], "ctx=8190 + max_new_tokens=64 + 4 draft positions exceeds the 8192")):
         cfg = composed([*over, f"results_dir={tmp_path}"])
-        rec, = runner.job(cfg, sweep_id="cold")
+        rec, = runner.run(cfg, sweep_id="cold")
         assert rec["status"] == "error" and rec["error"].startswith(msg), rec["error"]
         assert rec["kernel"] == "auto"  # the setting as given
     assert not (paths.cache_dir() / "models").exists()
@@ -382,14 +382,14 @@ METRICS = ["new_tokens", "wall_s", "tokens_per_s", "steps", "tau", "draft_nodes"
 
 def test_repeats_time_the_prompt_set_n_times_and_pair_with_a_repeated_ar(tiny_dirs, tmp_path):
     cfg = tiny_cfg(tiny_dirs, tmp_path, bs=2, repeats=3, **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}})
-    recs = runner.job(cfg, sweep_id="s1")
+    recs = runner.run(cfg, sweep_id="s1")
     assert [r["method"] for r in recs] == ["ar", "pld"] and all(r["repeats"] == 3 for r in recs)
     m = recs[1]["metrics"]
     assert len(m["repeat_tokens_per_s"]) == 3 and len(recs[1]["requests"]) == 3 * 8
     assert sorted({rq["repeat"] for rq in recs[1]["requests"]}) == [0, 1, 2]
     assert m["new_tokens"] == 3 * sum(rq["new_tokens"] for rq in recs[1]["requests"] if rq["repeat"] == 0)
     # a job without repeats does not pair with the repeated AR job: it runs its own
-    single = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, **{"method": {"name": "leviathan"}}), sweep_id="s1")
+    single = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, **{"method": {"name": "leviathan"}}), sweep_id="s1")
     assert [r["method"] for r in single] == ["ar", "leviathan"] and "repeats" not in single[0]
     with pytest.raises(ConfigError, match="repeats must be an integer >= 1"):
         runner.validate(tiny_cfg(tiny_dirs, tmp_path, repeats=0))
@@ -397,10 +397,10 @@ def test_repeats_time_the_prompt_set_n_times_and_pair_with_a_repeated_ar(tiny_di
 
 def test_job_records_and_reuses_ar(tiny_dirs, tmp_path):
     cfg = tiny_cfg(tiny_dirs, tmp_path, bs=2, **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}})
-    recs = runner.job(cfg, sweep_id="s1")
+    recs = runner.run(cfg, sweep_id="s1")
     assert [r["method"] for r in recs] == ["ar", "pld"]  # the AR baseline ran first
     cfg2 = tiny_cfg(tiny_dirs, tmp_path, bs=2, **{"method": {"name": "leviathan"}})
-    recs2 = runner.job(cfg2, sweep_id="s1")
+    recs2 = runner.run(cfg2, sweep_id="s1")
     assert [r["method"] for r in recs2] == ["leviathan"]  # reused the sweep's AR job
     lines = R.read(tmp_path / "records.jsonl")
     assert len(lines) == 3
@@ -422,20 +422,20 @@ def test_job_records_and_reuses_ar(tiny_dirs, tmp_path):
     assert len(lev["accept_rate_per_pos"]) == 4
     assert lev["speedup"] == pytest.approx(lev["tokens_per_s"] / lines[0]["metrics"]["tokens_per_s"])
     # a second sweep runs its own AR job; ar_baseline=any reuses the first
-    assert [r["method"] for r in runner.job(cfg2, sweep_id="s2")] == ["ar", "leviathan"]
+    assert [r["method"] for r in runner.run(cfg2, sweep_id="s2")] == ["ar", "leviathan"]
     cfg3 = tiny_cfg(tiny_dirs, tmp_path, bs=2, ar_baseline="any", **{"method": {"name": "pld"}})
-    assert [r["method"] for r in runner.job(cfg3, sweep_id="s3")] == ["pld"]
+    assert [r["method"] for r in runner.run(cfg3, sweep_id="s3")] == ["pld"]
 
 
 
 
 def test_kernel_is_recorded_and_pairs_ar_on_the_same_path(tiny_dirs, tmp_path):
     pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
-    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, kernel="onednn", **pld), sweep_id="k")
+    recs = runner.run(tiny_cfg(tiny_dirs, tmp_path, kernel="onednn", **pld), sweep_id="k")
     assert [(r["method"], r["kernel"]) for r in recs] == [("ar", "onednn"), ("pld", "onednn")]
     assert recs[1]["metrics"]["match_ar"] == 1.0
     # the torch path is another baseline: a torch job runs its own AR
-    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, kernel="torch", **pld), sweep_id="k")
+    recs = runner.run(tiny_cfg(tiny_dirs, tmp_path, kernel="torch", **pld), sweep_id="k")
     assert [(r["method"], r["kernel"]) for r in recs] == [("ar", "torch"), ("pld", "torch")]
 
 
@@ -446,8 +446,8 @@ def test_compile_changes_no_token_pairs_with_a_compiled_ar_and_counts_graphs_in_
     graphs compiled inside the timing are counted and warned about (here all of them: no
     warm-up); the shape warm-up a warmed job runs first compiles what it needs once."""
     pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
-    eager = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, limit=2, kernel="torch", **pld), sweep_id="c")
-    comp = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, limit=2, kernel="torch", compile=True, warmup=False, **pld),
+    eager = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, limit=2, kernel="torch", **pld), sweep_id="c")
+    comp = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, limit=2, kernel="torch", compile=True, warmup=False, **pld),
                       sweep_id="c")
     # the eager AR of the same sweep is no baseline for a compiled job: it runs its own
     assert [(r["method"], r.get("compile")) for r in comp] == [("ar", True), ("pld", True)]
@@ -483,9 +483,9 @@ def test_paired_baseline_takes_turns_and_changes_no_token(tiny_dirs, tmp_path, m
     monkeypatch.setattr(runner.MethodRun, "run_unit", spy)
     pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
     for T in (0.0, 1.0):
-        alone = runner.job(tiny_cfg(tiny_dirs, tmp_path / f"alone{T}", bs=2, temperature=T, **pld), sweep_id="a")
+        alone = runner.run(tiny_cfg(tiny_dirs, tmp_path / f"alone{T}", bs=2, temperature=T, **pld), sweep_id="a")
         order.clear()
-        paired = [runner.job(tiny_cfg(tiny_dirs, tmp_path / f"paired{T}", bs=2, temperature=T, ar_baseline="paired",
+        paired = [runner.run(tiny_cfg(tiny_dirs, tmp_path / f"paired{T}", bs=2, temperature=T, ar_baseline="paired",
                                       **pld), sweep_id="p") for _ in range(2)]
         assert order[:4] == [("ar", 0), ("pld", 0), ("pld", 2), ("ar", 2)]  # limit=4, bs=2: two batches
         for ar, rec in paired:
@@ -514,11 +514,11 @@ def test_each_speedup_says_whether_its_ar_ran_beside_it(tiny_dirs, tmp_path):
     from specbench.run.summary import summary_table
 
     pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
-    ar, rec = runner.job(tiny_cfg(tiny_dirs, tmp_path, ar_baseline="paired", **pld), sweep_id="p")
+    ar, rec = runner.run(tiny_cfg(tiny_dirs, tmp_path, ar_baseline="paired", **pld), sweep_id="p")
     assert rec["ar_paired"] is True and "ar_paired" not in ar
-    apart = runner.job(tiny_cfg(tiny_dirs, tmp_path, **pld), sweep_id="s")  # the sweep's AR job, then pld
+    apart = runner.run(tiny_cfg(tiny_dirs, tmp_path, **pld), sweep_id="s")  # the sweep's AR job, then pld
     assert [r["method"] for r in apart] == ["ar", "pld"] and apart[1]["ar_paired"] is False
-    lev = runner.job(tiny_cfg(tiny_dirs, tmp_path, ar_baseline="any", **{"method": {"name": "leviathan"}}),
+    lev = runner.run(tiny_cfg(tiny_dirs, tmp_path, ar_baseline="any", **{"method": {"name": "leviathan"}}),
                      sweep_id="a")
     assert [r["method"] for r in lev] == ["leviathan"] and lev[0]["ar_paired"] is False
     assert [r["ar_paired"] for r in R.read(tmp_path / "records.jsonl") if r["method"] != "ar"] == [True, False, False]
@@ -547,9 +547,9 @@ def test_ar_pairing_covers_every_prompt_and_model_setting(tiny_dirs, tmp_path):
     """A method job pairs only with an AR job of the same prompts, model settings and (for
     ar_baseline=any) the same machine and code."""
     pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
-    assert [r["method"] for r in runner.job(tiny_cfg(tiny_dirs, tmp_path, **pld), sweep_id="s")] == ["ar", "pld"]
+    assert [r["method"] for r in runner.run(tiny_cfg(tiny_dirs, tmp_path, **pld), sweep_id="s")] == ["ar", "pld"]
     for over in ({"dataset.max_turns": 1}, {"model.chat": False}, {"model.attn_implementation": "eager"}):
-        recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, **pld, **over), sweep_id="s")
+        recs = runner.run(tiny_cfg(tiny_dirs, tmp_path, **pld, **over), sweep_id="s")
         assert [r["method"] for r in recs] == ["ar", "pld"], over  # its own AR, not the first one
         assert recs[1]["metrics"]["match_ar"] == 1.0
         key = next(iter(over))
@@ -561,12 +561,12 @@ def test_ar_pairing_covers_every_prompt_and_model_setting(tiny_dirs, tmp_path):
     first = json.loads(lines[0])
     first["env"]["host"] = "elsewhere"
     path.write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
-    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, ar_baseline="any", **pld), sweep_id="s2")
+    recs = runner.run(tiny_cfg(tiny_dirs, tmp_path, ar_baseline="any", **pld), sweep_id="s2")
     assert [r["method"] for r in recs] == ["ar", "pld"]
 
 
 def test_bs_beyond_the_prompts_is_refused(tiny_dirs, tmp_path):
-    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=8), sweep_id="b")  # limit=4
+    recs = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=8), sweep_id="b")  # limit=4
     assert recs[0]["status"] == "error" and recs[0]["error"].startswith("bs=8 is larger than the 4 prompts")
 
 
@@ -576,7 +576,7 @@ def test_a_failed_append_prints_the_record_and_fails_the_job(tiny_dirs, tmp_path
 
     monkeypatch.setattr(R, "append", full)
     n = len(runner.FAILED)
-    assert runner.job(tiny_cfg(tiny_dirs, tmp_path), sweep_id="a") == []
+    assert runner.run(tiny_cfg(tiny_dirs, tmp_path), sweep_id="a") == []
     err = capsys.readouterr().err
     rec = json.loads(next(line for line in err.splitlines() if line.startswith("{")))
     assert rec["method"] == "ar" and rec["metrics"]["new_tokens"] > 0  # the measurement survives on stderr
@@ -592,7 +592,7 @@ def test_a_device_side_error_stops_the_sweep_after_recording(tiny_dirs, tmp_path
 
     register_fakes(monkeypatch, poisoned=Poisoned)
     with pytest.raises(runner.SweepAborted, match="CUDA context is unusable"):
-        runner.job(tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "poisoned"}}), sweep_id="p")
+        runner.run(tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "poisoned"}}), sweep_id="p")
     recs = R.read(tmp_path / "records.jsonl")
     assert [(r["method"], r["status"]) for r in recs] == [("ar", "ok"), ("poisoned", "error")]
 
@@ -617,7 +617,7 @@ def test_forward_time_counted_once_and_hooks_removed_on_error(tiny_dirs, tmp_pat
 
     register_fakes(monkeypatch, exploding=Exploding)
     cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "exploding"}})
-    assert runner.job(cfg, sweep_id="h")[-1]["status"] == "error"
+    assert runner.run(cfg, sweep_id="h")[-1]["status"] == "error"
     target = runner.cached_model(cfg.model, torch.device("cpu"), torch.float32)[0]
     assert not target._forward_hooks and not target._forward_pre_hooks
 
@@ -640,14 +640,14 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(tiny_dirs, tmp_path, mo
     register_fakes(monkeypatch, exploding=Exploding, oom=OOM)
     for name, status in (("exploding", "error"), ("oom", "oom")):
         cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": name}})
-        recs = runner.job(cfg, sweep_id="f")
+        recs = runner.run(cfg, sweep_id="f")
         assert recs[-1]["status"] == status and recs[-1]["method"] == name
         assert "\n" not in recs[-1]["error"]
     cfg = tiny_cfg(tiny_dirs, tmp_path, K=0, **{"method": {"name": "pld"}})
-    assert runner.job(cfg, sweep_id="f")[0]["error"].startswith("K must be")
+    assert runner.run(cfg, sweep_id="f")[0]["error"].startswith("K must be")
     monkeypatch.setitem(methods.REGISTRY, "broken", "specbench.methods.no_such_module:X")  # a method that fails to import
     cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "broken"}})
-    assert runner.job(cfg, sweep_id="f")[0]["error"].startswith(
+    assert runner.run(cfg, sweep_id="f")[0]["error"].startswith(
         "method 'broken': cannot import specbench.methods.no_such_module:X (ModuleNotFoundError")
     lines = R.read(tmp_path / "records.jsonl")
     assert [r["status"] for r in lines] == ["ok", "error", "oom", "error", "error"]  # ar ok, then the failures
@@ -691,7 +691,7 @@ def test_the_recorded_K_is_the_methods_own(tiny_dirs, tmp_path, monkeypatch):
     register_fakes(monkeypatch, unshaped=Unshaped)
     for name in ("pld", "unshaped"):
         cfg = tiny_cfg(tiny_dirs, tmp_path, K=3, **{"method": {"name": name, "max_ngram": 3, "min_ngram": 1}})
-        recs = runner.job(cfg, sweep_id="k")
+        recs = runner.run(cfg, sweep_id="k")
     recs = {r["method"]: r for r in R.read(tmp_path / "records.jsonl")}
     assert (recs["ar"]["K"], recs["pld"]["K"], recs["unshaped"]["K"]) == (None, 3, None)
     assert len(recs["pld"]["metrics"]["accept_rate_per_pos"]) == 3  # positions up to K, as before
@@ -711,7 +711,7 @@ def test_ctx_prompts_have_exact_length(tiny_dirs, tmp_path, monkeypatch):
     tok = runner.load_tokenizer(cfg.model)
     qs = runner.build_requests(cfg, tok)
     assert all(len(q.ctx_ids) == 64 and len(q.turns) == 1 for q in qs)
-    recs = runner.job(cfg, sweep_id="c")
+    recs = runner.run(cfg, sweep_id="c")
     assert all(r["prompt_tokens"] == 64 for r in recs[0]["requests"])
     cfg = tiny_cfg(tiny_dirs, tmp_path, ctx=3)
     with pytest.raises(ConfigError, match="shorter than the prompt"):
@@ -741,18 +741,18 @@ def test_cli_sweep_end_to_end(tiny_dirs, tmp_path):
 
 def test_resume_skips_recorded_jobs(tiny_dirs, tmp_path, capsys):
     pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
-    assert [r["method"] for r in runner.job(tiny_cfg(tiny_dirs, tmp_path, **pld), sweep_id="r1")] == ["ar", "pld"]
+    assert [r["method"] for r in runner.run(tiny_cfg(tiny_dirs, tmp_path, **pld), sweep_id="r1")] == ["ar", "pld"]
     # a new sweep with resume=true: the recorded job is skipped and says so
-    assert runner.job(tiny_cfg(tiny_dirs, tmp_path, resume=True, **pld), sweep_id="r2") == []
+    assert runner.run(tiny_cfg(tiny_dirs, tmp_path, resume=True, **pld), sweep_id="r2") == []
     assert "already recorded (sweep r1); skipped" in capsys.readouterr().err
     # a job not recorded yet runs, paired with the recorded AR job (no second AR)
-    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, resume=True, K=2, **pld), sweep_id="r2")
+    recs = runner.run(tiny_cfg(tiny_dirs, tmp_path, resume=True, K=2, **pld), sweep_id="r2")
     assert [r["method"] for r in recs] == ["pld"] and recs[0]["ar_sweep_id"] == "r1"
     # a method option is part of the job: another max_ngram is another job
     other = {"method": {"name": "pld", "max_ngram": 2, "min_ngram": 1}}
-    assert [r["method"] for r in runner.job(tiny_cfg(tiny_dirs, tmp_path, resume=True, **other), "r2")] == ["pld"]
+    assert [r["method"] for r in runner.run(tiny_cfg(tiny_dirs, tmp_path, resume=True, **other), "r2")] == ["pld"]
     # without resume, a new sweep measures again
-    assert [r["method"] for r in runner.job(tiny_cfg(tiny_dirs, tmp_path, **pld), sweep_id="r3")] == ["ar", "pld"]
+    assert [r["method"] for r in runner.run(tiny_cfg(tiny_dirs, tmp_path, **pld), sweep_id="r3")] == ["ar", "pld"]
 
 
 def test_kill_9_mid_sweep_then_resume(tiny_dirs, tmp_path):
@@ -943,7 +943,7 @@ def test_bad_jsonl_lines_fail_in_one_line_with_a_record(tiny_dirs, tmp_path, lin
     with pytest.raises(ConfigError, match=msg.replace("[", r"\[")):
         D.read_jsonl_questions(path)
     cfg = tiny_cfg(tiny_dirs, tmp_path / "res", **{"dataset.path": str(path), "limit": None})
-    (rec,) = runner.job(cfg, "s1")  # recorded, no traceback, the sweep goes on
+    (rec,) = runner.run(cfg, "s1")  # recorded, no traceback, the sweep goes on
     assert rec["status"] == "error" and "q.jsonl" in rec["error"]
     assert [r["status"] for r in R.read(cfg.records)] == ["error"]
 
@@ -969,8 +969,8 @@ def test_continuous_batching_records_serving_metrics_and_pairs_its_own_ar(tiny_d
     serving settings (in the AR pairing key: a continuous job never pairs with a static AR),
     latency percentiles, goodput under the SLO and rows in flight; Poisson arrivals are seeded."""
     pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
-    static = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, **pld), sweep_id="s")
-    cont = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, batching="continuous", slo={"ttft_ms": 1e6, "tpot_ms": 1e-6},
+    static = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, **pld), sweep_id="s")
+    cont = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, batching="continuous", slo={"ttft_ms": 1e6, "tpot_ms": 1e-6},
                                **pld), sweep_id="s")
     assert [r["method"] for r in cont] == ["ar", "pld"]  # its own AR: the static one does not pair
     for s_rec, c_rec in zip(static, cont):
@@ -991,14 +991,14 @@ def test_continuous_batching_records_serving_metrics_and_pairs_its_own_ar(tiny_d
     first = {rq["id"]: rq for rq in cont[1]["requests"] if rq["turn"] == 1}
     for rq in second:  # a follow-up turn arrives once its first turn is answered
         assert rq["arrival_s"] >= first[rq["id"]]["arrival_s"] + first[rq["id"]]["wall_s"] - 1e-6
-    poisson = [runner.job(tiny_cfg(tiny_dirs, tmp_path / f"p{i}", bs=2, batching="continuous", rate=50.0,
+    poisson = [runner.run(tiny_cfg(tiny_dirs, tmp_path / f"p{i}", bs=2, batching="continuous", rate=50.0,
                                    method={"name": "ar"}), sweep_id="p") for i in range(2)]
     arrivals = [sorted(rq["arrival_s"] for rq in run[0]["requests"] if rq["turn"] == 1) for run in poisson]
     assert arrivals[0] == arrivals[1] and arrivals[0][0] == 0 and arrivals[0][-1] > 0  # seeded, spread
     assert poisson[0][0]["serving"]["rate"] == 50.0
     # the report: the serving plot and speedup against concurrency (two concurrencies per line)
-    runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=1, batching="continuous", **pld), sweep_id="s")
-    runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=1, **pld), sweep_id="s")
+    runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=1, batching="continuous", **pld), sweep_id="s")
+    runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=1, **pld), sweep_id="s")
     from specbench.analysis import report
     from specbench.analysis.load import load
 
@@ -1013,9 +1013,9 @@ def test_chunked_prefill_is_recorded_pairs_its_own_ar_and_keeps_the_tokens(tiny_
     record says so (in the AR pairing key: it pairs with an AR prefilled the same way), its tokens
     are the padded prefill's, and the report labels it as its own series."""
     pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
-    static = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, **pld), sweep_id="s")
-    chunked = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, prefill_chunk=3, **pld), sweep_id="s")
-    cont = runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, batching="continuous", prefill_chunk=3, **pld), sweep_id="s")
+    static = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, **pld), sweep_id="s")
+    chunked = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, prefill_chunk=3, **pld), sweep_id="s")
+    cont = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, batching="continuous", prefill_chunk=3, **pld), sweep_id="s")
     assert [r["method"] for r in chunked] == ["ar", "pld"] and [r["method"] for r in cont] == ["ar", "pld"]
     assert chunked[1]["serving"] == {"batching": "static", "prefill": "chunked", "prefill_chunk": 3}
     assert cont[1]["serving"] == {"batching": "continuous", "concurrency": 2, "rate": "inf", "prefill": "chunked",
@@ -1069,10 +1069,10 @@ def test_the_default_draft_fits_any_target(tiny_dirs, tmp_path, arch):
         cfg.limit, cfg.max_new_tokens, cfg.progress, cfg.K = 2, 8, False, 2
     assert cfg.draft_model.name == "auto"
     if arch == "Qwen2":  # transformers reads a Qwen2 folder's tokenizer as Qwen2's BPE: our words vanish
-        rec, = runner.job(cfg, sweep_id=arch)
+        rec, = runner.run(cfg, sweep_id=arch)
         assert rec["status"] == "error" and "its prompt renders to no tokens with Qwen2Tokenizer" in rec["error"]
         return
-    ar, rec = runner.job(cfg, sweep_id=arch)
+    ar, rec = runner.run(cfg, sweep_id=arch)
     assert rec["status"] == "ok", rec["error"]
     assert rec["draft"] == "self_layers:2" and rec["metrics"]["match_ar"] == 1.0
     smol = composed(["method=leviathan"])
@@ -1109,8 +1109,8 @@ def test_an_ar_jobs_peak_memory_is_its_own_paired_or_alone(tiny_dirs, tmp_path):
     model is loaded beside it) reads what AR alone reads; the method's own peak adds its draft."""
     over = {"method": {"name": "leviathan"}, "draft_model": {"name": "hf", "path": str(tiny_dirs["draft"]), "layers": None,
                                                        "label": None}, "K": 2}
-    ar_paired, lev = runner.job(tiny_cfg(tiny_dirs, tmp_path / "p", ar_baseline="paired", **over), sweep_id="p")
-    alone, = runner.job(tiny_cfg(tiny_dirs, tmp_path / "a", **{"method": {"name": "ar"}}), sweep_id="a")
+    ar_paired, lev = runner.run(tiny_cfg(tiny_dirs, tmp_path / "p", ar_baseline="paired", **over), sweep_id="p")
+    alone, = runner.run(tiny_cfg(tiny_dirs, tmp_path / "a", **{"method": {"name": "ar"}}), sweep_id="a")
     assert ar_paired["method"] == "ar" and alone["method"] == "ar"
     assert ar_paired["metrics"]["peak_mem_bytes"] == alone["metrics"]["peak_mem_bytes"] > 0
     assert lev["metrics"]["peak_mem_bytes"] > ar_paired["metrics"]["peak_mem_bytes"]  # + the draft model

@@ -250,13 +250,13 @@ def job_cfg(tiny_dirs, tmp_path, *over):
 def test_a_job_on_an_hf_parquet_records_its_data_set_and_a_bad_column_fails_in_one_line(tiny_dirs, files, tmp_path):
     cfg = job_cfg(tiny_dirs, tmp_path, "dataset=hf", f"dataset.path={files / 'set.parquet'}", "dataset.prompt=text",
                   "dataset.category=topic", "limit=2", f"dataset.cache_dir={tmp_path / 'c'}")
-    recs = runner.job(cfg, sweep_id="hf")
+    recs = runner.run(cfg, sweep_id="hf")
     assert [(r["method"], r["status"]) for r in recs] == [("ar", "ok"), ("pld", "ok")]
     assert recs[1]["dataset"] == f"hf:{files / 'set.parquet'}" and recs[1]["metrics"]["match_ar"] == 1.0
     assert [q["category"] for q in recs[1]["requests"]] == ["alpha", "beta"]
     with open_dict(cfg):
         cfg.dataset.prompt = "txet"
-    rec, = runner.job(cfg, sweep_id="hf")
+    rec, = runner.run(cfg, sweep_id="hf")
     assert rec["status"] == "error" and rec["error"] == (
         "dataset=hf: no column 'txet' for dataset.prompt; did you mean text? columns there: text, conv, label, "
         "topic, uid")
@@ -282,5 +282,5 @@ def test_a_ctx_beyond_the_models_window_is_refused_in_one_line(tiny_dirs, tmp_pa
         runner.validate(cfg)
     OmegaConf.update(cfg, "ctx", 600)
     cfg.max_new_tokens = 6
-    rec, = runner.job(cfg, sweep_id="ctx")
+    rec, = runner.run(cfg, sweep_id="ctx")
     assert rec["status"] == "error" and "ctx=600 is beyond their context window" in rec["error"]

@@ -355,7 +355,7 @@ def test_the_harness_work_between_turns_is_not_timed_as_the_engines(tiny_dirs, t
         return plain(self, *a, **k)
 
     monkeypatch.setattr(cls, "decode", slow)
-    recs = runner.job(cfg, sweep_id="slow")
+    recs = runner.run(cfg, sweep_id="slow")
     for rec in recs:
         m = rec["metrics"]
         slept = 0.05 * len(rec["requests"])  # one decode per finished request (two turns each)

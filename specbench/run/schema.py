@@ -107,7 +107,7 @@ class Thinking:  # a model that thinks: its span's tags, each one token of its v
 
 
 @dataclass
-class Run:
+class Config:
     model: Model
     dataset: Dataset
     draft_model: DraftModel
@@ -181,7 +181,7 @@ PRESET_KEYS = ("bench",)
 
 def _type_at(path: str):
     """The schema's type at a dotted ``path`` ("" for the top level), None where it declares none."""
-    tp = Run
+    tp = Config
     for part in path.split(".") if path else ():
         tp = typing.get_type_hints(tp).get(part) if dataclasses.is_dataclass(tp) else None
         if tp is None:
@@ -278,9 +278,9 @@ def _check_node(node: DictConfig, schema, prefix: str, group: str | None) -> Non
 
 
 def check(cfg: DictConfig) -> None:
-    """Hold a composed run config to ``Run``; one ConfigError line for the first setting that
+    """Hold a composed run config to ``Config``; one ConfigError line for the first setting that
     does not fit (its name, what it must be, what it got)."""
-    _check_node(cfg, Run, "", None)
+    _check_node(cfg, Config, "", None)
     K = cfg.get("K")
     if K != "auto" and not (_is(K, int) and K >= 1):
         raise ConfigError(f"K must be an integer >= 1, got {K!r} (or auto: sized per method and batch size)")
