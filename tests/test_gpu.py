@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specbench.run import runner
-from test_config import tiny_cfg
+from helpers import tiny_cfg
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ import test_serving
 from helpers import serve_engine
 from specbench.decode.tree import Draft
 from specbench.decode.verify import Sampling, Synthetic, verify
-from test_config import tiny_cfg
+from helpers import tiny_cfg
 
 datastore = test_serving.datastore
 cases = test_serving.cases

@@ -327,7 +327,7 @@ def test_methods_that_learn_across_requests_are_not_timed_on_answers_they_memori
     """The warm-up (the job's first batch) and earlier repeats must not teach a method the answers
     it is then timed on: every repeat reads the acceptance of a fresh proposer without warm-up."""
     from specbench.run import runner
-    from test_config import composed, tiny_cfg
+    from helpers import composed, tiny_cfg
 
     own = {k: v for k, v in composed([f"method={method['name']}"]).method.items()}
     own.update(method)

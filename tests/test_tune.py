@@ -7,7 +7,7 @@ from specbench.run import runner
 from specbench.run import tune
 from specbench.run.workload import Job
 from specbench.errors import ConfigError
-from test_config import tiny_cfg
+from helpers import tiny_cfg
 
 PLD = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
 

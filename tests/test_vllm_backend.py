@@ -16,7 +16,7 @@ import torch
 from specbench.run import records as R
 from specbench.run import runner
 from specbench.errors import ConfigError
-from test_config import tiny_cfg
+from helpers import tiny_cfg
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = Path(__file__).parent / "fixtures" / "fake_vllm"
@@ -259,7 +259,7 @@ VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 @pytest.mark.skipif(not VLLM_PY.exists(), reason="vLLM's environment is not set up (make setup-vllm)")
 def test_real_vllm_ar_and_ngram(tmp_path):
     """vLLM itself (make setup-vllm) on the packaged SmolLM2: AR and ngram, 2 prompts, 16 tokens."""
-    from test_config import composed
+    from helpers import composed
 
     cfg = composed(["backend=vllm", "method=pld", "limit=2", "max_new_tokens=16", "ar_baseline=paired",
                     "dataset.max_turns=1", f"results_dir={tmp_path}", "progress=false"])
