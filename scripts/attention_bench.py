@@ -4,7 +4,7 @@ cache per query head) against a 1-token AR step (no mask: GQA kept), with Huggin
 ``sdpa``, with specbench's folded-GQA attention (``kernels.gqa.attention``) and with SDPA's own
 ``enable_gqa`` on a boolean mask, interleaved.
 
-    python -m specbench.analysis.attention_bench --ctx 256,2048 --nodes 8 --reps 30 [--device cpu] [--dtype fp32]
+    python scripts/attention_bench.py --ctx 256,2048 --nodes 8 --reps 30 [--device cpu] [--dtype fp32]
 
 Prints a table (median ms per forward; verify / AR) and one JSON line.
 """
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     from specbench.models import cached_model, model_cfg, resolve_device, resolve_dtype
     from specbench.decode.timing import sync
 
-    ap = argparse.ArgumentParser(prog="python -m specbench.analysis.attention_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python scripts/attention_bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--ctx", default="256,2048", help="context lengths (comma list)")
     ap.add_argument("--nodes", type=int, default=8, help="draft nodes of the verified tree (plus the root)")
