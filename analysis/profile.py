@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from specbench import backends
+from specbench import kernels
 from specbench.run import records as R
 from specbench.costs import forward_time, forward_times
 from specbench.errors import ConfigError
@@ -59,9 +59,9 @@ def compute_rate(device, dtype, reps: int = 9) -> float:
     that kernel over 16 rows of an in-cache weight (its decode tile; faster than MKL here)."""
     a = torch.randn(1024, 1024, device=device, dtype=dtype)
     best = 2 * 1024 ** 3 / _median_seconds(lambda: a @ a, device, reps)
-    if device.type == "cpu" and dtype == torch.float32 and not backends.extension.unavailable():
-        w, x = backends.extension.pack(torch.randn(3072, 576)), torch.randn(16, 576)  # 7 MB: in L2/L3
-        best = max(best, 2 * 16 * 3072 * 576 / _median_seconds(lambda: backends.extension.few_rows_linear(x, w, 3072), device,
+    if device.type == "cpu" and dtype == torch.float32 and not kernels.extension.unavailable():
+        w, x = kernels.extension.pack(torch.randn(3072, 576)), torch.randn(16, 576)  # 7 MB: in L2/L3
+        best = max(best, 2 * 16 * 3072 * 576 / _median_seconds(lambda: kernels.extension.few_rows_linear(x, w, 3072), device,
                                                                  reps))
     return best
 
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, device)
     try:
-        kerns = [backends.resolve(k, device) for k in a.kernel.split(",")]
+        kerns = [kernels.resolve(k, device) for k in a.kernel.split(",")]
         for k in kerns if a.compile else ():
             check_compile(True, k)
     except ConfigError as e:
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     models = {}
     for k in dict.fromkeys(kerns):  # one copy of the model per kernel path
         models[k] = load_model(mcfg, device, dtype)
-        backends.apply(models[k], k)
+        kernels.apply(models[k], k)
         if a.compile:
             compile_forward(models[k])
     draft = self_layers_draft(next(iter(models.values())), a.draft_layers) if a.draft_layers else None
@@ -221,13 +221,13 @@ def main(argv=None) -> int:
     out = Path(a.results_dir) / "cost_curves.jsonl"
     for k, curves in all_curves.items():
         rec = {"kind": "cost_curve", "model": a.model_path or str(mcfg.name), "device": device.type,
-               "dtype": str(dtype).replace("torch.", ""), "kernel": k, "kernel_isa": backends.kernel_isa(k), "ctx": a.ctx,
+               "dtype": str(dtype).replace("torch.", ""), "kernel": k, "kernel_isa": kernels.kernel_isa(k), "ctx": a.ctx,
                **({"compile": True} if a.compile else {}),
                **({"ragged": True} if a.ragged else {}), **({"tree": True} if a.tree else {}),
                "draft": f"self_layers:{a.draft_layers}" if a.draft_layers else None, **curves,
                "env": R.env_info(device), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         R.append(out, rec)
-        print(f"kernel={k}" + (f" ({backends.kernel_isa(k)} tiles)" if backends.kernel_isa(k) else ""))
+        print(f"kernel={k}" + (f" ({kernels.kernel_isa(k)} tiles)" if kernels.kernel_isa(k) else ""))
         print_curves(curves, bs_list, n_list)
     if len(all_curves) > 1:
         ks = list(all_curves)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specbench import methods
-from specbench import backends
+from specbench import kernels
 from specbench.methods.base import BatchState, Proposer
 from specbench.methods import member_cfg
 from specbench.decode.tree import Draft
@@ -141,7 +141,7 @@ class Combo(Proposer):
         self._drafts: list | None = None  # the last step's rows of every member
         mx = cfg.method.get("max_nodes", "auto")
         if mx == "auto":
-            tile = backends.rows_per_pass(target)
+            tile = kernels.rows_per_pass(target)
             mx = tile - 1 if tile else None
         self.max_nodes = mx  # the most nodes a row's draft keeps (None: no cut)
 

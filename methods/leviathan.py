@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from specbench.methods.base import BatchState, Proposer
-from specbench import backends, drafters
+from specbench import kernels, drafters
 from specbench.devices import to_device
 from specbench.decode.tree import Draft, pad_rows
 from specbench.decode.kv import RaggedCache
@@ -126,7 +126,7 @@ class Leviathan(Proposer):
         dm = hf_draft_cfg(cfg)
         if dm is None:
             return self_layers_draft(target, int(cfg.draft_model.layers))
-        return cached_model(dm, device, dtype, backends.kernel_of(target))[0]  # on the target's kernel path
+        return cached_model(dm, device, dtype, kernels.kernel_of(target))[0]  # on the target's kernel path
 
     @classmethod
     def vllm_config(cls, cfg) -> dict:

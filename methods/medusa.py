@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from specbench.methods.base import BatchState, Proposer
-from specbench import backends, drafters
+from specbench import kernels, drafters
 from specbench.drafters import formats
 from specbench.decode.tree import Draft
 from specbench.drafters.medusa import sparse_tree
@@ -162,7 +162,7 @@ class Medusa(Proposer):
         fmt = formats.detect(folder) if folder is not None else None
         if fmt in ("medusa1", "medusa2"):
             heads = formats.load(fmt, folder, target, device, dtype)
-            backends.apply(heads, backends.kernel_of(target))  # on the target's kernel path
+            kernels.apply(heads, kernels.kernel_of(target))  # on the target's kernel path
             self.format, size = fmt, None
             if m.tree == "default":  # no measured accuracies to build the sparse tree from
                 print("[specbench] medusa: a published Medusa checkpoint carries no head accuracies; drafting a chain "

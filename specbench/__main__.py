@@ -187,7 +187,7 @@ def main() -> int:
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def _app(cfg):
-        runner.job(cfg)
+        runner.run(cfg)
 
     _app()
     return 1 if runner.FAILED else 0

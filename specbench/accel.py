@@ -1,5 +1,5 @@
 """Host operations a backend may do faster than torch: the cache's slot moves and the engine's
-argmax. Empty until a backend installs its own (``specbench.backends.extension`` does when the
+argmax. Empty until a backend installs its own (``specbench.kernels.extension`` does when the
 native extension loads); the cache and the verifier read them here, so they import no backend."""
 
 from __future__ import annotations

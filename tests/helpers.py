@@ -1,13 +1,16 @@
-"""Tiny random models and a reference decoder for the unit tests."""
+"""Tiny random models and a reference decoder for the unit tests; the composed config and a job's
+config on the tiny HF folders (``tiny_cfg``) for the tests that run jobs."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 import specbench.tiny
 
+from specbench import methods
 from specbench.methods.base import Proposer
 from specbench.decode.engine import Engine
 from specbench.decode.timing import PhaseTimer
@@ -17,6 +20,7 @@ CPU = torch.device("cpu")
 # The device the decode tests run on (``device`` fixture): ``SPECBENCH_TEST_DEVICE=cuda pytest -m "not slow"``
 # is the GPU suite (conftest skips the CPU-only modules there).
 DEVICE = torch.device(os.environ.get("SPECBENCH_TEST_DEVICE", "cpu"))
+CONF = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def tiny_llama(seed: int = 0, vocab: int = 96, layers: int = 2, hidden: int = 64, scale: float = 1.0,
@@ -199,3 +203,38 @@ def assert_sampling_follows_the_target(target, prop, prompt=(3, 5, 7, 9), n=2000
     V = target.config.vocab_size
     assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[1] for r in res]), minlength=V), m2) > 1e-3
     assert chi2_pvalue(torch.bincount(torch.tensor([r.tokens[2] for r in res]), minlength=V), m3) > 1e-3
+
+
+def composed(overrides=()):
+    """conf/config.yaml as Hydra composes it with ``overrides``."""
+    from hydra import compose, initialize_config_dir  # not on the GPU machine: only where a test composes
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def register_fakes(monkeypatch, **classes):
+    """Register test-only proposer classes under these method names for one test."""
+    real_get, real_plugins = methods.get, methods.plugins
+    monkeypatch.setattr(methods, "plugins", lambda: {**real_plugins(), **{name: "x:y" for name in classes}})
+    monkeypatch.setattr(methods, "get", lambda n: classes.get(n) or real_get(n))
+
+
+def tiny_cfg(tiny_dirs, tmp_path, **over):
+    # the sweep's AR run once (the default pairs every job with its own AR): tests ask for paired
+    cfg = composed(["model=hf", "dataset=jsonl", "draft_model=self_layers", "ar_baseline=sweep"])
+    with open_dict(cfg):
+        cfg.model.path = str(tiny_dirs["target"])
+        cfg.dataset.path = str(tiny_dirs["questions"])
+        cfg.results_dir = str(tmp_path)
+        cfg.records = str(tmp_path / "records.jsonl")
+        cfg.max_new_tokens = 12
+        cfg.limit = 4
+        cfg.progress = False
+        cfg.draft_model.layers = 1
+        for k, v in over.items():
+            if k == "method":  # a method of its own (a fake's name, or its keys as given): untyped
+                cfg.method = OmegaConf.merge(OmegaConf.to_container(cfg.method), v)
+            else:
+                OmegaConf.update(cfg, k, v, force_add=True)
+    return cfg

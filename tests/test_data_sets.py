@@ -1,6 +1,7 @@
 """Prompt sets read through Hugging Face ``datasets`` (``dataset=hf``) and the benchmarks read by name
 from the user's files (``dataset=spec_bench``, ``dataset=speed_bench``): each layout built here, in the
-test, offline; every refusal one line; a ``ctx`` beyond the model's window refused."""
+test, offline; every refusal one line; a ``ctx`` beyond the model's window refused. The jsonl
+questions (a bad line: one line and a record), MT-Bench's default order and ``ctx`` prompts."""
 
 import json
 import os
@@ -21,6 +22,7 @@ from specbench.run import records as R  # noqa: E402
 from specbench.run import runner  # noqa: E402
 
 from conftest import REPO  # noqa: E402
+from helpers import tiny_cfg  # noqa: E402
 
 ROWS = {"text": ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9", "w10"],
         "conv": [["w1 w2", "w3"], ["w4"], ["w5 w6", "w7", "w8"], ["w9"]],
@@ -250,13 +252,13 @@ def job_cfg(tiny_dirs, tmp_path, *over):
 def test_a_job_on_an_hf_parquet_records_its_data_set_and_a_bad_column_fails_in_one_line(tiny_dirs, files, tmp_path):
     cfg = job_cfg(tiny_dirs, tmp_path, "dataset=hf", f"dataset.path={files / 'set.parquet'}", "dataset.prompt=text",
                   "dataset.category=topic", "limit=2", f"dataset.cache_dir={tmp_path / 'c'}")
-    recs = runner.job(cfg, sweep_id="hf")
+    recs = runner.run(cfg, sweep_id="hf")
     assert [(r["method"], r["status"]) for r in recs] == [("ar", "ok"), ("pld", "ok")]
     assert recs[1]["dataset"] == f"hf:{files / 'set.parquet'}" and recs[1]["metrics"]["match_ar"] == 1.0
     assert [q["category"] for q in recs[1]["requests"]] == ["alpha", "beta"]
     with open_dict(cfg):
         cfg.dataset.prompt = "txet"
-    rec, = runner.job(cfg, sweep_id="hf")
+    rec, = runner.run(cfg, sweep_id="hf")
     assert rec["status"] == "error" and rec["error"] == (
         "dataset=hf: no column 'txet' for dataset.prompt; did you mean text? columns there: text, conv, label, "
         "topic, uid")
@@ -282,5 +284,58 @@ def test_a_ctx_beyond_the_models_window_is_refused_in_one_line(tiny_dirs, tmp_pa
         runner.validate(cfg)
     OmegaConf.update(cfg, "ctx", 600)
     cfg.max_new_tokens = 6
-    rec, = runner.job(cfg, sweep_id="ctx")
+    rec, = runner.run(cfg, sweep_id="ctx")
     assert rec["status"] == "error" and "ctx=600 is beyond their context window" in rec["error"]
+
+
+def test_ctx_prompts_have_exact_length(tiny_dirs, tmp_path, monkeypatch):
+    from specbench.run import data as D
+
+    monkeypatch.setattr(D, "long_texts", lambda: [" ".join(f"w{i % 90}" for i in range(400))])
+    cfg = tiny_cfg(tiny_dirs, tmp_path, ctx=64)
+    tok = runner.load_tokenizer(cfg.model)
+    qs = runner.build_requests(cfg, tok)
+    assert all(len(q.ctx_ids) == 64 and len(q.turns) == 1 for q in qs)
+    recs = runner.run(cfg, sweep_id="c")
+    assert all(r["prompt_tokens"] == 64 for r in recs[0]["requests"])
+    cfg = tiny_cfg(tiny_dirs, tmp_path, ctx=3)
+    with pytest.raises(ConfigError, match="shorter than the prompt"):
+        runner.build_requests(cfg, tok)
+
+
+@pytest.mark.parametrize("lines,msg", [
+    (['[1, 2]'], r"q.jsonl:1: a question line is a JSON object with 'turns', got a list"),
+    (['{"question_id": 7, "turns": ["a"]}', '{"question_id": 7, "turns": ["b"]}'],
+     "q.jsonl:2: question_id 7 is already on line 1; ids must be unique"),
+    (['{"turns": ["a"]}', '{"question_id": 1, "turns": ["b"]}'],  # the line number is the first one's id
+     "q.jsonl:2: question_id 1 is already on line 1"),
+    (['{"question_id": 1, "turns": "a"}'], "'turns' must be a non-empty list of strings"),
+    (['{"question_id": 1}'], "'turns' must be a non-empty list of strings"),
+    (['{"question_id": 1, "turns": [1'], "not a question line"),
+])
+def test_bad_jsonl_lines_fail_in_one_line_with_a_record(tiny_dirs, tmp_path, lines, msg):
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    from specbench.run import data as D
+
+    with pytest.raises(ConfigError, match=msg.replace("[", r"\[")):
+        D.read_jsonl_questions(path)
+    cfg = tiny_cfg(tiny_dirs, tmp_path / "res", **{"dataset.path": str(path), "limit": None})
+    (rec,) = runner.run(cfg, "s1")  # recorded, no traceback, the sweep goes on
+    assert rec["status"] == "error" and "q.jsonl" in rec["error"]
+    assert [r["status"] for r in R.read(cfg.records)] == ["error"]
+
+
+def test_mt_bench_default_order_covers_every_category_first():
+    """`dataset.order=categories` (MT-Bench's default) takes questions round-robin over the
+    categories, so the default limit=8 asks one of each (the file's first ten are all writing)."""
+    from specbench.run import data as D
+
+    cfg = composed([])
+    assert cfg.dataset.order == "categories" and cfg.limit == 8
+    qs = D.load_questions(cfg.dataset, cfg.limit)
+    assert len({q.category for q in qs}) == 8 == len(qs)
+    in_file = D.load_questions(OmegaConf.merge(cfg.dataset, {"order": "file"}), 8)
+    assert {q.category for q in in_file} == {"writing"}
+    qs = [D.Question(str(i), c, ["t"]) for i, c in enumerate("aaabbc")]
+    assert [q.id for q in D.by_category(qs)] == ["0", "3", "5", "1", "4", "2"]

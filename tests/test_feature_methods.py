@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 from helpers import DEVICE, greedy_cases, chi2_pvalue, prompts_of, reference_greedy, run_engine, tiny_llama
 from specbench.methods.eagle import Eagle
 from specbench.methods.medusa import Medusa
-from specbench import backends
-from specbench.backends import extension, packing
+from specbench import kernels
+from specbench.kernels import extension, packing
 from specbench.decode.tree import Draft
 from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.medusa import MedusaHeads, sparse_tree
@@ -96,11 +96,11 @@ def test_drafters_take_the_targets_kernel_path(name):
     run through the native kernels too (as ``drafters.load`` sets them up), and decoding stays
     token-identical to greedy on that target."""
     target = tiny_llama(seed=0, scale=4.0)
-    backends.apply(target, "native")
+    kernels.apply(target, "native")
     prop = make(name, target)
     (drafter,) = prop.modules()
-    backends.apply(drafter, backends.kernel_of(target))
-    assert backends.kernel_of(drafter) == ("native" if name == "eagle" else "torch")  # Medusa's heads: no nn.Linear
+    kernels.apply(drafter, kernels.kernel_of(target))
+    assert kernels.kernel_of(drafter) == ("native" if name == "eagle" else "torch")  # Medusa's heads: no nn.Linear
     h = torch.randn(3, 64)
     with torch.inference_mode():
         w = drafter.parts.head_weight()
@@ -125,7 +125,7 @@ def test_eagle_block_is_the_same_on_both_paths():
     torch.manual_seed(0)
     ref = Block(target.config)
     fast = copy.deepcopy(ref)
-    backends.apply(fast, "native")
+    kernels.apply(fast, "native")
     B, n, S, d = 2, 5, 23, target.config.hidden_size
     x = torch.randn(B, n, d)
     cos, sin = target.model.rotary_emb(x, torch.arange(7, 7 + n)[None].expand(B, n))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specbench.run import runner
-from test_config import tiny_cfg
+from helpers import tiny_cfg
 
 pytestmark = pytest.mark.gpu
 
@@ -15,7 +15,7 @@ def cuda_job(tiny_dirs, tmp_path, **over):
     base = {"device": "cuda", "dtype": "fp32", "kernel": "torch", "warmup": True, "max_new_tokens": 48,
             "method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
     base.update(over)
-    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, **base), sweep_id="gpu")
+    recs = runner.run(tiny_cfg(tiny_dirs, tmp_path, **base), sweep_id="gpu")
     assert all(r["status"] == "ok" for r in recs), [r.get("error") for r in recs]
     return recs
 

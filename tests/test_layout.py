@@ -1,5 +1,5 @@
 """The package's imports form a tree (no circle, function-level imports included): the cache
-below the backends, the backends below the loader, the loader below the engine and the runner;
+below the kernels, the kernels below the loader, the loader below the engine and the runner;
 the decode core (specbench.decode) below running a job (specbench.run) below the command line.
 Modules stay short enough to read."""
 
@@ -57,17 +57,17 @@ def test_no_module_imports_itself_through_others():
     assert not circles, f"import circles through: {circles}"
 
 
-def test_the_cache_the_backends_the_loader_and_the_engine_are_layered():
+def test_the_cache_the_kernels_the_loader_and_the_engine_are_layered():
     graph = imports()
     assert below(graph, "specbench.decode.kv") <= {"specbench.accel", "specbench.hf", "specbench.errors", "specbench.devices",
                                                     "specbench.decode.slab"}
     assert below(graph, "specbench.devices") == set()  # host-to-device copies: the bottom of the stack
     upper = {"specbench.models", "specbench.decode.engine", "specbench.run.runner", "specbench.run.measure", "specbench.drafters"}
     for m in graph:
-        if m.startswith("specbench.backends"):
+        if m.startswith("specbench.kernels"):
             assert not below(graph, m) & upper, m
-    assert "specbench.backends" in below(graph, "specbench.models")
-    assert not below(graph, "specbench.decode.engine") & {"specbench.models", "specbench.run.runner", "specbench.backends"}
+    assert "specbench.kernels" in below(graph, "specbench.models")
+    assert not below(graph, "specbench.decode.engine") & {"specbench.models", "specbench.run.runner", "specbench.kernels"}
 
 
 CLI = {"specbench.__main__", "specbench.bench", "specbench.gpucheck", "specbench.peers", "specbench.train.__main__"}

@@ -136,7 +136,7 @@ def test_an_installed_wheel_runs_without_the_checkout(tiny_dirs, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert inst.returncode == 0, inst.stderr[-2000:]
     for f in ("specbench/conf/config.yaml", "specbench/conf/experiment/headline.yaml",
-              "specbench/backends/csrc/few_rows.cpp", "specbench/drafters/eagle.py",
+              "specbench/kernels/csrc/few_rows.cpp", "specbench/drafters/eagle.py",
               "specbench/drafters/trees/medusa.json", "specbench/train/card.py", "specbench/methods/pld.py",
               "specbench/analysis/report.py"):
         assert (site / f).exists(), f

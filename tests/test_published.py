@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 from conftest import REPO
 from helpers import CPU, greedy_cases, run_engine, tiny_llama
 from specbench.methods.medusa import Medusa
-from specbench import backends
-from specbench.backends import extension
+from specbench import kernels
+from specbench.kernels import extension
 from specbench.drafters import formats
 from specbench.drafters.medusa import MedusaHeads
 from specbench.errors import ConfigError
@@ -41,7 +41,7 @@ def test_medusa1_fixture_gives_the_reference_logits(target, folder, kernel):
         pytest.skip(f"native kernels: {extension.unavailable()}")
     assert formats.detect(folder) == "medusa1"
     heads = formats.medusa.load(folder, target, CPU, torch.float32)
-    backends.apply(heads, kernel)
+    kernels.apply(heads, kernel)
     ref = torch.load(folder / "reference.pt", weights_only=True)
     with torch.no_grad():
         out = heads(ref["hidden"])
@@ -160,10 +160,10 @@ def test_eagle1_fixture_gives_the_reference_features(kernel):
         pytest.skip(f"native kernels: {extension.unavailable()}")
     assert formats.detect(EAGLE1) == "eagle1"
     target = tiny_llama(seed=0, scale=4.0)
-    backends.apply(target, kernel)  # the drafter follows its target's path
+    kernels.apply(target, kernel)  # the drafter follows its target's path
     d = formats.eagle1.load(EAGLE1, target, CPU, torch.float32)
     assert d.block.ln1 is None and d.block.gate.out_features == 96  # its own layer shape, no input norm
-    assert backends.kernel_of(d) == kernel
+    assert kernels.kernel_of(d) == kernel
     ref = torch.load(EAGLE1 / "reference.pt", weights_only=True)
     h = causal_step(d, ref)
     assert torch.allclose(h, ref["out"], rtol=1e-4, atol=1e-4), (h - ref["out"]).abs().max()
@@ -245,7 +245,7 @@ def test_eagle3_fixture_gives_the_reference_features_and_logits(kernel):
         pytest.skip(f"native kernels: {extension.unavailable()}")
     assert formats.detect(EAGLE3) == "eagle3"
     target = tiny_llama(seed=0, layers=8, scale=4.0)
-    backends.apply(target, kernel)
+    kernels.apply(target, kernel)
     d = formats.eagle3.load(EAGLE3, target, CPU, torch.float32)
     assert d.taps == (1, 3, 4)  # the outputs of layers 1, 3, 4: the inputs of layers 2, L//2, L-3
     state = torch.load(EAGLE3 / "pytorch_model.bin", weights_only=True)

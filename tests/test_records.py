@@ -1,6 +1,6 @@
 """The records file: lines that cannot be read are reported (never silently lost), the index
 beside it that pairing and resume read instead of every output token, and the cost curves'
-reader in analysis."""
+reader in analysis; the divergence bookkeeping and the code state a record carries."""
 
 import json
 import subprocess
@@ -172,3 +172,69 @@ def test_a_gzipped_records_file_reads_as_the_plain_one(tmp_path):
         f.write(text)
     assert R.read(tmp_path / "b" / "records.jsonl.gz") == R.read(tmp_path / "a" / "records.jsonl") == recs
     assert R.read(tmp_path / "b") == recs
+
+
+def test_first_divergence_bookkeeping():
+    assert R.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert R.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert R.first_divergence([1, 2], [1, 2, 3]) == 2  # one stopped early (an EOS)
+    ar = [{"id": "a", "turn": 1, "prompt_sha": "p", "tokens": [1, 2, 3, 4]},
+          {"id": "a", "turn": 2, "prompt_sha": "q", "tokens": [7, 7]},
+          {"id": "b", "turn": 1, "prompt_sha": "r", "tokens": [5, 6]}]
+    ref = {(r["id"], r["turn"], 0): r for r in ar}
+    mine = [{"id": "a", "turn": 1, "prompt_sha": "p", "tokens": [1, 2, 9, 4]},
+            {"id": "a", "turn": 2, "prompt_sha": "other", "tokens": [7, 8]},  # its prompt already differs
+            {"id": "b", "turn": 1, "prompt_sha": "r", "tokens": [5, 6]}]
+    d = R.divergence(mine, ref)
+    assert d == {"compared": 2, "diverged": 1, "median_at": 2, "first_at": 2, "positions": [2]}
+    assert mine[0]["diverge_at"] == 2 and "diverge_at" not in mine[1] and mine[2]["diverge_at"] is None
+
+
+def test_records_reader_skips_a_cut_line(tmp_path):
+    p = tmp_path / "records.jsonl"
+    R.append(p, {"method": "ar", "status": "ok"})
+    with p.open("a") as f:
+        f.write('{"method": "pld", "sta')
+    assert [r["method"] for r in R.read(p)] == ["ar"]
+    assert json.loads(p.read_text().splitlines()[0])["status"] == "ok"
+    R.append(p, {"method": "leviathan", "status": "ok"})  # the next record after the cut survives
+    assert [r["method"] for r in R.read(p)] == ["ar", "leviathan"]
+
+
+def test_code_state_tells_uncommitted_states_apart(tmp_path):
+    """``<sha>-dirty`` for any change let resume and ar_baseline=any pair records of different
+    code: the label carries a hash of the diff and of untracked source files."""
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    (tmp_path / ".gitignore").write_text("results/\n")
+    (tmp_path / "m.py").write_text("x = 1\n")
+    git("add", ".")
+    git("commit", "-qm", "c")
+    clean = R.code_state(tmp_path)
+    assert clean and "dirty" not in clean
+    (tmp_path / "m.py").write_text("x = 2\n")
+    a = R.code_state(tmp_path)
+    (tmp_path / "m.py").write_text("x = 3\n")
+    b = R.code_state(tmp_path)
+    assert a.startswith(clean + "-dirty-") and b.startswith(clean + "-dirty-") and a != b
+    assert R.code_state(tmp_path) == b  # the same state, the same label
+    (tmp_path / "new_method.py").write_text("y = 1\n")  # an untracked source file is code
+    c = R.code_state(tmp_path)
+    assert c != b
+    (tmp_path / "new_method.py").write_text("y = 2\n")
+    assert R.code_state(tmp_path) != c
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "records.jsonl").write_text("{}\n")  # ignored: not code
+    (tmp_path / "notes.bin").write_bytes(b"\0")  # not a source file
+    assert R.code_state(tmp_path) == R.code_state(tmp_path)
+    d = R.code_state(tmp_path)
+    (tmp_path / "results" / "records.jsonl").write_text("{}\n{}\n")
+    assert R.code_state(tmp_path) == d
+    (tmp_path / "m.py").write_text("x = 1\n")
+    (tmp_path / "new_method.py").unlink()
+    assert R.code_state(tmp_path) == clean
+    assert R.code_state(tmp_path / "results") is not None  # a subfolder of the work tree: the same repo

@@ -341,7 +341,7 @@ def test_the_harness_work_between_turns_is_not_timed_as_the_engines(tiny_dirs, t
 
     from specbench.run import runner
     from specbench.models import load_tokenizer
-    from test_config import tiny_cfg
+    from helpers import tiny_cfg
 
     cfg = tiny_cfg(tiny_dirs, tmp_path, batching="continuous", bs=2, limit=3, max_new_tokens=6, warmup=False,
                    **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}})
@@ -355,7 +355,7 @@ def test_the_harness_work_between_turns_is_not_timed_as_the_engines(tiny_dirs, t
         return plain(self, *a, **k)
 
     monkeypatch.setattr(cls, "decode", slow)
-    recs = runner.job(cfg, sweep_id="slow")
+    recs = runner.run(cfg, sweep_id="slow")
     for rec in recs:
         m = rec["metrics"]
         slept = 0.05 * len(rec["requests"])  # one decode per finished request (two turns each)

@@ -13,7 +13,7 @@ import test_serving
 from helpers import serve_engine
 from specbench.decode.tree import Draft
 from specbench.decode.verify import Sampling, Synthetic, verify
-from test_config import tiny_cfg
+from helpers import tiny_cfg
 
 datastore = test_serving.datastore
 cases = test_serving.cases
@@ -247,7 +247,7 @@ def test_a_synthetic_job_is_recorded_lossy_and_pairs_with_plain_ar(tiny_dirs, tm
     cfg = tiny_cfg(tiny_dirs, tmp_path, **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1},
                                          "accept": {"name": "synthetic", "rates": [0.9, 0.5]},
                                          "ar_baseline": "paired", "K": 3})
-    ar, rec = runner.job(cfg, sweep_id="synth")
+    ar, rec = runner.run(cfg, sweep_id="synth")
     assert ar["method"] == "ar" and "accept" not in ar and ar["lossless"] is True
     assert rec["accept"] == {"name": "synthetic", "rates": [0.9, 0.5], "sibling_rates": PUBLISHED}
     assert rec["lossless"] is False

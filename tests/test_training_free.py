@@ -327,13 +327,13 @@ def test_methods_that_learn_across_requests_are_not_timed_on_answers_they_memori
     """The warm-up (the job's first batch) and earlier repeats must not teach a method the answers
     it is then timed on: every repeat reads the acceptance of a fresh proposer without warm-up."""
     from specbench.run import runner
-    from test_config import composed, tiny_cfg
+    from helpers import composed, tiny_cfg
 
     own = {k: v for k, v in composed([f"method={method['name']}"]).method.items()}
     own.update(method)
     cfg = tiny_cfg(tiny_dirs, tmp_path, method=own, repeats=2, ar_baseline="sweep", max_new_tokens=24)
-    warm = next(r for r in runner.job(cfg, sweep_id="warm") if r["method"] == method["name"])
-    cold = next(r for r in runner.job(tiny_cfg(tiny_dirs, tmp_path, method=own, warmup=False, ar_baseline="sweep",
+    warm = next(r for r in runner.run(cfg, sweep_id="warm") if r["method"] == method["name"])
+    cold = next(r for r in runner.run(tiny_cfg(tiny_dirs, tmp_path, method=own, warmup=False, ar_baseline="sweep",
                                                max_new_tokens=24), sweep_id="cold")
                 if r["method"] == method["name"])
     by_rep = {}

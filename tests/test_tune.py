@@ -7,14 +7,14 @@ from specbench.run import runner
 from specbench.run import tune
 from specbench.run.workload import Job
 from specbench.errors import ConfigError
-from test_config import tiny_cfg
+from helpers import tiny_cfg
 
 PLD = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
 
 
 def test_auto_pilots_held_out_prompts_and_records_the_choice(tiny_dirs, tmp_path):
     cfg = tiny_cfg(tiny_dirs, tmp_path, bs=2, K="auto", **{"tune.K": [1, 2, 4], "tune.tokens": 8}, **PLD)
-    ar, rec = runner.job(cfg, sweep_id="s")
+    ar, rec = runner.run(cfg, sweep_id="s")
     assert ar["method"] == "ar" and "tuned" not in ar and "K_auto" not in ar
     t = rec["tuned"]
     assert rec["K_auto"] is True and [c["setting"] for c in t["candidates"]] == [{"K": 1}, {"K": 2}, {"K": 4}]
@@ -33,7 +33,7 @@ def test_auto_pilots_held_out_prompts_and_records_the_choice(tiny_dirs, tmp_path
     assert R.job_key(fixed) != R.job_key(rec)
     # the report: K=auto beside every fixed K measured at that batch size
     for k in (1, 4):
-        runner.job(tiny_cfg(tiny_dirs, tmp_path, bs=2, K=k, **PLD), sweep_id="s")
+        runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, K=k, **PLD), sweep_id="s")
     from specbench.analysis import report
     from specbench.run.summary import summary_table
 
@@ -120,7 +120,7 @@ def test_auto_sizes_a_tree_method_by_its_own_keys(tiny_dirs, tmp_path):
     cfg = tiny_cfg(tiny_dirs, tmp_path, K="auto", **{"tune.tokens": 8},
                    method={"name": "lookahead", "W": "auto", "N": "auto", "G": "auto", "pool_cap": None,
                            "prompt_ngrams": True})
-    ar, rec = runner.job(cfg, sweep_id="s")
+    ar, rec = runner.run(cfg, sweep_id="s")
     t = rec["tuned"]
     assert all(set(c["setting"]) == {"method.W", "method.N", "method.G"} for c in t["candidates"])
     chosen = t["chosen"]
@@ -136,12 +136,12 @@ def test_auto_sizes_a_tree_method_by_its_own_keys(tiny_dirs, tmp_path):
     ({"K": "auto", "tune.cost": "h100:llama-9b"}, "unknown model shape llama-9b"),
 ])
 def test_auto_refusals(tiny_dirs, tmp_path, over, msg):
-    recs = runner.job(tiny_cfg(tiny_dirs, tmp_path, **{**PLD, **over}), sweep_id="s")
+    recs = runner.run(tiny_cfg(tiny_dirs, tmp_path, **{**PLD, **over}), sweep_id="s")
     assert recs[-1]["status"] == "error" and msg in recs[-1]["error"], recs[-1]["error"]
 
 
 def test_auto_for_ar_is_a_plain_ar_job(tiny_dirs, tmp_path):
-    (rec,) = runner.job(tiny_cfg(tiny_dirs, tmp_path, K="auto", method={"name": "ar"}), sweep_id="s")
+    (rec,) = runner.run(tiny_cfg(tiny_dirs, tmp_path, K="auto", method={"name": "ar"}), sweep_id="s")
     assert rec["status"] == "ok" and "tuned" not in rec
 
 

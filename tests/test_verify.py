@@ -113,7 +113,7 @@ def test_tree_commit_matches_recompute(mover, monkeypatch):
     """After committing a tree path, the cache continues exactly as a fresh forward; the slots
     moved by torch's indexing per layer or by the extension's ``move_slots`` for all layers."""
     from specbench.decode import kv
-    from specbench.backends import extension
+    from specbench.kernels import extension
 
     if mover == "torch":
         monkeypatch.setattr(kv, "slot_mover", lambda tensors: None)

@@ -16,7 +16,7 @@ import torch
 from specbench.run import records as R
 from specbench.run import runner
 from specbench.errors import ConfigError
-from test_config import tiny_cfg
+from helpers import tiny_cfg
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = Path(__file__).parent / "fixtures" / "fake_vllm"
@@ -43,7 +43,7 @@ def test_a_paired_vllm_job_records_what_ours_records(tiny_dirs, tmp_path, fake_v
     logs = tmp_path / "logs"
     logs.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(logs))
-    ar, pld = runner.job(vcfg(tiny_dirs, tmp_path, method=PLD, bs=2, ar_baseline="paired", K=3), sweep_id="v")
+    ar, pld = runner.run(vcfg(tiny_dirs, tmp_path, method=PLD, bs=2, ar_baseline="paired", K=3), sweep_id="v")
     assert ar["status"] == pld["status"] == "ok", (ar["error"], pld["error"])
     for rec in (ar, pld):
         assert rec["backend"] == "vllm" and rec["backend_version"] == "0.0.0-fake" and rec["kernel"] is None
@@ -85,7 +85,7 @@ def test_a_paired_vllm_job_records_what_ours_records(tiny_dirs, tmp_path, fake_v
 
 
 def test_a_continuous_vllm_stream_serves_every_turn(tiny_dirs, tmp_path, fake_vllm):
-    rec, = runner.job(vcfg(tiny_dirs, tmp_path, method={"name": "ar"}, bs=2, batching="continuous"), sweep_id="c")
+    rec, = runner.run(vcfg(tiny_dirs, tmp_path, method={"name": "ar"}, bs=2, batching="continuous"), sweep_id="c")
     assert rec["status"] == "ok", rec["error"]
     assert rec["serving"]["concurrency"] == 2 and len(rec["requests"]) == 8
     seconds = {(q["id"], q["turn"]): q for q in rec["requests"]}
@@ -113,7 +113,7 @@ def test_the_hosts_work_between_turns_is_off_the_clock_on_vllm_as_on_ours(tiny_d
 
     monkeypatch.setattr(D, "render", slow_render)
     # one two-turn question: while its next turn renders, the engine has nothing else to do
-    rec, = runner.job(vcfg(tiny_dirs, tmp_path, method={"name": "ar"}, bs=1, limit=1, batching="continuous",
+    rec, = runner.run(vcfg(tiny_dirs, tmp_path, method={"name": "ar"}, bs=1, limit=1, batching="continuous",
                            warmup=False), sweep_id="s")
     assert rec["status"] == "ok", rec["error"]
     first, second = sorted(rec["requests"], key=lambda q: q["turn"])
@@ -150,14 +150,14 @@ def test_vllm_refusals(tiny_dirs, tmp_path, over, msg):
 def test_a_worker_that_fails_to_start_fails_the_job_in_one_line(tiny_dirs, tmp_path, fake_vllm, monkeypatch):
     import tempfile
 
-    rec, = runner.job(vcfg(tiny_dirs, tmp_path, method={"name": "ar"}, **{"model.path": str(tmp_path)}), sweep_id="x")
+    rec, = runner.run(vcfg(tiny_dirs, tmp_path, method={"name": "ar"}, **{"model.path": str(tmp_path)}), sweep_id="x")
     assert rec["status"] == "error"
     assert "\n" not in rec["error"]
     logs = tmp_path / "logs"
     logs.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(logs))
     monkeypatch.setenv("FAKE_VLLM_FAIL", "1")  # now vLLM itself fails as its engine starts
-    rec, = runner.job(vcfg(tiny_dirs, tmp_path / "w", method={"name": "ar"}), sweep_id="y")
+    rec, = runner.run(vcfg(tiny_dirs, tmp_path / "w", method={"name": "ar"}), sweep_id="y")
     assert rec["status"] == "error" and "\n" not in rec["error"] and "told to fail" in rec["error"]
     kept = list(logs.glob("specbench-vllm-*"))
     assert kept and str(kept[0]) in rec["error"]  # a failure keeps its log, and the error names it
@@ -242,8 +242,8 @@ def test_our_medusa_heads_export_in_vllms_layout_with_our_scores(tiny_dirs, tmp_
 def test_the_report_puts_the_two_engines_side_by_side(tiny_dirs, tmp_path, fake_vllm):
     from specbench.analysis import load, report, tables
 
-    runner.job(vcfg(tiny_dirs, tmp_path, method=PLD, K=3, ar_baseline="paired"), sweep_id="v")
-    runner.job(tiny_cfg(tiny_dirs, tmp_path, method=PLD, K=3, ar_baseline="paired"), sweep_id="o")
+    runner.run(vcfg(tiny_dirs, tmp_path, method=PLD, K=3, ar_baseline="paired"), sweep_id="v")
+    runner.run(tiny_cfg(tiny_dirs, tmp_path, method=PLD, K=3, ar_baseline="paired"), sweep_id="o")
     written = report.build(tmp_path / "records.jsonl", tmp_path / "rep")
     assert tmp_path / "rep" / "engines.md" in written and tmp_path / "rep" / "engines.png" in written
     t = tables.engines_table(load.load(tmp_path / "records.jsonl"))
@@ -259,11 +259,11 @@ VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 @pytest.mark.skipif(not VLLM_PY.exists(), reason="vLLM's environment is not set up (make setup-vllm)")
 def test_real_vllm_ar_and_ngram(tmp_path):
     """vLLM itself (make setup-vllm) on the packaged SmolLM2: AR and ngram, 2 prompts, 16 tokens."""
-    from test_config import composed
+    from helpers import composed
 
     cfg = composed(["backend=vllm", "method=pld", "limit=2", "max_new_tokens=16", "ar_baseline=paired",
                     "dataset.max_turns=1", f"results_dir={tmp_path}", "progress=false"])
-    ar, pld = runner.job(cfg, sweep_id="real")
+    ar, pld = runner.run(cfg, sweep_id="real")
     assert ar["status"] == pld["status"] == "ok", (ar["error"], pld["error"])
     assert ar["backend_version"].startswith("0.") and pld["metrics"]["match_ar"] == 1.0
     assert pld["metrics"]["tau"] >= 1.0 and ar["metrics"]["tokens_per_s"] > 0
@@ -279,7 +279,7 @@ def test_requests_in_flight_mean_the_same_on_both_backends(tiny_dirs, tmp_path, 
     make = vcfg if backend == "vllm" else tiny_cfg
     cfg = make(tiny_dirs, tmp_path, method={"name": "ar"}, bs=2, batching="continuous", rate=4.0, max_new_tokens=2,
                warmup=False, limit=4, **{"dataset.max_turns": 1})
-    rec, = runner.job(cfg, sweep_id=backend)
+    rec, = runner.run(cfg, sweep_id=backend)
     assert rec["status"] == "ok", rec["error"]
     f = rec["metrics"]["in_flight"]
     assert 0 < f["mean"] < 0.8, f
@@ -296,7 +296,7 @@ def test_a_request_waiting_for_a_free_row_is_queued_alike_on_both_backends(tiny_
     make = vcfg if backend == "vllm" else tiny_cfg
     cfg = make(tiny_dirs, tmp_path, method={"name": "ar"}, bs=1, batching="continuous", max_new_tokens=6,
                warmup=False, limit=3, **{"dataset.max_turns": 1})
-    rec, = runner.job(cfg, sweep_id=backend)
+    rec, = runner.run(cfg, sweep_id=backend)
     assert rec["status"] == "ok", rec["error"]
     reqs = sorted(rec["requests"], key=lambda q: q["queue_s"])
     assert reqs[0]["queue_s"] < 0.05 and reqs[1]["queue_s"] > 0 and reqs[2]["queue_s"] > reqs[1]["queue_s"]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specbench import backends
+from specbench import kernels
 from specbench.hf import text_config
 
 
@@ -160,7 +160,7 @@ def ready(drafter: torch.nn.Module, target, device, dtype, tables: tuple = ()) -
     drafter = drafter.to(device=device, dtype=dtype).eval()
     for module in tables:
         module.to(device)
-    backends.apply(drafter, backends.kernel_of(target))  # the drafter's own layers on the target's path
+    kernels.apply(drafter, kernels.kernel_of(target))  # the drafter's own layers on the target's path
     return drafter
 
 
@@ -248,7 +248,7 @@ class TargetParts:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``h`` [..., d] -> logits over the draft vocabulary, on the target head's kernel path."""
-        return backends.linear_like(h, self.head_weight().to(h.dtype), self.target.get_output_embeddings(), self)
+        return kernels.linear_like(h, self.head_weight().to(h.dtype), self.target.get_output_embeddings(), self)
 
     def rope(self, x: torch.Tensor, pos: torch.Tensor):
         return self.target.model.rotary_emb(x, pos)

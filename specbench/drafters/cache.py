@@ -11,7 +11,7 @@ A drafter forward attends over ``context()`` (views of the slots some row holds,
 by its own new keys and values: ``scratch(n)`` hands each layer a ``Scratch`` that writes those
 into the free slots right after the context and returns one view of both, so the context is never
 concatenated (copied) again. Keys are stored with their KV heads; attention repeats none
-(``backends.attention_like``: SDPA's grouped-query attention)."""
+(``kernels.attention_like``: SDPA's grouped-query attention)."""
 
 from __future__ import annotations
 

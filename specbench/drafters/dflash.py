@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbench import backends
+from specbench import kernels
 from specbench.drafters import Drafter, borrow, layer_shape
 from specbench.drafters.cache import DrafterCache, join
 from specbench.drafters.eagle import rotate_half
@@ -89,7 +89,7 @@ class DFlashLayer(LlamaLayer):
         q = self.q_norm(self.q_proj(h).view(B, n, self.H, self.Dh)).transpose(1, 2)
         q = q * cos[:, None].to(q.dtype) + rotate_half(q) * sin[:, None].to(q.dtype)
         k, v = self.keys_values(h, cos, sin)
-        a = backends.attention_like(q, *join(ctx, k, v), visible, self.q_proj)
+        a = kernels.attention_like(q, *join(ctx, k, v), visible, self.q_proj)
         x = x + self.o_proj(a.reshape(B, n, self.H * self.Dh))
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))

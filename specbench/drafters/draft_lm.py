@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specbench import backends
+from specbench import kernels
 from specbench.drafters import Drafter, borrow
 from specbench.hf import cache_kwarg, text_config
 
@@ -74,7 +74,7 @@ class DraftLM(Drafter):
         return self._head_cache[1]
 
     def reduced_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return backends.linear_like(hidden, self.head_weight(), self._target_head[0], self)
+        return kernels.linear_like(hidden, self.head_weight(), self._target_head[0], self)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.body.embed_tokens(input_ids)
@@ -82,7 +82,7 @@ class DraftLM(Drafter):
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True,
                 logits_to_keep: int = 0, output_hidden_states: bool = False, **_):
         # where embed() is the body's own embedding, the body takes the token ids: the same numbers, and
-        # on native its own loop over its fused layers (backends.native._fused_model_forward) takes ids only
+        # on native its own loop over its fused layers (kernels.native._fused_model_forward) takes ids only
         own = type(self).embed is DraftLM.embed
         out = self.body(**({"input_ids": input_ids} if own else {"inputs_embeds": self.embed(input_ids)}),
                         attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbench import backends
+from specbench import kernels
 from specbench.drafters import Drafter, TargetParts, borrow, layer_shape
 from specbench.drafters.cache import join
 from specbench.hf import text_config
@@ -73,13 +73,13 @@ class Block(nn.Module):
         a layer without an input norm: the fused steps normalise)."""
         if self.ln1 is None:
             return None
-        return backends.fused_block_weights(self, x, self.q, self.k, self.v, self.gate, self.up)
+        return kernels.fused_block_weights(self, x, self.q, self.k, self.v, self.gate, self.up)
 
     def qkv(self, x, cos, sin):
         """x [B, n, d] -> q [B, H, n, Dh], k, v [B, Hk, n, Dh] (RoPE applied)."""
         fused = self._fused(x)
         if fused is not None:  # the target's fused layer steps: one call each for norm, q|k|v, RoPE
-            return backends.fused_qkv(x, self.ln1.weight, self.ln1.eps, fused[0], self.H, self.Hk, self.Dh, cos, sin)
+            return kernels.fused_qkv(x, self.ln1.weight, self.ln1.eps, fused[0], self.H, self.Hk, self.Dh, cos, sin)
         B, n, _ = x.shape
         h = x if self.ln1 is None else self.ln1(x)
         q = self.q(h).view(B, n, self.H, self.Dh).transpose(1, 2)
@@ -91,12 +91,12 @@ class Block(nn.Module):
     def attend(self, x, q, k, v, mask):
         """Attention of q over (k, v) [B, Hk, S, Dh] with mask [B, n, S] (True = visible),
         then the rest of the layer. Returns the layer output [B, n, d]."""
-        a = backends.attention_like(q, k, v, mask, self.q)  # [B, n, H, Dh], on the layer's kernel path
+        a = kernels.attention_like(q, k, v, mask, self.q)  # [B, n, H, Dh], on the layer's kernel path
         B, n = a.shape[:2]
         x = x + self.o(a.reshape(B, n, self.H * self.Dh))
         fused = self._fused(x)
         if fused is not None:
-            return backends.fused_mlp(x, self.ln2.weight, self.ln2.eps, fused[1], self.gate.out_features, self.down)
+            return kernels.fused_mlp(x, self.ln2.weight, self.ln2.eps, fused[1], self.gate.out_features, self.down)
         h = self.ln2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbench import backends
+from specbench import kernels
 from specbench.drafters import Drafter, borrow, layer_shape
 from specbench.drafters.cache import join
 from specbench.hf import text_config
@@ -68,7 +68,7 @@ class Eagle3Layer(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
     def attend(self, g, q, k, v, mask):
-        a = backends.attention_like(q, k, v, mask, self.q)  # [B, n, H, Dh]
+        a = kernels.attention_like(q, k, v, mask, self.q)  # [B, n, H, Dh]
         B, n = a.shape[:2]
         h = g + self.o(a.reshape(B, n, self.H * self.Dh))
         x = self.post_attention_layernorm(h)

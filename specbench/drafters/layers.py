@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from specbench import backends
+from specbench import kernels
 from specbench.drafters import layer_shape
 
 
@@ -38,7 +38,7 @@ class LlamaLayer(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
     def attend(self, x, q, k, v, mask):
-        a = backends.attention_like(q, k, v, mask, self.q_proj)
+        a = kernels.attention_like(q, k, v, mask, self.q_proj)
         B, n = a.shape[:2]
         x = x + self.o_proj(a.reshape(B, n, self.H * self.Dh))
         h = self.post_attention_layernorm(x)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbench import backends
+from specbench import kernels
 from specbench.drafters import Drafter, TargetParts
 from specbench.hf import text_config
 
@@ -47,7 +47,7 @@ class MedusaHeads(Drafter):
         """f [..., d] -> logits over the draft vocabulary [n_heads, ..., V']."""
         shape = f.shape
         x = f.reshape(-1, shape[-1])
-        z = backends.heads_like(x, self.weight.to(f.dtype), self.parts.target.get_output_embeddings(), self)
+        z = kernels.heads_like(x, self.weight.to(f.dtype), self.parts.target.get_output_embeddings(), self)
         h = x[None] + F.silu(z + self.bias.to(f.dtype)[:, None])
         return self.output(h).view(self.n_heads, *shape[:-1], -1)
 

@@ -22,7 +22,7 @@ from specbench.decode.timing import PhaseTimer, sync
 from specbench.decode.verify import SIBLING_RATES, Sampling, Synthetic
 
 
-class Run(Protocol):
+class TimedRun(Protocol):
     """What ``run_methods`` (and ``tune``) drive: one method over the prompt set, unit by unit.
     ``MethodRun`` (our engine) and ``vllm_engine.VllmRun`` implement it, each driven by its
     ``Workload`` (``workload.Driver``)."""
@@ -256,11 +256,11 @@ def _set_rng_state(device, state: tuple) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def run_methods(job, names: list[str], run_cls=None):
+def run_methods(job, names: list[str], run_cls: type[TimedRun] | None = None):
     """Run methods over the job's questions, taking turns unit by unit (ABBA: the first method runs
     first in even units, last in odd ones, so a drift of the host's speed hits them alike);
     returns one (metrics, requests, proposer) per method. ``run_cls``: ``MethodRun`` (our engine)
-    or one with its interface (``vllm_engine.VllmRun``). Progress goes to ``job.bar``."""
+    or another ``TimedRun`` (``vllm_engine.VllmRun``). Progress goes to ``job.bar``."""
     runs = []
     try:
         for n in names:

@@ -12,7 +12,7 @@ import uuid
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specbench import backends, methods
+from specbench import kernels, methods
 from specbench.engines.vllm import engine as vllm_engine
 from specbench.errors import ConfigError
 from specbench.run import data as D, quality
@@ -158,7 +158,7 @@ def _draft_label(cfg, method_name):
 def _kernel_of(cfg, device) -> str | None:
     """The resolved linear-layer kernel path of a job (the raw setting when it cannot be)."""
     try:
-        return backends.resolve(cfg.get("kernel", "torch"), device)
+        return kernels.resolve(cfg.get("kernel", "torch"), device)
     except ConfigError:
         return cfg.get("kernel")
 
@@ -167,7 +167,7 @@ def _kernel_isa(cfg, device) -> str | None:
     """The vector instructions the job's kernel path runs its linears with (native tiles are AVX2 or
     AVX-512 by CPU), None where torch or oneDNN choose."""
     try:
-        return backends.kernel_isa(backends.resolve(cfg.get("kernel", "torch"), device))
+        return kernels.kernel_isa(kernels.resolve(cfg.get("kernel", "torch"), device))
     except ConfigError:
         return None
 

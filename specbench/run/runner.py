@@ -1,6 +1,7 @@
-"""One sweep job: validate (``validation``), load (cached across the jobs of a sweep), pair with
-its AR baseline (found, run once under a lock, or run in turns: ``ar_baseline=paired``), run the
-method through the engine (``measure``), and append the record; a failure is recorded and the
+"""One sweep job (``run``, Hydra's entry): validate (``validation``), load (cached across the jobs
+of a sweep) into a ``Job``, pair with its AR baseline (found, run once under a lock, or run in
+turns: ``ar_baseline=paired``; ``_run_job``), time the method on the engine (``method_records``
+over ``measure``'s timed runs), and append the record; a failure is recorded and the
 sweep goes on. Records are built by ``recordbuild``; the table at the end is ``summary``.
 Re-exported here: ``validate``, ``MethodRun``, ``build_requests``, ``Job``
 (their modules hold them)."""
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specbench import backends, loggers
+from specbench import kernels, loggers
 from specbench.engines.vllm import engine as vllm_engine
 from specbench.errors import ConfigError
 from specbench.models import cached_model, load_tokenizer, resolve_device, resolve_dtype
@@ -29,7 +30,7 @@ from specbench.run.recordbuild import RecordBuilder, against_ar
 from specbench.run.validation import check_prompts, validate
 from specbench.run.workload import Job, build_requests
 
-__all__ = ["job", "measure", "sweep_id_of", "FAILED", "SweepAborted", "Job"]
+__all__ = ["run", "method_records", "sweep_id_of", "FAILED", "SweepAborted", "Job"]
 
 FAILED: list[str] = []  # one-line errors of this sweep's jobs (sets the exit code)
 
@@ -46,7 +47,7 @@ def _job_name(cfg, method_name, device) -> str:
     return f"{method_name} bs={cfg.bs}" + (f" K={k}" if k is not None else "") + (f" ctx={cfg.ctx}" if cfg.ctx else "")
 
 
-def measure(job: Job, names: list[str]) -> list[dict]:
+def method_records(job: Job, names: list[str]) -> list[dict]:
     """One record per method of ``names`` (taking turns unit by unit when there are several)."""
     run_cls = vllm_engine.VllmRun if vllm_engine.wanted(job.cfg) else MethodRun
     build = RecordBuilder.of(job)
@@ -64,7 +65,7 @@ def sweep_id_of(cfg) -> str:
         return time.strftime("%Y-%m-%d_%H-%M-%S-") + f"{time.time_ns() // 1000 % 1000000:06d}"
 
 
-def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
+def run(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
     """Run one sweep point (plus its AR baseline when missing); returns the records written."""
     sweep_id = sweep_id or sweep_id_of(cfg)
     method_name = cfg.method.name
@@ -85,7 +86,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
             model = None
         else:
             model, tokenizer = cached_model(cfg.model, device, dtype,
-                                            backends.resolve(cfg.get("kernel", "torch"), device),
+                                            kernels.resolve(cfg.get("kernel", "torch"), device),
                                             cfg.get("compile", False) is True)  # graphs: captured by the engine
         if tune.wanted(cfg):  # K=auto: the setting chosen now (piloted on held-out prompts), then checked as any
             cfg, _ = tune.choose(Job(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id))
@@ -101,7 +102,7 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
         return [_fail(RecordBuilder(cfg, device, dtype, sweep_id), method_name, "error", f"loading: {_one_line(e)}")]
     loaded = Job(cfg, method_name, model, tokenizer, device, dtype, questions, sweep_id)
     if not bool(cfg.get("resume", False)):
-        return _job(loaded, False)
+        return _run_job(loaded, False)
     # resume: decide and run under this job's lock, so that two sweeps resumed at once never both run it
     probe = RecordBuilder.of(loaded).settings(method_name)
     tag = hashlib.sha1(repr((R.job_key(probe), R.env_key(probe))).encode()).hexdigest()[:12]
@@ -112,10 +113,10 @@ def job(cfg: DictConfig, sweep_id: str | None = None) -> list[dict]:
             print(f"[specbench] resume: {_job_name(cfg, method_name, device)} is already recorded (sweep "
                   f"{done.get('sweep_id')}); skipped", file=sys.stderr)
             return []
-        return _job(loaded, True)
+        return _run_job(loaded, True)
 
 
-def _job(job: Job, resume: bool) -> list[dict]:
+def _run_job(job: Job, resume: bool) -> list[dict]:
     """A validated, loaded job: its AR baseline (found, run, or paired) and the method."""
     cfg, method_name = job.cfg, job.method
     paired = cfg.ar_baseline == "paired" and method_name != "ar"
@@ -156,14 +157,14 @@ def _find_ar(cfg, probe, scope) -> dict | None:
 
 def _run_one(job: Job, name: str, ar: dict | None) -> dict | None:
     """Measure one method, pair it with the AR record ``ar``, append and log the record."""
-    recs = _measured(job, name, lambda: measure(job, [name]))
+    recs = _measured(job, name, lambda: method_records(job, [name]))
     return None if recs is None else _keep(job, recs[0], ar)
 
 
 def _run_paired(job: Job, name: str) -> dict | None:
     """Measure AR and a method taking turns on the same batches (``ar_baseline=paired``):
     both records are written, the method's speedup is against this AR record."""
-    recs = _measured(job, name, lambda: measure(job, ["ar", name]))
+    recs = _measured(job, name, lambda: method_records(job, ["ar", name]))
     if recs is None:
         return None
     ar, rec = recs
@@ -173,12 +174,12 @@ def _run_paired(job: Job, name: str) -> dict | None:
     return _keep(job, rec, ar)
 
 
-def _measured(job: Job, name: str, run) -> list[dict] | None:
-    """``run()``'s records, or None after recording its failure under ``name`` (the sweep goes
+def _measured(job: Job, name: str, attempt) -> list[dict] | None:
+    """``attempt()``'s records, or None after recording its failure under ``name`` (the sweep goes
     on) unless the failure leaves the device unusable."""
     failure = None
     try:
-        return run()
+        return attempt()
     except KeyboardInterrupt:
         _fail(RecordBuilder.of(job), name, "error", "interrupted (KeyboardInterrupt)")
         raise

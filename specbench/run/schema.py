@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from specbench.backends import KERNELS
+from specbench.kernels import KERNELS
 from specbench.errors import ConfigError, did_you_mean, unknown_key
 from specbench.models import DTYPES
 
@@ -143,7 +143,7 @@ class Config:
     seed: int = 0
     dtype: Literal[("auto",) + tuple(DTYPES)] = "auto"  # auto = fp32 on CPU, bf16 on CUDA
     device: str = "auto"  # auto = cuda when there is one, else cpu
-    kernel: Literal[KERNELS] = "auto"  # linear layers (target and drafters), specbench.backends: auto = native on an AVX2 CPU (own kernels + fused Llama layers), else onednn (prepacked), torch on GPU
+    kernel: Literal[KERNELS] = "auto"  # linear layers (target and drafters), specbench.kernels: auto = native on an AVX2 CPU (own kernels + fused Llama layers), else onednn (prepacked), torch on GPU
     backend: Literal["specbench", "vllm"] = "specbench"  # specbench: this engine; vllm: vLLM's engine on the same prompts and token ids, same records (make setup-vllm; docs/vllm.md)
     vllm: Vllm = setting(Vllm)
     compile: Any = False  # true: torch.compile the target's forward (dynamic shapes); graphs: its decode/verify forwards captured at static shapes (CUDA graphs on a GPU; fullgraph compile on the CPU); both in the untimed warm-up, kernel=torch. models.check_compile says what it takes

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from specbench import methods
 from specbench.run import data as D
-from specbench import backends, loggers
+from specbench import kernels, loggers
 from specbench.run import schema
 from specbench.run import tune
 from specbench.errors import ConfigError
@@ -41,7 +41,7 @@ def validate(cfg: DictConfig) -> int:
     device = resolve_device(cfg.device)
     resolve_dtype(cfg.dtype, device)
     compile_ = cfg.get("compile", False)  # the kernel resolved only when it matters (auto may build the extension)
-    check_compile(compile_, backends.resolve(cfg.get("kernel", "torch"), device) if compile_ else None)
+    check_compile(compile_, kernels.resolve(cfg.get("kernel", "torch"), device) if compile_ else None)
     if compile_ == "graphs" and (cfg.get("batching", "static") == "continuous" or cfg.get("prefill_chunk")):
         raise ConfigError("compile=graphs runs static batches with whole prefills: use batching=static and no "
                           "prefill_chunk, or compile=true")

@@ -274,7 +274,7 @@ class _Described:
 
 
 class VllmRun:
-    """A ``measure.Run`` on vLLM: its ``workload`` (the same units, prompts, request records and
+    """A ``measure.TimedRun`` on vLLM: its ``workload`` (the same units, prompts, request records and
     metrics as our engine's) drives one vLLM worker (``workload.Driver``); vLLM's own counters are
     kept beside (``metrics.vllm``)."""
 

@@ -1,4 +1,4 @@
-"""The backends' packed linear paths (``kernel=onednn``, ``kernel=native``): same numbers as torch's within
+"""The kernels' packed linear paths (``kernel=onednn``, ``kernel=native``): same numbers as torch's within
 fp32 rounding, greedy identity of the engine on them, training untouched; the native kernel's
 rows independent of each other bit for bit."""
 
@@ -15,11 +15,11 @@ import torch
 from helpers import CPU, cfg_for, greedy_cases, reference_greedy, run_engine, tiny_llama
 from specbench.methods.pld import PromptLookup
 from specbench.methods.reject import Reject
-from specbench import accel, backends
-from specbench.backends import extension, gqa, native, packing
+from specbench import accel, kernels
+from specbench.kernels import extension, gqa, native, packing
 from specbench.errors import ConfigError
 
-pytestmark = pytest.mark.skipif(not backends.onednn.available(), reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(not kernels.onednn.available(), reason="torch built without oneDNN")
 needs_native = pytest.mark.skipif(extension.unavailable() is not None, reason=f"native kernels: {extension.unavailable()}")
 PACKED = ["onednn", pytest.param("native", marks=needs_native)]
 _AVX512 = extension.unavailable() is None and extension.load().has_avx512()
@@ -31,8 +31,8 @@ COLS = [8, pytest.param(48, marks=pytest.mark.skipif(not _AVX512, reason="this C
 def packed(request):
     m = tiny_llama(seed=0, scale=4.0)
     ref = tiny_llama(seed=0, scale=4.0)
-    assert backends.apply(m, request.param) == 2 * 7 + 1  # q k v o gate up down per layer + the head
-    assert backends.apply(m, request.param) == 0  # idempotent
+    assert kernels.apply(m, request.param) == 2 * 7 + 1  # q k v o gate up down per layer + the head
+    assert kernels.apply(m, request.param) == 0  # idempotent
     return m, ref
 
 
@@ -62,21 +62,21 @@ def test_training_and_other_dtypes_keep_torchs_path(packed):
     lin(x).sum().backward()  # autograd through the layer as loaded
     assert x.grad is not None and lin.weight.grad is not None
     bf = tiny_llama(seed=1).to(torch.bfloat16)
-    assert backends.apply(bf, "onednn") == 0
+    assert kernels.apply(bf, "onednn") == 0
 
 
 def test_resolve():
-    assert backends.resolve("torch", CPU) == "torch"
-    assert backends.resolve("auto", CPU) == ("native" if extension.unavailable() is None else "onednn")
-    assert backends.resolve("auto", torch.device("cuda")) == "torch"
+    assert kernels.resolve("torch", CPU) == "torch"
+    assert kernels.resolve("auto", CPU) == ("native" if extension.unavailable() is None else "onednn")
+    assert kernels.resolve("auto", torch.device("cuda")) == "torch"
     for k in ("onednn", "native"):
         with pytest.raises(ConfigError, match=f"kernel={k} is a CPU path"):
-            backends.resolve(k, torch.device("cuda"))
+            kernels.resolve(k, torch.device("cuda"))
     with pytest.raises(ConfigError, match="unknown kernel"):
-        backends.resolve("fast", CPU)
+        kernels.resolve("fast", CPU)
     with pytest.raises(ConfigError, match="unknown kernel 'avx2'; choices: auto, torch, onednn, native"):
-        backends.resolve("avx2", CPU)  # the native path's name before AVX-512 tiles: in records only
-    assert backends.kernel_isa("native") == extension.isa() and backends.kernel_isa("onednn") is None
+        kernels.resolve("avx2", CPU)  # the native path's name before AVX-512 tiles: in records only
+    assert kernels.kernel_isa("native") == extension.isa() and kernels.kernel_isa("onednn") is None
 
 
 @pytest.mark.parametrize("kernel", PACKED)
@@ -86,7 +86,7 @@ def test_a_copied_or_reloaded_layer_computes_with_its_own_weights(kernel):
     import copy
 
     m = tiny_llama(seed=0)
-    backends.apply(m, kernel)
+    kernels.apply(m, kernel)
     layer = m.model.layers[0].mlp.up_proj
     x = torch.randn(3, 64)
     twin = copy.deepcopy(layer)
@@ -154,7 +154,7 @@ def test_avx512_tiles_give_the_bits_of_the_avx2_tiles():
 
 _GUARDED = r"""
 import ctypes, mmap, torch
-from specbench.backends import extension
+from specbench.kernels import extension
 
 PAGE = mmap.PAGESIZE
 libc = ctypes.CDLL(None, use_errno=True)
@@ -212,7 +212,7 @@ def test_a_kernel_build_killed_midway_does_not_hang_the_next_load(tmp_path):
     copy = tmp_path / "kernels" / built.name
     shutil.copytree(built, copy)  # timestamps kept: up to date, nothing rebuilt
     (copy / "lock").touch()
-    run = subprocess.run([sys.executable, "-c", "from specbench.backends import extension; extension.load(); print('ok')"],
+    run = subprocess.run([sys.executable, "-c", "from specbench.kernels import extension; extension.load(); print('ok')"],
                          capture_output=True, text=True, timeout=240, env={**os.environ, "SPECBENCH_CACHE": str(tmp_path)})
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode, run.stderr[-2000:])
     assert not (copy / "lock").exists()
@@ -279,7 +279,7 @@ def test_argmax_rows_is_numpys_argmax_and_greedy_pick_takes_it(monkeypatch):
 @needs_native
 def test_native_layer_takes_any_row_count_and_adds_its_bias():
     lin = torch.nn.Linear(40, 24, bias=True)
-    backends.apply(lin, "native")
+    kernels.apply(lin, "native")
     for rows in (1, 16, 17, 300):  # 300: more than one sweep over the weight (256 rows each)
         x = torch.randn(rows, 2, 40).transpose(0, 1)  # [2, rows, 40], not contiguous
         with torch.inference_mode():
@@ -320,7 +320,7 @@ def test_gqa_attention_folds_queries_without_changing_the_forward(kernel, monkey
     monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda h, n: repeats.append(n) or real_repeat(h, n))
 
     m, ref = tiny_llama(seed=2), tiny_llama(seed=2)
-    backends.apply(m, kernel)
+    kernels.apply(m, kernel)
     assert m.config._attn_implementation == gqa.NAME and ref.config._attn_implementation == "sdpa"
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
     parents = torch.tensor([[0, 1, 1], [0, 0, 2]])  # a tree per row over the root and 3 drafts
@@ -374,7 +374,7 @@ def test_llama_layers_take_the_fused_forward_and_keep_the_layer_semantics():
     from specbench.decode.kv import RaggedCache
 
     m, ref = tiny_llama(seed=2), tiny_llama(seed=2)
-    backends.apply(m, "native")
+    kernels.apply(m, "native")
     assert all(layer.forward.__func__ is native._fused_llama_forward for layer in m.model.layers)
     assert m.model.norm.forward.__func__ is native._fused_rms_forward  # the final norm too
     parents = torch.tensor([[0, 1, 1], [0, 0, 2]])
@@ -413,7 +413,7 @@ def test_fused_blocks_give_the_bits_of_the_per_op_layer(monkeypatch):
     from specbench.decode.slab import SlabLayer
 
     m = tiny_llama(seed=4)
-    backends.apply(m, "native")
+    kernels.apply(m, "native")
     assert m.model.forward.__func__ is native._fused_model_forward
     depth, anc = tree_geometry(torch.tensor([[0, 1, 1], [0, 0, 2]]))
     append, lean_slabs, stack, taken, lean = SlabLayer.append, native._lean_slabs, native._stack, [], []
@@ -486,12 +486,12 @@ def test_drafts_of_a_native_kernel_target_run_their_own_loop_over_the_fused_laye
     from specbench.models import self_layers_draft
 
     m = tiny_llama(seed=5, layers=3)
-    backends.apply(m, "native")
+    kernels.apply(m, "native")
     sl = self_layers_draft(m, 2)
     dl = DraftLM(m, 2, torch.arange(0, 96, 2))
     sd = SpecDrafter(m, 1, torch.arange(96), 2)
     for d in (dl, sd):
-        backends.apply(d, "native")
+        kernels.apply(d, "native")
     stack, lean = native._stack, []
     monkeypatch.setattr(native, "_stack", lambda model: lean.append(model) or stack(model))
 
@@ -532,7 +532,7 @@ def test_fused_stack_follows_every_change_to_the_layers():
     from specbench.decode.kv import RaggedCache
 
     m, ref = tiny_llama(seed=3), tiny_llama(seed=3)
-    backends.apply(m, "native")
+    kernels.apply(m, "native")
 
     def step(model):
         cache = RaggedCache(model, CPU, torch.float32)
@@ -595,18 +595,18 @@ def test_heads_like_is_the_batched_matmul_and_follows_the_weights():
     w = torch.nn.Parameter(torch.randn(3, 40, 24, generator=g))
     x = torch.randn(5, 24, generator=g)
     like = torch.nn.Linear(24, 8)
-    backends.apply(torch.nn.Sequential(like), "native")
+    kernels.apply(torch.nn.Sequential(like), "native")
     owner = torch.nn.Module()
     with torch.no_grad():
-        got = backends.heads_like(x, w, like, owner)
+        got = kernels.heads_like(x, w, like, owner)
         assert got.shape == (3, 5, 40) and (got - torch.einsum("ni,hoi->hno", x, w)).abs().max() < 1e-4
         assert packing.PACKED["heads"][owner][0] == [(id(w), w.data_ptr(), w._version)]  # packed for the owner
         w.mul_(-2.0)
-        assert (backends.heads_like(x, w, like, owner) + 2 * got).abs().max() < 1e-3
-    y = backends.heads_like(x, w, like, owner)  # autograd: torch's own
+        assert (kernels.heads_like(x, w, like, owner) + 2 * got).abs().max() < 1e-3
+    y = kernels.heads_like(x, w, like, owner)  # autograd: torch's own
     assert y.requires_grad and torch.equal(y, torch.einsum("ni,hoi->hno", x, w))
     with torch.no_grad():
-        assert torch.equal(backends.heads_like(x, w, torch.nn.Linear(24, 8), owner), torch.einsum("ni,hoi->hno", x, w))
+        assert torch.equal(kernels.heads_like(x, w, torch.nn.Linear(24, 8), owner), torch.einsum("ni,hoi->hno", x, w))
 
 
 @needs_native
@@ -626,7 +626,7 @@ def test_fused_layer_takes_the_cache_under_either_name():
 
     assert (cache_kwarg(Old), cache_kwarg(New()), cache_kwarg(Old())) == ("past_key_values", "cache", "past_key_values")
     m = tiny_llama(seed=3)
-    backends.apply(m, "native")
+    kernels.apply(m, "native")
     layer = m.model.layers[0]
     outs = []
     with torch.inference_mode():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from specbench.backends.packing import as_loaded, cached_packing, route
+from specbench.kernels.packing import as_loaded, cached_packing, route
 
 
 def available() -> bool:

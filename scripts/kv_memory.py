@@ -11,7 +11,7 @@ hands out, so memory allocated counts even where nothing was written yet (as a G
 allocator counts it); the second returns every freed tensor to the system (else freed
 mid-size blocks stay in glibc's heap and count as held).
 
-    MALLOC_PERTURB_=7 MALLOC_MMAP_THRESHOLD_=65536 python -m specbench.analysis.kv_memory --bs 1,32,128 --ctx 2048 --new 128 --dtype bf16 \
+    MALLOC_PERTURB_=7 MALLOC_MMAP_THRESHOLD_=65536 python scripts/kv_memory.py --bs 1,32,128 --ctx 2048 --new 128 --dtype bf16 \
         [--kv-module FILE]   # another kv.py (an older commit's) to compare against
 
 Prints a table and one JSON line. Geometry: SmolLM2-135M (30 layers, 3 KV heads of 64) unless
@@ -90,7 +90,7 @@ def run(kv, bs: int, ctx: int, new: int, nodes: int, keep: int, geom, dtype, see
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specbench.analysis.kv_memory", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python scripts/kv_memory.py", description=__doc__.splitlines()[0])
     ap.add_argument("--bs", default="1,32,128")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--new", type=int, default=128, help="max_new_tokens")

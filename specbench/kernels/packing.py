@@ -1,5 +1,5 @@
 """Packed copies of weights, kept per owner and redone when the weights change: what the onednn
-and native backends share."""
+and native kernel paths share."""
 
 from __future__ import annotations
 

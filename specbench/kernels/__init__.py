@@ -1,10 +1,11 @@
-"""Backends: the kernel path a model's layers run on (``kernel=`` in the config).
+"""Kernels: the path a model's layers run on (``kernel=`` in the config; ``backend=`` picks the
+engine instead, ``specbench.engines``).
 
 A decode forward is a handful of rows through every weight matrix. On CPU torch's default path
 (``F.linear`` -> MKL sgemm) handles 1 row as a matrix-vector product that streams the weight
 once, but 2..16 rows as a general GEMM that packs the weight into blocks on every call: a verify
 forward over K+1 tokens then reads and writes the weights more than once, and costs far more than
-one decode step although it does the same memory traffic in principle. The backends:
+one decode step although it does the same memory traffic in principle. The paths:
 
 - ``torch`` (``gqa``): the layers as loaded; only a GQA model's attention is folded, on every
   path (AR and SD attend alike). The GPU default.
@@ -19,7 +20,7 @@ summation order inside a dot product changes. The loader calls ``resolve`` and `
 drafters call the ``*_like`` and ``fused_*`` helpers, which take the path of the layer they are
 given. ``analysis.profile --kernel torch,onednn,native`` measures the cost curves in one run.
 
-Imports form a tree: ``specbench.decode.kv`` (the cache) <- the backends <- ``specbench.models`` (the
+Imports form a tree: ``specbench.decode.kv`` (the cache) <- the kernels <- ``specbench.models`` (the
 loader) <- the engine. The cache and the verifier reach the extension's host operations only
 through ``specbench.accel``.
 """
@@ -30,8 +31,8 @@ import sys
 
 import torch
 
-from specbench.backends import extension, gqa, native, onednn
-from specbench.backends.native import (attention_like, fused_block_weights, fused_mlp, fused_qkv,  # noqa: F401
+from specbench.kernels import extension, gqa, native, onednn
+from specbench.kernels.native import (attention_like, fused_block_weights, fused_mlp, fused_qkv,  # noqa: F401
                                        heads_like, linear_like)
 from specbench.errors import ConfigError, did_you_mean
 

@@ -1,10 +1,10 @@
 """Does a tree verify pay an attention cost plain AR does not? On ``kernel=torch`` (the GPU path),
 time one target forward over a draft tree (a 4D mask: Hugging Face's sdpa then repeats the
 cache per query head) against a 1-token AR step (no mask: GQA kept), with Hugging Face's
-``sdpa``, with specbench's folded-GQA attention (``backends.gqa.attention``) and with SDPA's own
+``sdpa``, with specbench's folded-GQA attention (``kernels.gqa.attention``) and with SDPA's own
 ``enable_gqa`` on a boolean mask, interleaved.
 
-    python -m specbench.analysis.attention_bench --ctx 256,2048 --nodes 8 --reps 30 [--device cpu] [--dtype fp32]
+    python scripts/attention_bench.py --ctx 256,2048 --nodes 8 --reps 30 [--device cpu] [--dtype fp32]
 
 Prints a table (median ms per forward; verify / AR) and one JSON line.
 """
@@ -38,13 +38,13 @@ def _enable_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, sca
 
 
 def main(argv=None) -> int:
-    from specbench import backends
+    from specbench import kernels
     from specbench.decode.tree import tree_geometry
     from specbench.decode.kv import RaggedCache
     from specbench.models import cached_model, model_cfg, resolve_device, resolve_dtype
     from specbench.decode.timing import sync
 
-    ap = argparse.ArgumentParser(prog="python -m specbench.analysis.attention_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python scripts/attention_bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--ctx", default="256,2048", help="context lengths (comma list)")
     ap.add_argument("--nodes", type=int, default=8, help="draft nodes of the verified tree (plus the root)")
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
 
     AttentionInterface.register("enable_gqa_bool", _enable_gqa_sdpa)
     AttentionMaskInterface.register("enable_gqa_bool", sdpa_mask)
-    impls = {"hf_sdpa": "sdpa", "folded_gqa": backends.gqa.NAME, "enable_gqa": "enable_gqa_bool"}
+    impls = {"hf_sdpa": "sdpa", "folded_gqa": kernels.gqa.NAME, "enable_gqa": "enable_gqa_bool"}
     parents = torch.tensor([_tree(a.nodes)], device=device)
     depth, anc = tree_geometry(parents)
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-// Few-row fp32 linear layer for CPU decode and verify forwards (kernel=native, specbench/backends/native.py).
+// Few-row fp32 linear layer for CPU decode and verify forwards (kernel=native, specbench/kernels/native.py).
 //
 // y[n, O] = x[n, I] @ W[O, I]^T for small n (a decode step, a verify forward over K+1 tokens).
 // The weight is packed once into panels of c output columns, wp[O/c][I][c], so that a panel is
@@ -19,7 +19,7 @@
 // sums kept in fp32 between chunks), the same whichever tile or pass its row lands in: a row's
 // result does not depend on n or on the other rows (batch-invariant, bit for bit).
 //
-// Below it, the other steps of the fused Llama layer (kernels._fused_llama_forward): RMSNorm,
+// Below it, the other steps of the fused Llama layer (native._fused_llama_forward): RMSNorm,
 // RoPE in place, and the attention of a decode step over the KV cache.
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -62,7 +62,7 @@ inline bool software_prefetch() { return !cpu_is_intel(); }
 
 // The tiles, for AVX2 (blocks of 8 columns, each its own stream) and for AVX-512 (panels of 48
 // columns: three 16-column vectors per k, side by side), from linear_tiles.h. A packing's width
-// says which runs (kernels.pack makes 48-column panels where the CPU has AVX-512F). Both compute
+// says which runs (extension.pack makes 48-column panels where the CPU has AVX-512F). Both compute
 // every output as the same chain of FMAs in k order, so the same bits: the width changes how many
 // columns one instruction takes, not the sums.
 struct Ymm {
@@ -125,7 +125,7 @@ bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f"); }
 
 }  // namespace
 
-// x: [..., I] fp32 (made contiguous here); wp: [ceil(O/c), I, c] fp32 contiguous (kernels.pack).
+// x: [..., I] fp32 (made contiguous here); wp: [ceil(O/c), I, c] fp32 contiguous (extension.pack).
 // Returns [..., O]: the leading dimensions are rows, so a layer calls it without reshaping.
 torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& wp, int64_t O) {
   TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == torch::kFloat && x_in.device().is_cpu(),
@@ -162,7 +162,7 @@ torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& wp
   return y;
 }
 
-// The small steps of a fused Llama layer (kernels._fused_llama_forward): one call each instead of
+// The small steps of a fused Llama layer (native._fused_llama_forward): one call each instead of
 // the several torch ops (~3 us apiece at decode sizes) that Hugging Face's modules run.
 
 // RMSNorm over the last dimension: y = w * (x * (1 / sqrt(mean(x^2) + eps))), fp32 throughout, as
@@ -476,7 +476,7 @@ torch::Tensor silu_mul(const torch::Tensor& gu_in) {
   return y;
 }
 
-// A fused Llama layer's two halves, one call each (kernels._fused_llama_forward): the same kernel
+// A fused Llama layer's two halves, one call each (native._fused_llama_forward): the same kernel
 // calls in the same order as the Python composition of the calls above (fused_qkv, the cache
 // update, attention, o_proj and its residual; fused_mlp), so the same bits, without the ~20 torch
 // ops and Python calls a layer made between them (~2-3 us apiece here: about as much as the
@@ -566,7 +566,7 @@ void move_slots(const std::vector<torch::Tensor>& caches, const torch::Tensor& r
 }
 
 // A model whose decoder layers all run fused, as one call per decode or verify forward
-// (kernels._fused_model_forward): every layer's attn_block then mlp_block, the same calls in the
+// (native._fused_model_forward): every layer's attn_block then mlp_block, the same calls in the
 // same order as the Python loop over them made (the same bits), without the ~30 us a layer that
 // loop spent reaching the weights through the modules and checking that they had not changed
 // once the weight stream had left the caches cold.

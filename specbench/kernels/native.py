@@ -20,9 +20,9 @@ import weakref
 
 import torch
 
-from specbench.backends import gqa
-from specbench.backends.extension import few_rows_linear, load, pack
-from specbench.backends.packing import PACKED, as_loaded, cached_packing, route
+from specbench.kernels import gqa
+from specbench.kernels.extension import few_rows_linear, load, pack
+from specbench.kernels.packing import PACKED, as_loaded, cached_packing, route
 from specbench.hf import cache_kwarg, output_cache_field
 from specbench.decode.slab import SlabLayer
 

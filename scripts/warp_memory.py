@@ -1,9 +1,9 @@
 """Peak memory of top-p warping over a verify's logits [B, N, V], in chunks (the default) or in
 one pass over every row (``--one-pass``: the behaviour before chunking).
 
-    MALLOC_PERTURB_=7 MALLOC_MMAP_THRESHOLD_=65536 python -m specbench.analysis.warp_memory --bs 32 --nodes 65 --vocab 49152
+    MALLOC_PERTURB_=7 MALLOC_MMAP_THRESHOLD_=65536 python scripts/warp_memory.py --bs 32 --nodes 65 --vocab 49152
 
-The peak is the process's RSS above what it held with the logits made (see analysis.kv_memory
+The peak is the process's RSS above what it held with the logits made (see scripts/kv_memory.py
 for the two glibc settings). Prints one line and one JSON line.
 """
 
@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     from specbench.decode import verify
     from specbench.decode.verify import Sampling, warp
 
-    ap = argparse.ArgumentParser(prog="python -m specbench.analysis.warp_memory", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python scripts/warp_memory.py", description=__doc__.splitlines()[0])
     ap.add_argument("--bs", type=int, default=32)
     ap.add_argument("--nodes", type=int, default=65)
     ap.add_argument("--vocab", type=int, default=49152)
