@@ -151,17 +151,7 @@ class Combo(Proposer):
     def inner(self):
         return self.members
 
-    def start(self, state: BatchState, hidden=None) -> None:
-        for p in self.members:
-            p.start(state, hidden)
-
-    def add_rows(self, state: BatchState, hidden=None) -> None:
-        for p in self.members:
-            p.add_rows(state, hidden)
-
-    def select_rows(self, keep: list[int]) -> None:
-        for p in self.members:
-            p.select_rows(keep)
+    # start, select_rows and add_rows are the base's: they pass the rows on to the members (inner)
 
     @classmethod
     def joins_rows(cls) -> bool:
