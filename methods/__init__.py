@@ -92,12 +92,17 @@ def get(name: str):
 
 
 def settings(name: str):
-    """The method config node a run of ``name`` starts from: its ``Settings`` dataclass as a
-    structured config (typed; a key it lacks refused), ``name`` set to the name it was chosen by.
-    A method that declares no settings has ``name`` alone."""
+    """The method config node a run of ``name`` starts from: its ``Settings`` dataclass's keys and
+    defaults (a key it lacks refused; values held to their types by ``check_types``), ``name`` set
+    to the name it was chosen by. A method that declares no settings has ``name`` alone."""
     from omegaconf import OmegaConf
 
+    from specbench.settings import loose
+
     cls = get(name)
+    if cls.Settings is None and getattr(cls, "config_file", None):
+        raise KeyError(f"method '{name}': {cls.__name__}.config_file is no longer read; declare its settings as a "
+                       "Settings dataclass (docs/adding-a-method.md, section 2)")
     if cls.Settings is None:
         node = OmegaConf.structured(_named(name))
     elif not dataclasses.is_dataclass(cls.Settings):
@@ -105,7 +110,7 @@ def settings(name: str):
     elif "name" not in {f.name for f in dataclasses.fields(cls.Settings)}:
         raise KeyError(f"method '{name}': {cls.__name__}.Settings needs a field `name: str`")
     else:
-        node = OmegaConf.structured(cls.Settings)
+        node = OmegaConf.structured(loose(cls.Settings))  # typed Any: check_types holds the types, strictly
     node.name = name
     return node
 
@@ -146,22 +151,28 @@ def check_keys(node, name: str, where: str = "method.") -> None:
         raise unknown_key(f"{where}{bad[0]}", own, f"{name}'s")
 
 
+def check_types(node, name: str, where: str | None = None) -> None:
+    """Hold the settings ``node`` of method ``name`` to the types and ranges its ``Settings`` declares,
+    strictly (``2`` is no boolean, ``true`` no integer): one ConfigError line. ``where``: how the
+    settings are reached, for the message (``pld.``, by default ``<name>.``)."""
+    from specbench.settings import check_node
+
+    cls = get(name)
+    if cls.Settings is not None:
+        check_node(node, cls.Settings, where or ("method." if is_target(name) else f"{name}."), whose=f"{name}'s")
+
+
 def member_cfg(cfg, name: str, opts=None, where: str | None = None):
     """``cfg`` with ``method`` replaced by method ``name``'s own settings (``settings``), ``opts``
     over them (a key it does not declare, or a value not of its type, is refused; ``where``: how
     ``opts`` are reached, for the message). A member's drafts are taken apart as deterministic
     candidates (``Draft.rows``): ``deterministic_drafts`` tells a method that could sample them not to."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import ValidationError
-
-    from specbench.errors import ConfigError
 
     where = where or f"{name}."
     check_keys(opts or {}, name, where)
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # not struct: the member's own keys
-    try:
-        out.method = OmegaConf.merge(settings(name), opts or {})
-    except ValidationError as e:
-        raise ConfigError(f"{where}{e.full_key}: {str(e).splitlines()[0]}") from None
+    out.method = OmegaConf.merge(settings(name), opts or {})
+    check_types(out.method, name, where)
     out.deterministic_drafts = True
     return out

@@ -16,7 +16,7 @@ Every draft is cut to ``combo.max_nodes`` nodes before it is scored (``auto``: o
 native kernel's row tiles less the root, 3 with AVX2, where a fourth node would make the verify
 forward a second, ~20% dearer, pass for a few hundredths of a token; no cut on other kernels).
 
-Members run with their own settings (their yaml) and ``combo.opts.<member>.<key>=...`` over them;
+Members run with their own settings (their defaults) and ``combo.opts.<member>.<key>=...`` over them;
 they draft deterministic candidates (no sampled drafts, no window nodes: Leviathan and SpecDec
 under sampling, Lookahead are refused at their first draft).
 """

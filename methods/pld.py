@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specbench.errors import ConfigError
 from specbench.methods.base import BatchState, Proposer
+from specbench.settings import setting
 from specbench.decode.tree import Draft
 
 
@@ -68,9 +70,16 @@ class PromptLookup(Proposer):
     @dataclass
     class Settings:  # `pld.<key>=...` is short for `method.<key>=...`
         name: str = "pld"
-        max_ngram: int = 3  # the longest n-gram looked up first ...
-        min_ngram: int = 1  # ... down to this one
+        max_ngram: int = setting(3, lo=1)  # the longest n-gram looked up first ...
+        min_ngram: int = setting(1, lo=1)  # ... down to this one
+
     cost_kind = "ngram"
+
+    @classmethod
+    def check(cls, cfg, target_config) -> None:
+        if cfg.method.min_ngram > cfg.method.max_ngram:
+            raise ConfigError(f"pld.min_ngram ({cfg.method.min_ngram}) must not exceed pld.max_ngram "
+                              f"({cfg.method.max_ngram})")
     per_row = ("index",)  # an n-gram index per row
 
     def __init__(self, cfg, target, tokenizer, device, dtype):

@@ -150,7 +150,7 @@ class SamDecoding(Proposer):
         corpus: Optional[str] = None  # static automaton: null, sharegpt, python_code or a .txt/.jsonl path (REST's datastores)
         corpus_tokens: int = 300000  # ... its first N tokens (the automaton is built in memory once per process)
         static_bias: int = 4  # a corpus match counts this many tokens shorter than one in the row's own text (the paper's 4)
-        fallback: str = "none"  # none, or a method whose draft a row takes when its match is short (recycle, eagle, pld, ...)
+        fallback: Optional[str] = "none"  # none, or a method whose draft a row takes when its match is short (recycle, eagle, pld, ...)
         fallback_opts: dict[str, Any] = field(default_factory=dict)  # the fallback's own settings over its defaults, e.g. sam.fallback_opts.tree_size=4
     cost_kind = "ngram"
     per_row = ("rows",)  # each row's automaton state

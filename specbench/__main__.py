@@ -101,16 +101,13 @@ def check_key(key: str, shown: str, swept) -> None:
 
 
 def check_value(key: str, val: str, shown: str, swept: list[str]) -> None:
-    """Refuse, in one line, a value of a method's setting that its type does not take
-    (``pld.max_ngram=abc``): each value of a comma list, as Hydra parses it, merged into the
-    settings of each method of the sweep that declares the key. A range, a glob or an
-    interpolation is Hydra's to expand and check."""
+    """Refuse, in one line, a value of a method's setting that its type or range does not take
+    (``pld.max_ngram=abc``): each value of a comma list, as Hydra parses it, held to the settings
+    of each method of the sweep that declares the key. A range, a glob or an interpolation is
+    Hydra's to expand and check."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
     from omegaconf import OmegaConf
-    from omegaconf.errors import ValidationError
-
-    from specbench.errors import ConfigError
 
     from specbench import methods
 
@@ -125,16 +122,11 @@ def check_value(key: str, val: str, shown: str, swept: list[str]) -> None:
         return
     else:
         values = [v]
-    field = key.partition(".")[2]
+    field, where = key.partition(".")[2], shown.rpartition(".")[0] + "."
     for name in swept:
-        node = methods.settings(name)
-        if field not in node:
-            continue
-        for one in values:
-            try:
-                OmegaConf.merge(node, {field: one})
-            except ValidationError as e:
-                raise ConfigError(f"{shown}={one}: {str(e).splitlines()[0]} ({name}'s {field})") from None
+        if field in methods.keys(name):
+            for one in values:
+                methods.check_types(OmegaConf.create({field: one}), name, where)
 
 
 def swept_by_default(argv: list[str]) -> list[str]:

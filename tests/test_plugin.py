@@ -45,8 +45,9 @@ def test_the_entry_point_names_the_method_and_its_settings(installed):
     node = methods.settings("bigram")
     assert node.name == "bigram" and node.successor == "latest" and node.max_draft == 0
     assert methods.settings(TARGET).name == TARGET  # the class named itself: the same settings
-    with pytest.raises(Exception):  # the dataclass types the settings
-        node.max_draft = "many"
+    node.max_draft = "many"  # Hydra's node coerces nothing: the dataclass's types are held by check_types
+    with pytest.raises(ConfigError, match="bigram.max_draft must be an integer, got 'many'"):
+        methods.check_types(node, "bigram")
 
 
 def test_bad_outside_methods_are_refused_in_one_line(installed):
@@ -79,7 +80,7 @@ def test_an_outside_methods_unknown_key_is_refused_in_one_line(installed, tmp_pa
         assert str(e.value) == msg
     with pytest.raises(ConfigError) as e:
         preprocess(["method=bigram", "bigram.max_draft=lots"])
-    assert str(e.value).startswith("bigram.max_draft=lots: Value 'lots' of type 'str' could not be converted to Integer")
+    assert str(e.value) == "bigram.max_draft must be an integer, got 'lots'"
     assert "\n" not in str(e.value)
     (tmp_path / "bare.py").write_text("from specbench.api import Proposer\nclass Bare(Proposer):\n    name = 'bare'\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -288,3 +288,40 @@ def test_the_cpu_peak_counts_the_methods_caches(tiny, build, monkeypatch, name):
     assert [r.tokens for r in eng.generate(prompts, N_NEW)] == refs
     assert max(kv) > 0
     assert eng.peak_cache_bytes >= max(kv) + max(held), (eng.peak_cache_bytes, max(kv), max(held))
+
+
+def test_every_method_key_is_documented():
+    """docs/methods.md names every key every built-in method's Settings declares."""
+    doc = (REPO / "docs" / "methods.md").read_text()
+    missing = [f"{name}.{k}" for name in methods.builtin() for k in methods.keys(name)
+               if k != "name" and f"`{name}.{k}`" not in doc and f"`{name}.{k}." not in doc]
+    assert not missing, f"docs/methods.md lacks {missing}"
+
+
+def test_method_settings_are_held_to_their_types_strictly():
+    """Hydra's node coerces nothing: a value of the wrong type, on the command line or in a composed
+    config (a preset), is refused in one line, as the run's own settings are; one that fits runs as given."""
+    from specbench.__main__ import preprocess
+    from specbench.errors import ConfigError
+
+    for argv, msg in ((["method=dspark", "dspark.sample_drafts=5"], "dspark.sample_drafts must be true or false, got 5"),
+                      (["method=suffix", "suffix.max_depth=1.5"], "suffix.max_depth must be an integer, got 1.5"),
+                      (["method=pld", "pld.max_ngram=0"], "pld.max_ngram must be an integer >= 1, got 0")):
+        with pytest.raises(ConfigError) as e:
+            preprocess(argv)
+        assert str(e.value) == msg
+    node = methods.settings("suffix")
+    node.tree = 2
+    with pytest.raises(ConfigError, match="suffix.tree must be true or false, got 2"):
+        methods.check_types(node, "suffix")
+    node = OmegaConf.merge(methods.settings("dspark"), {"threshold": 0})
+    methods.check_types(node, "dspark")
+    assert node.threshold == 0 and type(node.threshold) is int  # recorded as given (method_opts)
+
+
+def test_a_class_with_the_old_config_file_is_told_what_to_declare(tmp_path, monkeypatch):
+    (tmp_path / "filed.py").write_text("from specbench.api import Proposer\n"
+                                       "class Filed(Proposer):\n    name = 'filed'\n    config_file = 'filed.yaml'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KeyError, match="config_file is no longer read; declare its settings as a Settings dataclass"):
+        methods.settings("filed:Filed")

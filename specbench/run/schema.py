@@ -1,37 +1,24 @@
 """The run config's schema: every top-level setting (``Config``: its type, range, default and what
 it is) and those of the model, dataset, draft_model and accept groups (types and ranges; their
-defaults are their options' yaml in conf/), declared once as dataclasses. ``store`` puts ``Config``
-into Hydra's config store as the base conf/config.yaml composes on, so Hydra refuses a key none
-declares. ``check`` holds a composed config to the types, strictly (Hydra reads ``K=true`` as a
-boolean and ``K=1.5`` as a float; neither is an integer here), and says what is wrong in one line:
-Hydra's node has every setting typed ``Any``, so that no value is coerced before ``check`` sees it.
-A method's own settings (``cfg.method``) are its ``Settings`` dataclass's, checked by the method
-(``Proposer.check``), its keys by ``methods.check_keys``."""
+defaults are their options' yaml in conf/), declared once as dataclasses (``specbench.settings``).
+``store`` puts ``Config`` into Hydra's config store as the base conf/config.yaml composes on, so
+Hydra refuses a key none declares; ``check`` holds a composed config to the types, strictly, in one
+line. A method's own settings (``cfg.method``) are its ``Settings`` dataclass's, held to their
+types by ``methods.check_types`` and to what types cannot say by the method (``Proposer.check``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from specbench.kernels import KERNELS
-from specbench.errors import ConfigError, did_you_mean, unknown_key
+from specbench.errors import ConfigError, unknown_key
 from specbench.models import DTYPES
-
-
-def setting(default=dataclasses.MISSING, *, lo=None, hi=None, above=None, required_by: tuple = (),
-            doc: str | dict = ""):
-    """A field with its default (a dataclass or a list: made anew for each config) and its range:
-    ``lo`` <= v <= ``hi``, v > ``above``; ``required_by``: the group options (``name``) for which it
-    must be given; ``doc``: what it is (per option: a dict)."""
-    meta = {"lo": lo, "hi": hi, "above": above, "required_by": required_by, "doc": doc}
-    if dataclasses.is_dataclass(default) or isinstance(default, list):
-        return field(default_factory=default if dataclasses.is_dataclass(default) else lambda: list(default),
-                     metadata=meta)
-    return field(default=default, metadata=meta)
+from specbench.settings import check_node, is_a, loose, optional, owner, setting, unknown_choice
 
 
 @dataclass
@@ -156,58 +143,9 @@ class Config:
     progress: bool = True
 
 
-def _is(v, tp) -> bool:
-    if tp is bool:
-        return isinstance(v, bool)
-    if tp is int:
-        return isinstance(v, int) and not isinstance(v, bool)
-    if tp is float:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    if tp is str:
-        return isinstance(v, str)
-    return True
-
-
-def _what(tp, meta: dict, optional: bool) -> str:
-    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, "a value")
-    lo, hi, above = meta.get("lo"), meta.get("hi"), meta.get("above")
-    if above is not None and hi is not None:
-        kind += f" in ({above}, {hi}]"
-    elif lo is not None and hi is not None:
-        kind += f" in [{lo}, {hi}]"
-    elif lo is not None:
-        kind += f" >= {lo}"
-    elif above is not None:
-        kind += f" > {above}"
-    return kind + (" or null" if optional else "")
-
-
-def _in_range(v, meta: dict) -> bool:
-    lo, hi, above = meta.get("lo"), meta.get("hi"), meta.get("above")
-    return (lo is None or v >= lo) and (hi is None or v <= hi) and (above is None or v > above)
-
-
 # Top-level keys an experiment preset carries beside the settings (read by specbench.bench, not by a job).
 PRESET_KEYS = ("bench",)
 BASE = "specbench_config"  # Config's name in Hydra's config store (conf/config.yaml's first default)
-
-
-def _loose(tp, top: bool = False):
-    """``tp`` as Hydra's node: the same keys and defaults, every setting typed ``Any`` (``check``
-    holds the types), a group's node empty until its option is composed; at the top, the
-    presets' own keys too."""
-    hints, out = typing.get_type_hints(tp), []
-    for f in dataclasses.fields(tp):
-        sub = hints[f.name]
-        if dataclasses.is_dataclass(sub) and f.default_factory is not dataclasses.MISSING:
-            node = _loose(sub)
-            out.append((f.name, node, field(default_factory=node)))
-        elif f.default_factory is not dataclasses.MISSING:
-            out.append((f.name, Any, field(default_factory=f.default_factory)))
-        else:
-            out.append((f.name, Any, field(default=None if f.default is dataclasses.MISSING else f.default)))
-    out += [(k, Any, field(default=None)) for k in PRESET_KEYS] if top else []
-    return dataclasses.make_dataclass(tp.__name__, out)
 
 
 def store(named=()) -> None:
@@ -218,7 +156,7 @@ def store(named=()) -> None:
 
     from specbench import methods
 
-    ConfigStore.instance().store(name=BASE, node=_loose(Config, top=True))
+    ConfigStore.instance().store(name=BASE, node=loose(Config, extra=PRESET_KEYS))
     methods.store(named)
 
 
@@ -232,18 +170,6 @@ def _type_at(path: str):
     return tp
 
 
-def _optional(tp) -> tuple:
-    """(the type inside ``Optional[...]``, True), or (``tp``, False)."""
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) is typing.Union and type(None) in args:
-        return next(a for a in args if a is not type(None)), True
-    return tp, False
-
-
-def _unknown_choice(key: str, v, choices) -> ConfigError:
-    return ConfigError(f"unknown {key} '{v}';{did_you_mean(v, choices)} choices: {', '.join(map(str, choices))}")
-
-
 def declared(path: str) -> list[str] | None:
     """The keys the schema declares at ``path`` ("" for the top level, ``model``, ``slo``, ...);
     None at a setting it does not describe key by key (a method's, a logger's, a value)."""
@@ -255,19 +181,15 @@ def check_choice(key: str, values: list[str]) -> None:
     """Refuse, before a sweep starts, a command-line value of ``key`` outside the setting's fixed
     choices (a ``Literal`` of strings): each of ``values``, the items of a comma list. Values in
     Hydra's sweep or interpolation syntax are left to the job's own check."""
-    tp, optional = _optional(_type_at(key))
+    tp, opt = optional(_type_at(key))
     choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
     if not choices or not all(isinstance(c, str) for c in choices):
         return
     for v in values:
-        if any(c in v for c in "()[]{}$") or (optional and v == "null"):
+        if any(c in v for c in "()[]{}$") or (opt and v == "null"):
             continue
         if v not in choices:
-            raise _unknown_choice(key, v, choices)
-
-
-def _owner(path: str) -> str:
-    return f"{path}'s" if path else "top-level"
+            raise unknown_choice(key, v, choices)
 
 
 def check_key(key: str, shown: str | None = None) -> None:
@@ -280,55 +202,18 @@ def check_key(key: str, shown: str | None = None) -> None:
         if keys is None:
             return
         if part not in keys:
-            raise unknown_key(shown or key, keys, _owner(at), i - len(parts))
-
-
-def _check_node(node: DictConfig, schema, prefix: str, group: str | None) -> None:
-    hints = typing.get_type_hints(schema)
-    option = node.get("name") if group else None
-    present = set(node.keys())  # `in` says False for a missing (???) value
-    keys = [f.name for f in dataclasses.fields(schema)]
-    unknown = [k for k in node.keys() if k not in keys and (prefix or k not in PRESET_KEYS)]
-    if unknown:
-        raise unknown_key(prefix + str(unknown[0]), keys, _owner(prefix[:-1]))
-    for f in dataclasses.fields(schema):
-        key = prefix + f.name
-        if f.name not in present:
-            continue
-        tp, meta = hints[f.name], f.metadata
-        missing = OmegaConf.is_missing(node, f.name)
-        v = None if missing else node[f.name]
-        if missing or (v is None and group and option in meta.get("required_by", ())):
-            if group and option in meta.get("required_by", ()):
-                doc = meta.get("doc") or ""
-                doc = f" ({doc.get(option) if isinstance(doc, dict) else doc})" if doc else ""
-                raise ConfigError(f"{group}={option} needs {key}=<...>{doc}")
-            raise ConfigError(f"{key} is required: add {key}=<...>")
-        if dataclasses.is_dataclass(tp):
-            _check_node(v, tp, key + ".", f.name)
-            continue
-        tp, optional = _optional(tp)
-        if optional and v is None:
-            continue
-        if typing.get_origin(tp) is Literal:
-            if v not in typing.get_args(tp):
-                raise _unknown_choice(key, v, typing.get_args(tp))
-            continue
-        if tp is Any:
-            continue
-        if not _is(v, tp) or (tp in (int, float) and not _in_range(v, meta)):
-            raise ConfigError(f"{key} must be {_what(tp, meta, optional)}, got {v!r}")
+            raise unknown_key(shown or key, keys, owner(at), i - len(parts))
 
 
 def check(cfg: DictConfig) -> None:
     """Hold a composed run config to ``Config``; one ConfigError line for the first setting that
     does not fit (its name, what it must be, what it got)."""
-    _check_node(cfg, Config, "", None)
+    check_node(cfg, Config, skip=PRESET_KEYS)
     K = cfg.get("K")
-    if K != "auto" and not (_is(K, int) and K >= 1):
+    if K != "auto" and not (is_a(K, int) and K >= 1):
         raise ConfigError(f"K must be an integer >= 1, got {K!r} (or auto: sized per method and batch size)")
     ks = (cfg.get("tune") or {}).get("K")
-    if ks is not None and not (OmegaConf.is_list(ks) and len(ks) and all(_is(k, int) and k >= 1 for k in ks)):
+    if ks is not None and not (OmegaConf.is_list(ks) and len(ks) and all(is_a(k, int) and k >= 1 for k in ks)):
         raise ConfigError(f"tune.K must be a list of integers >= 1 (the lengths K=auto chooses among), got {ks!r}")
     if (cfg.get("tune") or {}).get("cost") is not None:
         from specbench.analysis import costmodel
@@ -339,7 +224,7 @@ def check(cfg: DictConfig) -> None:
         for key, what in (("rates", "one per draft depth"), ("sibling_rates", "a tree's children of rank 2, 3, ...")):
             r = acc.get(key)  # sibling_rates null or absent: the published default (conf/accept/synthetic.yaml)
             rs = list(r) if OmegaConf.is_list(r) else [r]
-            if (key == "rates" or r is not None) and not (rs and all(_is(x, float) and 0 <= x <= 1 for x in rs)):
+            if (key == "rates" or r is not None) and not (rs and all(is_a(x, float) and 0 <= x <= 1 for x in rs)):
                 raise ConfigError(f"accept.{key} must be a probability in [0, 1] or a non-empty list of them ({what}), "
                                   f"got {OmegaConf.to_container(r) if OmegaConf.is_list(r) else r!r}")
     rate = cfg.get("rate", "inf")

@@ -24,7 +24,8 @@ def validate(cfg: DictConfig) -> int:
     except KeyError as e:  # unknown, or an outside class that does not import
         raise ConfigError(e.args[0]) from None
     schema.check(cfg)  # types and ranges of every setting but the method's own
-    methods.check_keys(cfg.method, cfg.method.name)  # the method's: only the keys it declares
+    methods.check_keys(cfg.method, cfg.method.name)  # the method's: only the keys it declares ...
+    methods.check_types(cfg.method, cfg.method.name)  # ... of the types and in the ranges it declares
     on_vllm = cfg.get("backend", "specbench") == "vllm"
     if on_vllm and (cfg.get("accept") or {}).get("name", "exact") != "exact":
         raise ConfigError("accept=synthetic draws acceptance in specbench's own verifier; backend=vllm verifies "
