@@ -60,7 +60,10 @@ def names() -> list[str]:
 def target(name: str) -> str:
     """``module:Class`` of a method name (or of a ``module:Class`` name itself)."""
     if name in builtin():
-        mod = importlib.import_module(f"{__name__}.{name}")
+        try:
+            mod = importlib.import_module(f"{__name__}.{name}")
+        except ImportError as e:
+            raise KeyError(f"method '{name}': cannot import {__name__}.{name} ({type(e).__name__}: {e})") from e
         from specbench.methods.base import Proposer
 
         own = [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, Proposer)

@@ -194,13 +194,17 @@ class Proposer(MethodSpec):
     def select_rows(self, keep: list[int]) -> None:
         """Finished rows left the batch: keep only the rows at these indices (by default, of the
         ``per_row`` attributes and in the wrapped proposers)."""
+        idx = {}  # the rows kept, one index tensor per device (one host-to-device copy each)
         for k in self.per_row:
             v = getattr(self, k)
             if hasattr(v, "select_rows"):  # a cache keeps its own rows
                 v.select_rows(keep)
+            elif torch.is_tensor(v):
+                if v.device not in idx:
+                    idx[v.device] = torch.tensor(keep, dtype=torch.long, device=v.device)
+                setattr(self, k, v[idx[v.device]])
             else:
-                setattr(self, k, v[torch.tensor(keep, dtype=torch.long, device=v.device)] if torch.is_tensor(v)
-                        else [v[i] for i in keep])
+                setattr(self, k, [v[i] for i in keep])
         for p in self.inner():
             p.select_rows(keep)
 

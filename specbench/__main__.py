@@ -139,8 +139,8 @@ def swept_by_default(argv: list[str]) -> list[str]:
     from specbench.run import schema
 
     own = [a for a in argv if a.startswith("hydra") or a.lstrip("+").startswith("experiment=")]
-    schema.store()
     try:
+        schema.store()
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
             cfg = compose("config", overrides=own, return_hydra_config=True)
     except Exception:  # noqa: BLE001 - Hydra says what is wrong with its own overrides
