@@ -209,7 +209,7 @@ class Proposer(MethodSpec):
             p.select_rows(keep)
 
     def add_rows(self, state: BatchState, hidden=None) -> None:
-        """Rows joined the running batch (``batching=continuous``), after the rows already there:
+        """Rows joined the running batch (``serving.batching=continuous``), after the rows already there:
         ``state`` holds only the new rows (prompt + first token each, as ``start`` sees a batch),
         ``hidden`` their prompts' states. By default the ``per_row`` attributes get the new rows'
         entries (``new_rows``) and the wrapped proposers the rows; a method that keeps per-row

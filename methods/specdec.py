@@ -22,7 +22,7 @@ from specbench.decode.kv import RaggedCache
 from specbench.drafters.cache import DraftRaggedCache
 from specbench.errors import ConfigError
 from specbench.paths import resolve_path
-from specbench.decode.verify import greedy_pick, sample, warp
+from specbench.decode.verify import Sampling, greedy_pick, sample, warp
 
 
 class SpecDec(Proposer):
@@ -69,7 +69,7 @@ class SpecDec(Proposer):
         self.K = min(int(cfg.K), drafter.k)
         self.beta, self.tol = int(m.beta), float(m.tol)
         self.relaxed = (self.beta, self.tol) if self.beta > 1 else None
-        self.lossless = self.relaxed is None or float(cfg.get("temperature", 0.0) or 0.0) > 0
+        self.lossless = self.relaxed is None or not Sampling.of(cfg).greedy
         self.queries = drafter.query_ids(device)[: self.K]
         self.dcache: RaggedCache | None = None
         self.fed: list[int] = []

@@ -158,7 +158,7 @@ def tiny_proposer(name: str, model, tok, folder: Path, device):
     from specbench import methods
 
     cls = methods.get(name)
-    cfg = OmegaConf.create({"K": 3, "progress": False, "temperature": 0.0, "seed": 0,
+    cfg = OmegaConf.create({"K": 3, "progress": False, "sampling": {"temperature": 0.0}, "seed": 0,
                             "model": {"name": "tiny", "path": str(folder / "target")},
                             "draft_model": {"name": "auto", "layers": None, "path": None},
                             "method": methods.settings(name)})

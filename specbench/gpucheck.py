@@ -27,7 +27,7 @@ the dry run graphs AR only:
    Medusa, DFlash, DSpark, P-EAGLE, MTP and Leviathan (2 self layers) under ``accept=synthetic`` at the
    profile and flat rates 0.5 and 0.8, eager;
 6. ``memory``: AR at the largest batch size with ``ctx=2048``: peak memory against the live KV;
-7. ``continuous``: PLD and EAGLE (synthetic) with ``batching=continuous`` at the largest batch size;
+7. ``continuous``: PLD and EAGLE (synthetic) with ``serving.batching=continuous`` at the largest batch size;
 8. ``profile``: the target's cost curve (``analysis.profile``) at two context lengths;
 9. ``compile``: ``compile=true`` (torch.compile) for AR and PLD at the two smallest batch sizes;
 10. ``report``: the figures and tables of every record (``specbench.analysis.report``), packed.
@@ -231,8 +231,8 @@ def plan(a, kit: Path, work: Path, drafts: dict[str, Path]) -> list[tuple[str, l
         ["method=peagle", f"peagle.checkpoint={drafts['peagle']}", "peagle.K=4"],
         ["method=mtp", f"mtp.checkpoint={drafts['mtp']}", "K=3"],
         ["method=leviathan", "draft_model=self_layers", "draft_model.layers=2"])]
-    continuous = [_sweep(base, ["method=pld", "batching=continuous", big]),
-                  _sweep(base, ["method=eagle", f"eagle.checkpoint={drafts['eagle']}", "batching=continuous",
+    continuous = [_sweep(base, ["method=pld", "serving.batching=continuous", big]),
+                  _sweep(base, ["method=eagle", f"eagle.checkpoint={drafts['eagle']}", "serving.batching=continuous",
                                 "accept=synthetic", "accept.rates=0.8", big])]
     profile = [[sys.executable, "-m", "specbench.analysis.profile", "--model", "random", "--shape", a.shape,
                 "--device", a.device, "--dtype", a.dtype, "--bs", size["profile_bs"], "--n", size["profile_n"],

@@ -97,19 +97,21 @@ def owner(path: str) -> str:
 
 
 def check_node(node: DictConfig, schema, prefix: str = "", group: str | None = None, skip: tuple = (),
-               whose: str | None = None) -> None:
+               whose: str | None = None, moved=None) -> None:
     """Hold ``node`` to the dataclass ``schema``: a key it does not declare (but ``skip``), a missing
     required value, a value not of its type or out of its range raise one ConfigError line.
     ``prefix``: the keys' path as the user writes it (``"slo."``, ``"pld."``); ``group``: the config
     group ``node`` is an option of (its ``name``: the option, for ``required_by``); ``whose``: the
-    owner the unknown-key message names (by default the path)."""
+    owner the unknown-key message names (by default the path); ``moved(path, key)``: where a key
+    the node lacks is declared instead (a did-you-mean), or None."""
     hints = typing.get_type_hints(schema)
     option = node.get("name") if group else None
     present = set(node.keys())  # `in` says False for a missing (???) value
     keys = [f.name for f in dataclasses.fields(schema)]
     unknown = [k for k in node.keys() if k not in keys and k not in skip]
     if unknown:
-        raise unknown_key(prefix + str(unknown[0]), keys, whose or owner(prefix[:-1]))
+        raise unknown_key(prefix + str(unknown[0]), keys, whose or owner(prefix[:-1]),
+                          moved=moved(prefix[:-1], str(unknown[0])) if moved else None)
     for f in dataclasses.fields(schema):
         key = prefix + f.name
         if f.name not in present:
@@ -124,7 +126,7 @@ def check_node(node: DictConfig, schema, prefix: str = "", group: str | None = N
                 raise ConfigError(f"{group}={option} needs {key}=<...>{doc}")
             raise ConfigError(f"{key} is required: add {key}=<...>")
         if dataclasses.is_dataclass(tp):
-            check_node(v, tp, key + ".", f.name)
+            check_node(v, tp, key + ".", f.name, moved=moved)
             continue
         tp, opt = optional(tp)
         if opt and v is None:

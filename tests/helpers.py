@@ -68,7 +68,7 @@ def run_engine(model, proposer: Proposer | None, prompts, n, sampling=None, eos=
 
 def serve_engine(model, proposer: Proposer | None, prompts, n, concurrency, arrivals=None, sampling=None, eos=(),
                  gen=None, prefill_chunk=None):
-    """``batching=continuous``: the prompts as requests (arriving at ``arrivals`` seconds, else at
+    """``serving.batching=continuous``: the prompts as requests (arriving at ``arrivals`` seconds, else at
     once), at most ``concurrency`` in flight. Results in the prompts' order."""
     from specbench.decode.engine import Request, Requests
 

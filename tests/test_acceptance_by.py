@@ -83,7 +83,7 @@ def test_the_tags_are_tokens_of_the_tokenizer_or_off():
 
 
 def _tally(tok, thinking):
-    cfg = OmegaConf.create({"bs": 1, "max_new_tokens": 16, "repeats": 1, "batching": "static", "slo": {},
+    cfg = OmegaConf.create({"bs": 1, "max_new_tokens": 16, "repeats": 1, "serving": {"batching": "static", "slo": {}},
                             **({"thinking": thinking} if thinking is not None else {})})
     return Tally(cfg, tok, 2, 2, 4096, len(STREAMS))
 

@@ -79,8 +79,8 @@ def test_the_draft_group_has_one_name():
         schema.check(cfg)
 
 
-TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, batching, rate, prefill_chunk, slo, tune, thinking, "
-            "ctx, limit, max_new_tokens, temperature, top_k, top_p, seed, dtype, device, kernel, backend, vllm, "
+TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, sampling, serving, tune, thinking, "
+            "ctx, limit, max_new_tokens, seed, dtype, device, kernel, backend, vllm, "
             "compile, warmup, repeats, resume, ar_baseline, results_dir, records, progress")
 
 
@@ -105,7 +105,16 @@ TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, batchin
     (["draft_model.layer=2"], "unknown key draft_model.layer; did you mean draft_model.layers? draft_model's keys: "
                               "label, path, layers"),
     (["draft.layers=2"], f"unknown key draft.layers; did you mean draft_model? top-level keys: {TOP_KEYS}"),
-    (["slo.ttft=5"], "unknown key slo.ttft; did you mean slo.ttft_ms? slo's keys: ttft_ms, tpot_ms"),
+    (["serving.slo.ttft=5"], "unknown key serving.slo.ttft; did you mean serving.slo.ttft_ms? serving.slo's keys: "
+                             "ttft_ms, tpot_ms"),
+    # a setting that moved into a node: its new key suggested (the old top-level one is refused)
+    (["temperature=0.5"], f"unknown key temperature; did you mean sampling.temperature? top-level keys: {TOP_KEYS}"),
+    (["top_p=0.9"], f"unknown key top_p; did you mean sampling.top_p? top-level keys: {TOP_KEYS}"),
+    (["batching=continuous"], f"unknown key batching; did you mean serving.batching? top-level keys: {TOP_KEYS}"),
+    (["+rate=2"], f"unknown key rate; did you mean serving.rate? top-level keys: {TOP_KEYS}"),
+    (["slo.ttft_ms=5"], f"unknown key slo.ttft_ms; did you mean serving.slo.ttft_ms? top-level keys: {TOP_KEYS}"),
+    (["serving.ttft_ms=5"], "unknown key serving.ttft_ms; did you mean serving.slo.ttft_ms? serving's keys: batching, "
+                            "rate, prefill_chunk, slo"),
     (["vllm.eager=true"], "unknown key vllm.eager; vllm's keys: python, enforce_eager, max_num_batched_tokens, "
                           "block_size, prefix_caching, kv_cache_gb, threads"),
     (["accept=synthetic", "accept.rate=0.5"], "unknown key accept.rate; did you mean accept.rates? accept's keys: rates"),
@@ -113,7 +122,7 @@ TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, batchin
     (["experiment=headlin"], "unknown experiment 'headlin'; did you mean headline? choices: "),
     (["+experiment=headline"], "a preset is experiment=headline (no +)"),
     (["kernel=native,avx2"], "unknown kernel 'avx2'; choices: auto, torch, onednn, native"),  # before the sweep
-    (["batching=dynamic"], "unknown batching 'dynamic'; choices: static, continuous"),
+    (["serving.batching=dynamic"], "unknown serving.batching 'dynamic'; choices: static, continuous"),
     (["dataset.order=categorie"], "unknown dataset.order 'categorie'; did you mean categories? choices: file, "),
     (["model=smollm2"], "unknown model 'smollm2'; did you mean smollm2-135m? choices: "),
 ])
@@ -128,7 +137,8 @@ def test_an_unknown_key_is_refused_in_one_line_with_the_valid_keys(argv, msg):
 
 def test_declared_keys_pass_through():
     argv = ["method=pld", "method.max_ngram=2,3", "pld.min_ngram=1", "bs=1,2", "model=hf", "model.path=x",
-            "+draft_model.label=x", "~dataset.language", "slo.ttft_ms=200", "tune.K=[1,2]", "vllm.threads=0-1",
+            "+draft_model.label=x", "~dataset.language", "serving.slo.ttft_ms=200", "sampling.temperature=0,0.7",
+            "serving.batching=static,continuous", "serving.rate=4", "tune.K=[1,2]", "vllm.threads=0-1",
             "hydra.launcher.n_jobs=2", "hydra/launcher=joblib", "--multirun", "logger=wandb", "logger.project=p"]
     assert preprocess(argv) == [a.replace("pld.", "method.") for a in argv]
     assert preprocess(["experiment=eagle3", "method.version=3"]) == ["experiment=eagle3", "method.version=3"]
@@ -139,7 +149,9 @@ def test_declared_keys_pass_through():
 def test_an_unknown_key_is_refused_by_the_command_line_before_anything_runs(tmp_path):
     """Both forms on the command line: one line, exit 2, no job run, no record written."""
     for arg, msg in (("pld.kk=3", "unknown key pld.kk; pld's keys: max_ngram, min_ngram"),
-                     ("+method.kk=3", "unknown key method.kk; pld's keys: max_ngram, min_ngram")):
+                     ("+method.kk=3", "unknown key method.kk; pld's keys: max_ngram, min_ngram"),
+                     ("temperature=0.5", f"unknown key temperature; did you mean sampling.temperature? top-level keys: "
+                                         f"{TOP_KEYS}")):
         out = subprocess.run([sys.executable, "-m", "specbench", "method=pld", arg, f"results_dir={tmp_path}"],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and out.stderr.strip() == f"specbench: error: {msg}", out.stderr[-2000:]
@@ -152,7 +164,10 @@ def test_an_unknown_key_in_a_composed_config_is_refused_before_the_model_loads(t
     for over, msg in (({"method": {**pld, "kk": 3}}, "unknown key method.kk; pld's keys: max_ngram, min_ngram"),
                       ({"bss": 4}, "unknown key bss; did you mean bs? top-level keys: "),
                       ({"model.pathh": "x"}, "unknown key model.pathh; did you mean model.path? model's keys: "),
-                      ({"slo.ttft": 5}, "unknown key slo.ttft; did you mean slo.ttft_ms? slo's keys: ttft_ms, tpot_ms"),
+                      ({"serving.slo.ttft": 5}, "unknown key serving.slo.ttft; did you mean serving.slo.ttft_ms? "
+                                                "serving.slo's keys: ttft_ms, tpot_ms"),
+                      ({"temperature": 0.5}, "unknown key temperature; did you mean sampling.temperature? top-level "
+                                             "keys: "),
                       ({"method": {"name": "eagel"}}, "unknown method 'eagel'; did you mean eagle? choices: ")):
         with pytest.raises(ConfigError) as e:
             runner.validate(tiny_cfg(tiny_dirs, tmp_path, **over))
@@ -165,18 +180,19 @@ def test_an_unknown_key_in_a_composed_config_is_refused_before_the_model_loads(t
 @pytest.mark.parametrize("over,msg", [
     ({"K": 0}, "K must be an integer >= 1"),
     ({"bs": 0}, "bs must be an integer >= 1"),
-    ({"batching": "dynamic"}, "unknown batching 'dynamic'; choices: static, continuous"),
-    ({"batching": "continuous", "rate": 0}, "rate must be inf or a number of requests per second > 0, got 0"),
-    ({"rate": 2.0}, "rate applies to batching=continuous"),
-    ({"prefill_chunk": 0}, "prefill_chunk must be an integer >= 1 or null, got 0"),
-    ({"slo": {"tpot_ms": -1, "ttft_ms": None}}, "slo.tpot_ms must be a number > 0 or null"),
+    ({"serving.batching": "dynamic"}, "unknown serving.batching 'dynamic'; choices: static, continuous"),
+    ({"serving.batching": "continuous", "serving.rate": 0}, "serving.rate must be inf or a number of requests per "
+                                                            "second > 0, got 0"),
+    ({"serving.rate": 2.0}, "serving.rate applies to serving.batching=continuous"),
+    ({"serving.prefill_chunk": 0}, "serving.prefill_chunk must be an integer >= 1 or null, got 0"),
+    ({"serving.slo": {"tpot_ms": -1, "ttft_ms": None}}, "serving.slo.tpot_ms must be a number > 0 or null"),
     ({"ctx": 100000}, "exceeds the 512 positions of the job's models"),
     ({"K": True}, "K must be an integer >= 1, got True"),
     ({"K": 2.5}, "K must be an integer >= 1, got 2.5"),
     ({"bs": "8"}, "bs must be an integer >= 1, got '8'"),
     ({"dataset.max_turns": -1}, "dataset.max_turns must be an integer >= 1 or null, got -1"),
-    ({"top_p": "high"}, "top_p must be a number in (0, 1], got 'high'"),
-    ({"top_p": 1.5}, "top_p must be a number in (0, 1], got 1.5"),
+    ({"sampling.top_p": "high"}, "sampling.top_p must be a number in (0, 1], got 'high'"),
+    ({"sampling.top_p": 1.5}, "sampling.top_p must be a number in (0, 1], got 1.5"),
     ({"warmup": "no"}, "warmup must be true or false, got 'no'"),
     ({"dtype": "int8"}, "unknown dtype 'int8'; choices: auto, fp32"),
     ({"limit": 0}, "limit must be an integer >= 1 or null, got 0"),
@@ -185,12 +201,12 @@ def test_an_unknown_key_in_a_composed_config_is_refused_before_the_model_loads(t
     ({"draft_model.layers": 0}, "draft_model.layers must be an integer >= 1 or null, got 0"),
     ({"dataset.path": "/no/such/file.jsonl"}, "does not exist"),
     ({"model.path": "/no/such/model"}, "model path '/no/such/model' does not exist"),
-    ({"temperature": -1.0}, "temperature must be a number >= 0, got -1.0"),
+    ({"sampling.temperature": -1.0}, "sampling.temperature must be a number >= 0, got -1.0"),
     ({"kernel": "triton"}, "unknown kernel 'triton'; choices: auto, torch, onednn, native"),
     ({"compile": "yes"}, "compile must be true, false or graphs, got 'yes'"),
     ({"compile": True, "kernel": "onednn"}, "compile=true compiles torch's kernels, not kernel=onednn"),
     ({"ar_baseline": "nearest"}, "unknown ar_baseline 'nearest'; choices: sweep, any, paired"),
-    ({"top_p": 0.0}, "top_p must be a number in (0, 1]"),
+    ({"sampling.top_p": 0.0}, "sampling.top_p must be a number in (0, 1]"),
     ({"method": {"name": "eagle9"}}, "unknown method 'eagle9'"),
     ({"method": {"name": "leviathan"}, "draft_model.layers": 5}, "draft_model.layers must be an integer in 1..1"),
     ({"method": {"name": "eagle", "version": 2, "top_k": "auto", "depth": 0, "total_tokens": "auto",

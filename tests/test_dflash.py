@@ -31,7 +31,7 @@ def target4():
 
 
 def cfg_of(folder, **method):
-    return OmegaConf.create({"K": 3, "temperature": 0.0, "model": {"name": "tiny", "path": None},
+    return OmegaConf.create({"K": 3, "sampling": {"temperature": 0.0}, "model": {"name": "tiny", "path": None},
                              "method": {**methods.settings("dflash"), "checkpoint": str(folder), **method}})
 
 

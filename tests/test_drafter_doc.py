@@ -75,7 +75,7 @@ def test_the_documented_drafter_method_trains_and_decodes_as_greedy(feature_setu
     card = (out / "README.md").read_text()
     assert card.startswith("# next_head: next_head drafter for tiny") and "method=next_head next_head.checkpoint=" in card
 
-    mcfg = OmegaConf.create({"K": 1, "temperature": 0.0, "model": {"name": "tiny", "path": None},
+    mcfg = OmegaConf.create({"K": 1, "sampling": {"temperature": 0.0}, "model": {"name": "tiny", "path": None},
                              "method": {**methods.settings(documented), "checkpoint": str(out)}})
     cls = methods.get(documented)
     cls.check(mcfg, target.config)

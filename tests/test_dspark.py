@@ -33,7 +33,7 @@ def target4():
 
 
 def cfg_of(folder, name="dspark", **method):
-    return OmegaConf.create({"K": 3, "temperature": 0.0, "model": {"name": "tiny", "path": None},
+    return OmegaConf.create({"K": 3, "sampling": {"temperature": 0.0}, "model": {"name": "tiny", "path": None},
                              "method": {**methods.settings(name), "checkpoint": str(folder), **method}})
 
 
@@ -305,7 +305,7 @@ def test_as_a_member_of_combo_or_sam_it_drafts_deterministic_candidates(tmp_path
 
     target = tiny_llama(seed=0, layers=4, vocab=12, device=CPU)
     folder = random_dspark(target, tmp_path / "d", block=4, layers=1)
-    cfg = member_cfg(OmegaConf.create({"K": 3, "temperature": 1.0, "model": {"name": "tiny", "path": None}}), "dspark",
+    cfg = member_cfg(OmegaConf.create({"K": 3, "sampling": {"temperature": 1.0}, "model": {"name": "tiny", "path": None}}), "dspark",
                      {"checkpoint": str(folder)})
     prop = methods.get("dspark")(cfg, target, None, CPU, torch.float32)
     assert not prop.sample_drafts

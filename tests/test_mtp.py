@@ -25,7 +25,7 @@ CPU = torch.device("cpu")
 
 
 def cfg_of(folder=None, path=None, K=3):
-    return OmegaConf.create({"K": K, "temperature": 0.0, "model": {"name": "tiny", "path": str(path) if path else None},
+    return OmegaConf.create({"K": K, "sampling": {"temperature": 0.0}, "model": {"name": "tiny", "path": str(path) if path else None},
                              "method": {**methods.settings("mtp"), "checkpoint": str(folder) if folder else None}})
 
 

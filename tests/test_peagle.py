@@ -30,7 +30,7 @@ def target8():
 
 
 def cfg_of(folder, **method):
-    return OmegaConf.create({"K": 3, "temperature": 0.0, "model": {"name": "tiny", "path": None},
+    return OmegaConf.create({"K": 3, "sampling": {"temperature": 0.0}, "model": {"name": "tiny", "path": None},
                              "method": {**methods.settings("peagle"), "checkpoint": str(folder), **method}})
 
 
@@ -154,7 +154,7 @@ def test_other_checkpoints_and_settings_are_refused(target8, tmp_path):
     with pytest.raises(ConfigError, match="peagle.K must be null"):
         methods.get("peagle").check(cfg_of(FIXTURE, K=0), target8.config)
     with pytest.raises(ConfigError, match="a speculators 'peagle' checkpoint; .* and peagle \\(method=peagle\\)"):
-        methods.get("eagle").check(OmegaConf.create({"K": 3, "temperature": 0.0, "model": {"name": "t", "path": None},
+        methods.get("eagle").check(OmegaConf.create({"K": 3, "sampling": {"temperature": 0.0}, "model": {"name": "t", "path": None},
                                                      "method": {**methods.settings("eagle"), "checkpoint": str(FIXTURE),
                                                                 "version": 3}}), target8.config)
     with pytest.raises(NotImplementedError):  # backend=vllm: "no counterpart in vLLM" (not mapped yet)

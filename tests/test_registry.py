@@ -43,7 +43,7 @@ def build(tiny, tmp_path, monkeypatch):
 
     def make(name, over=None):  # over: settings over the tiny ones ({"method": {"paths": 2}})
         cls = methods.get(name)
-        cfg = OmegaConf.create({"K": 3, "progress": False, "temperature": 0.0, "seed": 0,
+        cfg = OmegaConf.create({"K": 3, "progress": False, "sampling": {"temperature": 0.0}, "seed": 0,
                                 "model": {"name": "tiny", "path": str(folder)},
                                 "draft_model": {"name": "auto", "layers": None, "path": None},
                                 "method": methods.settings(name)})
@@ -70,7 +70,7 @@ def test_every_method_decodes_as_greedy_with_rows_joining(tiny, build, name):
     _, model, _, cases = tiny
     prop = build(name)
     if not prop.joins_rows():
-        pytest.skip(f"{name} keeps per-row state without add_rows: batching=continuous refuses it")
+        pytest.skip(f"{name} keeps per-row state without add_rows: serving.batching=continuous refuses it")
     prompts, refs = cases[4]
     prompts, refs = prompts + prompts[:2], refs + refs[:2]  # six requests, three in flight: rows join and leave
     res, _ = serve_engine(model, prop, prompts, N_NEW, concurrency=3)

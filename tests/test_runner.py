@@ -175,10 +175,12 @@ def test_paired_baseline_takes_turns_and_changes_no_token(tiny_dirs, tmp_path, m
     monkeypatch.setattr(runner.MethodRun, "run_unit", spy)
     pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
     for T in (0.0, 1.0):
-        alone = runner.run(tiny_cfg(tiny_dirs, tmp_path / f"alone{T}", bs=2, temperature=T, **pld), sweep_id="a")
+        alone = runner.run(tiny_cfg(tiny_dirs, tmp_path / f"alone{T}", bs=2, **{"sampling.temperature": T}, **pld),
+                           sweep_id="a")
+        assert [r["temperature"] for r in alone] == [T, T]  # flat in the record, as before sampling.*
         order.clear()
-        paired = [runner.run(tiny_cfg(tiny_dirs, tmp_path / f"paired{T}", bs=2, temperature=T, ar_baseline="paired",
-                                      **pld), sweep_id="p") for _ in range(2)]
+        paired = [runner.run(tiny_cfg(tiny_dirs, tmp_path / f"paired{T}", bs=2, **{"sampling.temperature": T},
+                                      ar_baseline="paired", **pld), sweep_id="p") for _ in range(2)]
         assert order[:4] == [("ar", 0), ("pld", 0), ("pld", 2), ("ar", 2)]  # limit=4, bs=2: two batches
         for ar, rec in paired:
             assert [ar["method"], rec["method"]] == ["ar", "pld"]
@@ -396,14 +398,33 @@ def test_resume_skips_recorded_jobs(tiny_dirs, tmp_path, capsys):
     assert [r["method"] for r in runner.run(tiny_cfg(tiny_dirs, tmp_path, **pld), sweep_id="r3")] == ["ar", "pld"]
 
 
+def test_the_sampling_and_serving_nodes_are_recorded_flat_as_before(tiny_dirs, tmp_path):
+    """sampling.* and serving.* are nodes of the config, but a record keeps the fields it had when they
+    were top-level keys (temperature, top_k, top_p; serving), so records written before pair with
+    those written after (records.BASELINE_KEYS)."""
+    import torch
+
+    from specbench.run import records
+    from specbench.run.recordbuild import RecordBuilder
+
+    cfg = tiny_cfg(tiny_dirs, tmp_path, kernel="torch", bs=2, method={"name": "ar"},
+                   **{"sampling.temperature": 0.7, "sampling.top_p": 0.9, "serving.batching": "continuous",
+                      "serving.rate": 4.0})
+    rec = RecordBuilder(cfg, torch.device("cpu"), torch.float32, "s").settings("ar")
+    assert (rec["temperature"], rec["top_k"], rec["top_p"]) == (0.7, 0, 0.9) and "sampling" not in rec
+    assert rec["serving"] == {"batching": "continuous", "concurrency": 2, "rate": 4.0, "prefill": "separate"}
+    assert {"temperature", "top_k", "top_p", "serving"} <= set(records.BASELINE_KEYS)  # still what pairs AR
+
+
 def test_continuous_batching_records_serving_metrics_and_pairs_its_own_ar(tiny_dirs, tmp_path):
-    """batching=continuous: the job serves every turn as a request at concurrency bs (the second
+    """serving.batching=continuous: the job serves every turn as a request at concurrency bs (the second
     turn arrives when the first is answered), token-identical to the static job; records the
     serving settings (in the AR pairing key: a continuous job never pairs with a static AR),
     latency percentiles, goodput under the SLO and rows in flight; Poisson arrivals are seeded."""
     pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
     static = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, **pld), sweep_id="s")
-    cont = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, batching="continuous", slo={"ttft_ms": 1e6, "tpot_ms": 1e-6},
+    cont = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, serving={"batching": "continuous",
+                                                                   "slo": {"ttft_ms": 1e6, "tpot_ms": 1e-6}},
                                **pld), sweep_id="s")
     assert [r["method"] for r in cont] == ["ar", "pld"]  # its own AR: the static one does not pair
     for s_rec, c_rec in zip(static, cont):
@@ -424,13 +445,13 @@ def test_continuous_batching_records_serving_metrics_and_pairs_its_own_ar(tiny_d
     first = {rq["id"]: rq for rq in cont[1]["requests"] if rq["turn"] == 1}
     for rq in second:  # a follow-up turn arrives once its first turn is answered
         assert rq["arrival_s"] >= first[rq["id"]]["arrival_s"] + first[rq["id"]]["wall_s"] - 1e-6
-    poisson = [runner.run(tiny_cfg(tiny_dirs, tmp_path / f"p{i}", bs=2, batching="continuous", rate=50.0,
+    poisson = [runner.run(tiny_cfg(tiny_dirs, tmp_path / f"p{i}", bs=2, serving={"batching": "continuous", "rate": 50.0},
                                    method={"name": "ar"}), sweep_id="p") for i in range(2)]
     arrivals = [sorted(rq["arrival_s"] for rq in run[0]["requests"] if rq["turn"] == 1) for run in poisson]
     assert arrivals[0] == arrivals[1] and arrivals[0][0] == 0 and arrivals[0][-1] > 0  # seeded, spread
     assert poisson[0][0]["serving"]["rate"] == 50.0
     # the report: the serving plot and speedup against concurrency (two concurrencies per line)
-    runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=1, batching="continuous", **pld), sweep_id="s")
+    runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=1, **{"serving.batching": "continuous"}, **pld), sweep_id="s")
     runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=1, **pld), sweep_id="s")
     from specbench.analysis import report
     from specbench.analysis.load import load
@@ -442,13 +463,14 @@ def test_continuous_batching_records_serving_metrics_and_pairs_its_own_ar(tiny_d
 
 
 def test_chunked_prefill_is_recorded_pairs_its_own_ar_and_keeps_the_tokens(tiny_dirs, tmp_path):
-    """prefill_chunk=N: the prompts are prefilled alone in pieces (static and continuous); the
+    """serving.prefill_chunk=N: the prompts are prefilled alone in pieces (static and continuous); the
     record says so (in the AR pairing key: it pairs with an AR prefilled the same way), its tokens
     are the padded prefill's, and the report labels it as its own series."""
     pld = {"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}}
     static = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, **pld), sweep_id="s")
-    chunked = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, prefill_chunk=3, **pld), sweep_id="s")
-    cont = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, batching="continuous", prefill_chunk=3, **pld), sweep_id="s")
+    chunked = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, **{"serving.prefill_chunk": 3}, **pld), sweep_id="s")
+    cont = runner.run(tiny_cfg(tiny_dirs, tmp_path, bs=2, serving={"batching": "continuous", "prefill_chunk": 3}, **pld),
+                      sweep_id="s")
     assert [r["method"] for r in chunked] == ["ar", "pld"] and [r["method"] for r in cont] == ["ar", "pld"]
     assert chunked[1]["serving"] == {"batching": "static", "prefill": "chunked", "prefill_chunk": 3}
     assert cont[1]["serving"] == {"batching": "continuous", "concurrency": 2, "rate": "inf", "prefill": "chunked",
@@ -464,7 +486,7 @@ def test_chunked_prefill_is_recorded_pairs_its_own_ar_and_keeps_the_tokens(tiny_
     labels = set(load(tmp_path / "records.jsonl")["label"])
     assert {"pld K=4 [prefill 3]", "pld K=4 [continuous, prefill 3]"} <= labels or \
         {"pld [prefill 3]", "pld [continuous, prefill 3]"} <= labels, labels
-    vllm = tiny_cfg(tiny_dirs, tmp_path, backend="vllm", prefill_chunk=3, method={"name": "ar"})
+    vllm = tiny_cfg(tiny_dirs, tmp_path, backend="vllm", **{"serving.prefill_chunk": 3}, method={"name": "ar"})
     from specbench.engines.vllm import engine as vllm_engine
 
     from specbench.errors import ConfigError

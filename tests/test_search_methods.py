@@ -43,7 +43,7 @@ def rest_cfg(path, **kw):
 
 
 def sd_cfg(K=3, beta=1, tol=1.0, temperature=0.0):
-    return OmegaConf.create({"K": K, "temperature": temperature,
+    return OmegaConf.create({"K": K, "sampling": {"temperature": temperature},
                              "method": {"name": "specdec", "checkpoint": None, "beta": beta, "tol": tol}})
 
 

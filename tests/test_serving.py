@@ -1,4 +1,4 @@
-"""batching=continuous: requests join the running batch as rows finish. Every method stays
+"""serving.batching=continuous: requests join the running batch as rows finish. Every method stays
 token-identical to plain greedy decoding with ragged prompts, rows joining and leaving in
 every order (staggered starts, early EOS), arrivals spread in time and follow-up requests."""
 
@@ -335,7 +335,7 @@ def test_a_follow_up_due_before_a_later_first_turn_is_admitted_first(model):
 
 
 def test_the_harness_work_between_turns_is_not_timed_as_the_engines(tiny_dirs, tmp_path, monkeypatch):
-    """batching=continuous: decoding an answer, hashing it and rendering the next turn (on_done) is
+    """serving.batching=continuous: decoding an answer, hashing it and rendering the next turn (on_done) is
     the harness's work; a tokenizer whose decode sleeps 50 ms moves neither the wall nor accept."""
     import time as _time
 
@@ -343,7 +343,7 @@ def test_the_harness_work_between_turns_is_not_timed_as_the_engines(tiny_dirs, t
     from specbench.models import load_tokenizer
     from helpers import tiny_cfg
 
-    cfg = tiny_cfg(tiny_dirs, tmp_path, batching="continuous", bs=2, limit=3, max_new_tokens=6, warmup=False,
+    cfg = tiny_cfg(tiny_dirs, tmp_path, **{"serving.batching": "continuous"}, bs=2, limit=3, max_new_tokens=6, warmup=False,
                    **{"method": {"name": "pld", "max_ngram": 3, "min_ngram": 1}})
     cls = type(load_tokenizer(cfg.model))
     plain = cls.decode

@@ -170,7 +170,7 @@ def test_every_drafter_kind_trains_and_decodes_as_ar(tiny8, tmp_path, kind):
     folder = tiny8[0]
     target = AutoModelForCausalLM.from_pretrained(folder).eval()
     own = {} if method == "leviathan" else {"checkpoint": str(out)}  # leviathan reads draft_model
-    cfg = OmegaConf.create({"K": 3, "temperature": 0.0, "model": {"name": folder.name, "path": str(folder)},
+    cfg = OmegaConf.create({"K": 3, "sampling": {"temperature": 0.0}, "model": {"name": folder.name, "path": str(folder)},
                             "draft_model": {"name": "trained", "path": str(out), "layers": None},
                             "method": {**methods.settings(method), **own, **settings}})
     methods.get(method).check(cfg, target.config)

@@ -28,7 +28,7 @@ def cfg(name, K=4, temperature=0.0, **m):
             "suffix": {"max_depth": 12, "spec_factor": 1.0, "spec_offset": 1.0, "min_prob": 0.1, "tree": True,
                        "global_tree": True},
             "combo": {"of": ["pld", "suffix", "recycle"], "opts": {}, "prior": 0.5}}[name]
-    return OmegaConf.create({"K": K, "temperature": temperature, "method": {"name": name, **base, **m}})
+    return OmegaConf.create({"K": K, "sampling": {"temperature": temperature}, "method": {"name": name, **base, **m}})
 
 
 model = test_search_methods.model  # the same tiny target and greedy cases (N_NEW tokens)

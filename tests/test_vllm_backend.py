@@ -85,7 +85,7 @@ def test_a_paired_vllm_job_records_what_ours_records(tiny_dirs, tmp_path, fake_v
 
 
 def test_a_continuous_vllm_stream_serves_every_turn(tiny_dirs, tmp_path, fake_vllm):
-    rec, = runner.run(vcfg(tiny_dirs, tmp_path, method={"name": "ar"}, bs=2, batching="continuous"), sweep_id="c")
+    rec, = runner.run(vcfg(tiny_dirs, tmp_path, method={"name": "ar"}, bs=2, **{"serving.batching": "continuous"}), sweep_id="c")
     assert rec["status"] == "ok", rec["error"]
     assert rec["serving"]["concurrency"] == 2 and len(rec["requests"]) == 8
     seconds = {(q["id"], q["turn"]): q for q in rec["requests"]}
@@ -113,7 +113,7 @@ def test_the_hosts_work_between_turns_is_off_the_clock_on_vllm_as_on_ours(tiny_d
 
     monkeypatch.setattr(D, "render", slow_render)
     # one two-turn question: while its next turn renders, the engine has nothing else to do
-    rec, = runner.run(vcfg(tiny_dirs, tmp_path, method={"name": "ar"}, bs=1, limit=1, batching="continuous",
+    rec, = runner.run(vcfg(tiny_dirs, tmp_path, method={"name": "ar"}, bs=1, limit=1, **{"serving.batching": "continuous"},
                            warmup=False), sweep_id="s")
     assert rec["status"] == "ok", rec["error"]
     first, second = sorted(rec["requests"], key=lambda q: q["turn"])
@@ -277,7 +277,7 @@ def test_requests_in_flight_mean_the_same_on_both_backends(tiny_dirs, tmp_path, 
     share of the time: the mean is well under 1 on both engines (it read >= 1 when idle time was
     folded into the next step, or dropped)."""
     make = vcfg if backend == "vllm" else tiny_cfg
-    cfg = make(tiny_dirs, tmp_path, method={"name": "ar"}, bs=2, batching="continuous", rate=4.0, max_new_tokens=2,
+    cfg = make(tiny_dirs, tmp_path, method={"name": "ar"}, bs=2, serving={"batching": "continuous", "rate": 4.0}, max_new_tokens=2,
                warmup=False, limit=4, **{"dataset.max_turns": 1})
     rec, = runner.run(cfg, sweep_id=backend)
     assert rec["status"] == "ok", rec["error"]
@@ -294,7 +294,7 @@ def test_a_request_waiting_for_a_free_row_is_queued_alike_on_both_backends(tiny_
     (vLLM's was the hand-off to its scheduler, about 0 while its scheduler queued them), and no
     more than one is ever in flight."""
     make = vcfg if backend == "vllm" else tiny_cfg
-    cfg = make(tiny_dirs, tmp_path, method={"name": "ar"}, bs=1, batching="continuous", max_new_tokens=6,
+    cfg = make(tiny_dirs, tmp_path, method={"name": "ar"}, bs=1, **{"serving.batching": "continuous"}, max_new_tokens=6,
                warmup=False, limit=3, **{"dataset.max_turns": 1})
     rec, = runner.run(cfg, sweep_id=backend)
     assert rec["status"] == "ok", rec["error"]

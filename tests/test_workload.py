@@ -66,9 +66,10 @@ class Engine:
         return now
 
 
-def workload(**over):
-    cfg = OmegaConf.create({"bs": 2, "max_new_tokens": 4, "repeats": 1, "batching": "static", "rate": "inf",
-                            "seed": 3, "ctx": None, "slo": {}, "model": {"chat": False}, **over})
+def workload(serving=None, **over):
+    cfg = OmegaConf.create({"bs": 2, "max_new_tokens": 4, "repeats": 1,
+                            "serving": {"batching": "static", "rate": "inf", "slo": {}, **(serving or {})},
+                            "seed": 3, "ctx": None, "model": {"chat": False}, **over})
     return Workload(SimpleNamespace(cfg=cfg, tokenizer=Chars(), questions=QUESTIONS), K=2, reach=2, npos=4096)
 
 
@@ -101,7 +102,7 @@ def test_a_unit_starts_without_the_history_of_the_one_before():
 
 
 def test_a_stream_takes_poisson_arrivals_from_the_seed_and_each_next_turn_when_answered():
-    w, eng = workload(batching="continuous", rate=2.0), Engine()
+    w, eng = workload({"batching": "continuous", "rate": 2.0}), Engine()
     assert w.units() == [(0, 0)]
     w.run((0, 0), eng)
     rng = random.Random(3)
@@ -118,10 +119,10 @@ def test_a_stream_takes_poisson_arrivals_from_the_seed_and_each_next_turn_when_a
     assert recs[("a", 2)]["arrival_s"] == done[(0, 0)] and all("queue_s" in r for r in recs.values())
     assert [r["batch"] for r in w.tally.requests] == [key[0] for key, *_ in eng.served]  # the question's index
     again = Engine()  # the same seed: the same arrivals, on any engine and in every repeat
-    workload(batching="continuous", rate=2.0).run((0, 0), again)
+    workload({"batching": "continuous", "rate": 2.0}).run((0, 0), again)
     assert [s[:2] for s in again.served] == [s[:2] for s in eng.served]
     at_once = Engine()
-    workload(batching="continuous").run((0, 0), at_once)  # rate=inf: every first turn at 0
+    workload({"batching": "continuous"}).run((0, 0), at_once)  # rate=inf: every first turn at 0
     assert [at for key, at, _, _ in at_once.served if key[1] == 0] == [0.0, 0.0, 0.0]
 
 
@@ -142,8 +143,9 @@ def test_the_tally_keeps_each_answer_and_the_metrics_of_the_job():
 
 
 def test_a_prompt_past_the_models_positions_is_refused_before_it_runs():
-    cfg = OmegaConf.create({"bs": 2, "max_new_tokens": 4, "repeats": 1, "batching": "static", "rate": "inf",
-                            "seed": 3, "ctx": None, "slo": {}, "model": {"chat": False}})
+    cfg = OmegaConf.create({"bs": 2, "max_new_tokens": 4, "repeats": 1,
+                            "serving": {"batching": "static", "rate": "inf", "slo": {}},
+                            "seed": 3, "ctx": None, "model": {"chat": False}})
     w, eng = Workload(SimpleNamespace(cfg=cfg, tokenizer=Chars(), questions=QUESTIONS), 2, 2, npos=19), Engine()
     with pytest.raises(ConfigError, match=r"a prompt of 13 tokens \+ max_new_tokens=4 \+ 2 draft positions exceeds "
                                           r"the 19 positions"):

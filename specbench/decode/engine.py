@@ -1,8 +1,8 @@
 """The one engine every method runs through: prefill, then per step propose -> verify (one
 target forward over all draft nodes, tree attention) -> accept -> commit -> update.
 
-``generate`` runs one batch until its last row finishes (``batching=static``: the batch drains).
-``serve`` holds up to ``concurrency`` requests in flight (``batching=continuous``): whenever rows
+``generate`` runs one batch until its last row finishes (``serving.batching=static``: the batch drains).
+``serve`` holds up to ``concurrency`` requests in flight (``serving.batching=continuous``): whenever rows
 finish, requests that have arrived are prefilled and join the running batch, its cache
 (``RaggedCache.add_rows``) and the method (``Proposer.add_rows``).
 

@@ -18,7 +18,7 @@ decoding pays it, so an eager harness reads small-batch speedups high. Here, as 
   buffers (``GraphCache``: a ``RaggedCache`` whose forward is replayed).
 
 Static batches only: rows leave (compacted in place, the bucket shrinks), none join
-(``batching=continuous`` and ``prefill_chunk`` are refused with compile=graphs). Models with
+(``serving.batching=continuous`` and ``serving.prefill_chunk`` are refused with compile=graphs). Models with
 sliding-window layers are refused too (their masks are per layer type)."""
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ class GraphCache(RaggedCache):
             self.C = max(self._ends())
 
     def add_rows(self, *others, **kwargs) -> None:
-        raise ConfigError("compile=graphs runs static batches (rows leave, none join): use batching=static, "
+        raise ConfigError("compile=graphs runs static batches (rows leave, none join): use serving.batching=static, "
                           "or compile=true for continuous batching")
 
     def nbytes(self) -> int:

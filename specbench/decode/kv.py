@@ -233,7 +233,7 @@ class RaggedCache:
         return int(layers[0].keys.shape[2])
 
     def add_rows(self, *others: "RaggedCache", room: int = 0, rows: int = 0, wider: bool = False) -> None:
-        """Rows join the batch (``batching=continuous``): the rows of ``others`` (prefills of their
+        """Rows join the batch (``serving.batching=continuous``): the rows of ``others`` (prefills of their
         prompts alone) are appended after this cache's, in order. All are aligned at their ends: the
         shorter are left-padded to the widest's slots (each row's own start moves, its positions do
         not). Where the buffers have rows to spare (rows that left, or ``rows`` made room for) and

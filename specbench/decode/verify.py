@@ -144,6 +144,13 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @classmethod
+    def of(cls, cfg, synthetic: Synthetic | None = None) -> "Sampling":
+        """A run config's ``sampling`` node (temperature, top_k, top_p), read whole; missing: greedy."""
+        s = cfg.get("sampling") or {}
+        return cls(float(s.get("temperature", 0.0) or 0.0), int(s.get("top_k", 0) or 0),
+                   float(s.get("top_p", 1.0)), synthetic)
+
 
 # top-p sorts each row (values in fp32, indices in int64, the cumulative sum, the scatter back):
 # about 24 bytes a logit in temporaries. Rows are warped in chunks that keep those under this

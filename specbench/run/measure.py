@@ -72,10 +72,10 @@ class MethodRun:
         eos = eos_ids(model, tokenizer)
 
         def engine(timer):  # its own seeded stream of synthetic acceptance draws, if any
-            sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p),
-                                None if acc is None else Synthetic(acc["rates"], int(cfg.seed), acc["sibling_rates"]))
+            sampling = Sampling.of(cfg, None if acc is None else Synthetic(acc["rates"], int(cfg.seed),
+                                                                            acc["sibling_rates"]))
             return Engine(model, self.proposer, sampling, device, dtype, eos, timer,
-                          prefill_chunk=cfg.get("prefill_chunk"), graphs=self.pool)
+                          prefill_chunk=self.workload.tally.serving.prefill_chunk, graphs=self.pool)
 
         # compile=graphs: the target's forwards replayed from graphs over its pool's fixed buffers
         self.pool = pool_of(model, device, dtype) if cfg.get("compile") == "graphs" else None
@@ -157,7 +157,7 @@ class MethodRun:
         return self._timed(lambda: self.eng.generate(prompts, int(self.cfg.max_new_tokens), self.gen))
 
     def stream(self, requests: list[Request], answered) -> float:
-        """``batching=continuous``: the requests served, at most ``bs`` in flight, each next turn
+        """``serving.batching=continuous``: the requests served, at most ``bs`` in flight, each next turn
         queued as its turn is answered (``workload.Driver``); the stream's seconds, less the time
         spent in ``answered`` (the harness's: the engine stops for it)."""
         queue = Requests(requests)

@@ -188,11 +188,9 @@ def percentiles(xs: list[float]) -> dict | None:
     return {"mean": sum(v) / len(v), "p50": at(50), "p90": at(90), "p99": at(99), "n": len(v)}
 
 
-def goodput(cfg, requests: list[dict], wall: float) -> dict | None:
-    """Requests per second that met the SLO (``slo.ttft_ms``, ``slo.tpot_ms``; null = no bound),
-    and their share; None when no bound is set."""
-    slo = cfg.get("slo") or {}
-    ttft, tpot = slo.get("ttft_ms"), slo.get("tpot_ms")
+def goodput(ttft, tpot, requests: list[dict], wall: float) -> dict | None:
+    """Requests per second that met the SLO (``ttft``, ``tpot``: serving.slo.ttft_ms, .tpot_ms;
+    None = no bound), and their share; None when no bound is set."""
     if ttft is None and tpot is None:
         return None
 

@@ -13,12 +13,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specbench import kernels, methods
+from specbench.decode.verify import Sampling
 from specbench.engines.vllm import engine as vllm_engine
 from specbench.errors import ConfigError
 from specbench.run import data as D, quality
 from specbench.run import records as R
 from specbench.run.measure import _spec_len, accept_of
-from specbench.run.workload import rate_of
+from specbench.run.workload import Serving
 
 
 class RecordBuilder:
@@ -58,8 +59,11 @@ class RecordBuilder:
             "K": of(lambda: _spec_len(cfg, method_name, device), "K"), "bs": of(lambda: int(cfg.bs), "bs"),
             "ctx": of(lambda: cfg.ctx, "ctx"),
             "dataset": of(lambda: D.label(cfg.dataset), "dataset.name"),
-            "limit": of(lambda: cfg.limit, "limit"), "temperature": of(lambda: float(cfg.temperature), "temperature"),
-            "top_k": of(lambda: int(cfg.top_k), "top_k"), "top_p": of(lambda: float(cfg.top_p), "top_p"),
+            "limit": of(lambda: cfg.limit, "limit"),
+            # flat, as before the settings moved into the sampling node (records pair across)
+            "temperature": of(lambda: Sampling.of(cfg).temperature, "sampling.temperature"),
+            "top_k": of(lambda: Sampling.of(cfg).top_k, "sampling.top_k"),
+            "top_p": of(lambda: Sampling.of(cfg).top_p, "sampling.top_p"),
             "max_new_tokens": of(lambda: int(cfg.max_new_tokens), "max_new_tokens"),
             "dtype": str(self.dtype).replace("torch.", ""), "device": device.type,
             "kernel": None if on_vllm else _kernel_of(cfg, device) if resolve_kernel else _raw(cfg, "kernel"),
@@ -139,11 +143,11 @@ def serving_of(cfg) -> dict | None:
     a left-padded forward of their own; ``chunked``: each alone, ``prefill_chunk`` tokens between
     decoding steps). A static job has it only when its prompts are prefilled in pieces; None
     otherwise (so older records still pair)."""
-    chunk = cfg.get("prefill_chunk")
-    how = {"prefill": "chunked", "prefill_chunk": int(chunk)} if chunk is not None else {"prefill": "separate"}
-    if cfg.get("batching", "static") != "continuous":
+    srv = Serving.of(cfg)
+    chunk, rate = srv.prefill_chunk, srv.rate
+    how = {"prefill": "chunked", "prefill_chunk": chunk} if chunk is not None else {"prefill": "separate"}
+    if not srv.continuous:
         return {"batching": "static", **how} if chunk is not None else None
-    rate = rate_of(cfg)
     return {"batching": "continuous", "concurrency": int(cfg.bs), "rate": rate if math.isfinite(rate) else "inf",
             **how}
 

@@ -24,7 +24,7 @@ SCHEMA = 1
 BASELINE_KEYS = ("model", "dataset", "limit", "bs", "ctx", "dtype", "device", "temperature", "top_k", "top_p",
                  "max_new_tokens", "seed", "dataset_cfg", "model_cfg", "repeats", "kernel",
                  "kernel_isa", "compile", "serving", "backend", "backend_version", "vllm_cfg")
-# repeats: only when > 1; compile: only when true or "graphs"; serving: only for batching=continuous or a chunked
+# repeats: only when > 1; compile: only when true or "graphs"; serving: only for serving.batching=continuous or a chunked
 # prefill (prefill_chunk); backend, its version
 # and vllm_cfg: only for backend=vllm (a record without them is our engine's)
 # Values renamed since a record was written, read as today's so that old records still pair

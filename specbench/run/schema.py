@@ -76,6 +76,21 @@ class Slo:  # goodput: requests per second whose TTFT and TPOT stay under these 
 
 
 @dataclass
+class Sampling:  # how tokens are drawn (decode.verify.Sampling.of reads the node whole)
+    temperature: float = setting(0.0, lo=0)  # 0 = greedy
+    top_k: int = setting(0, lo=0)
+    top_p: float = setting(1.0, above=0, hi=1)
+
+
+@dataclass
+class Serving:  # how requests arrive and are batched (run.workload.Serving.of reads the node whole)
+    batching: Literal["static", "continuous"] = "static"  # static: bs prompts start together and the batch drains; continuous: bs requests stay in flight, the next joins as a row finishes
+    rate: Any = "inf"  # serving.batching=continuous: requests arriving per second (Poisson, seeded); inf = all at once. Checked in check()
+    prefill_chunk: Optional[int] = setting(None, lo=1)  # null: prompts joining together prefilled in one left-padded forward; N: each alone, N tokens between decoding steps
+    slo: Slo = setting(Slo)
+
+
+@dataclass
 class Tune:  # K=auto: each setting the method lists is piloted (untimed) on held-out questions (the ones after limit)
     K: Any = setting([1, 2, 3, 4, 6, 8])  # the lengths a chain method chooses among (tree methods list their own sizes): checked in check()
     prompts: int = setting(8, lo=1)  # held-out questions piloted (first turns, each at least once, in batches of bs rows)
@@ -114,20 +129,15 @@ class Config:
     logger: Any
     accept: Accept
     K: Any = 4  # speculation length (draft tokens per step); ignored by ar. auto: sized per method and batch size (tune). Checked in check()
-    bs: int = setting(1, lo=1)  # batch size: prompts decoded together (batching=continuous: requests in flight)
-    batching: Literal["static", "continuous"] = "static"  # static: bs prompts start together and the batch drains; continuous: bs requests stay in flight, the next joins as a row finishes
-    rate: Any = "inf"  # batching=continuous: requests arriving per second (Poisson, seeded); inf = all at once. Checked in check()
-    prefill_chunk: Optional[int] = setting(None, lo=1)  # null: prompts joining together prefilled in one left-padded forward; N: each alone, N tokens between decoding steps
-    slo: Slo = setting(Slo)
+    bs: int = setting(1, lo=1)  # batch size: prompts decoded together (serving.batching=continuous: requests in flight)
+    sampling: Sampling = setting(Sampling)
+    serving: Serving = setting(Serving)
     tune: Tune = setting(Tune)
     thinking: Thinking = setting(Thinking)
     ctx: Optional[int] = setting(None, lo=1)  # null = natural prompts; N = every prompt exactly N tokens (first turns only)
     limit: Optional[int] = setting(8, lo=1)  # first N questions of the dataset (null = all; MT-Bench: one per category)
     max_new_tokens: int = setting(64, lo=1)  # per turn (the default sweep stays under ~5 min on 2 CPU cores)
-    temperature: float = setting(0.0, lo=0)  # 0 = greedy
-    top_k: int = setting(0, lo=0)
-    top_p: float = setting(1.0, above=0, hi=1)
-    seed: int = 0
+    seed: int = 0  # arrivals, sampling, pilots
     dtype: Literal[("auto",) + tuple(DTYPES)] = "auto"  # auto = fp32 on CPU, bf16 on CUDA
     device: str = "auto"  # auto = cuda when there is one, else cpu
     kernel: Literal[KERNELS] = "auto"  # linear layers (target and drafters), specbench.kernels: auto = native on an AVX2 CPU (own kernels + fused Llama layers), else onednn (prepacked), torch on GPU
@@ -192,6 +202,29 @@ def check_choice(key: str, values: list[str]) -> None:
             raise unknown_choice(key, v, choices)
 
 
+def moved(path: str, name: str) -> str | None:
+    """The dotted key of a setting ``name`` that ``path``'s node lacks but one node below it
+    declares (a node of defaults, not a group: ``temperature`` -> ``sampling.temperature``, ``slo``
+    -> ``serving.slo``), when exactly one does; None otherwise."""
+    tp = _type_at(path)
+    if not dataclasses.is_dataclass(tp):
+        return None
+    found, hints = [], typing.get_type_hints(tp)
+
+    def walk(node, at):
+        for f in dataclasses.fields(node):
+            sub = typing.get_type_hints(node)[f.name]
+            if f.name == name:
+                found.append(at + f.name)
+            if dataclasses.is_dataclass(sub) and f.default_factory is not dataclasses.MISSING:
+                walk(sub, f"{at}{f.name}.")
+
+    for f in dataclasses.fields(tp):
+        if dataclasses.is_dataclass(hints[f.name]) and f.default_factory is not dataclasses.MISSING:
+            walk(hints[f.name], f"{path + '.' if path else ''}{f.name}.")
+    return found[0] if len(found) == 1 else None
+
+
 def check_key(key: str, shown: str | None = None) -> None:
     """Refuse a dotted ``key`` (as a command line sets it) that the schema does not declare, in
     one line with the declared keys; ``shown``: the key as the user wrote it."""
@@ -202,13 +235,13 @@ def check_key(key: str, shown: str | None = None) -> None:
         if keys is None:
             return
         if part not in keys:
-            raise unknown_key(shown or key, keys, owner(at), i - len(parts))
+            raise unknown_key(shown or key, keys, owner(at), i - len(parts), moved(at, part))
 
 
 def check(cfg: DictConfig) -> None:
     """Hold a composed run config to ``Config``; one ConfigError line for the first setting that
     does not fit (its name, what it must be, what it got)."""
-    check_node(cfg, Config, skip=PRESET_KEYS)
+    check_node(cfg, Config, skip=PRESET_KEYS, moved=moved)
     K = cfg.get("K")
     if K != "auto" and not (is_a(K, int) and K >= 1):
         raise ConfigError(f"K must be an integer >= 1, got {K!r} (or auto: sized per method and batch size)")
@@ -227,11 +260,12 @@ def check(cfg: DictConfig) -> None:
             if (key == "rates" or r is not None) and not (rs and all(is_a(x, float) and 0 <= x <= 1 for x in rs)):
                 raise ConfigError(f"accept.{key} must be a probability in [0, 1] or a non-empty list of them ({what}), "
                                   f"got {OmegaConf.to_container(r) if OmegaConf.is_list(r) else r!r}")
-    rate = cfg.get("rate", "inf")
+    srv = cfg.get("serving") or {}
+    rate = srv.get("rate", "inf")
     if not (str(rate).lower() in ("inf", "infinity") or (isinstance(rate, (int, float)) and not isinstance(rate, bool)
                                                          and rate > 0)):
-        raise ConfigError(f"rate must be inf or a number of requests per second > 0, got {rate!r}")
-    if cfg.get("batching", "static") == "static" and str(rate).lower() not in ("inf", "infinity"):
-        raise ConfigError("rate applies to batching=continuous (requests arriving while others run); "
-                          "add batching=continuous")
+        raise ConfigError(f"serving.rate must be inf or a number of requests per second > 0, got {rate!r}")
+    if srv.get("batching", "static") == "static" and str(rate).lower() not in ("inf", "infinity"):
+        raise ConfigError("serving.rate applies to serving.batching=continuous (requests arriving while others run); "
+                          "add serving.batching=continuous")
 

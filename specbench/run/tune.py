@@ -111,7 +111,7 @@ def _pilot(job) -> dict:
     bs = int(cfg.bs)
     n = -(-max(len(questions), bs) // bs) * bs  # every held-out prompt, in full batches of bs rows
     rows = [questions[i % len(questions)] for i in range(n)]
-    pcfg = with_setting(cfg, {"max_new_tokens": pilot_tokens(cfg), "batching": "static", "rate": "inf",
+    pcfg = with_setting(cfg, {"max_new_tokens": pilot_tokens(cfg), "serving.batching": "static", "serving.rate": "inf",
                               "repeats": 1, "limit": n, "ctx": cfg.ctx})
     run = MethodRun(dataclasses.replace(job, cfg=pcfg, questions=rows, bar=None), cfg.method.name)
     for unit in run.units():

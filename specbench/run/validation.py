@@ -11,6 +11,7 @@ from specbench.run import data as D
 from specbench import kernels, loggers
 from specbench.run import schema
 from specbench.run import tune
+from specbench.run.workload import Serving
 from specbench.errors import ConfigError
 from specbench.hf import check_rollback, text_config
 from specbench.models import check_compile, load_config, resolve_device, resolve_dtype
@@ -34,18 +35,19 @@ def validate(cfg: DictConfig) -> int:
         from specbench.engines.vllm import engine as vllm_engine
 
         vllm_engine.check(cfg, cfg.method.name)
-    if cfg.get("batching", "static") == "continuous" and not method.joins_rows() and not on_vllm:
+    serving = Serving.of(cfg)  # checked above (schema.check)
+    if serving.continuous and not method.joins_rows() and not on_vllm:
         raise ConfigError(f"method {cfg.method.name} keeps per-row state and has no add_rows, so rows cannot join "
-                          "its running batch: run it with batching=static, or give it add_rows (methods/base.py)")
+                          "its running batch: run it with serving.batching=static, or give it add_rows (methods/base.py)")
     loggers.check(cfg)
     D.check(cfg.dataset)  # its file is there (a hub id is opened with the questions)
     device = resolve_device(cfg.device)
     resolve_dtype(cfg.dtype, device)
     compile_ = cfg.get("compile", False)  # the kernel resolved only when it matters (auto may build the extension)
     check_compile(compile_, kernels.resolve(cfg.get("kernel", "torch"), device) if compile_ else None)
-    if compile_ == "graphs" and (cfg.get("batching", "static") == "continuous" or cfg.get("prefill_chunk")):
-        raise ConfigError("compile=graphs runs static batches with whole prefills: use batching=static and no "
-                          "prefill_chunk, or compile=true")
+    if compile_ == "graphs" and (serving.continuous or serving.prefill_chunk):
+        raise ConfigError("compile=graphs runs static batches with whole prefills: use serving.batching=static and no "
+                          "serving.prefill_chunk, or compile=true")
     mconf = load_config(cfg.model)
     if compile_ == "graphs" and "sliding_attention" in (getattr(text_config(mconf), "layer_types", None) or []):
         raise ConfigError("compile=graphs: models with sliding-window layers (Gemma 3) are not captured yet; "

@@ -60,10 +60,30 @@ def build_requests(cfg, tokenizer):
     return qs
 
 
-def rate_of(cfg) -> float:
-    """``rate``: requests per second (Poisson arrivals) or ``inf`` (all at once)."""
-    r = cfg.get("rate", "inf")
-    return math.inf if r is None or str(r).lower() in ("inf", "infinity") else float(r)
+@dataclass(frozen=True)
+class Serving:
+    """How a job's requests arrive and are batched: the run config's ``serving`` node, read whole
+    here (``of``). ``rate``: requests per second (Poisson arrivals) or inf (all at once);
+    ``prefill_chunk``: None (joining prompts prefilled together, left-padded) or tokens a piece;
+    ``ttft_ms``, ``tpot_ms``: the goodput SLO (None: no bound)."""
+
+    batching: str = "static"
+    rate: float = math.inf
+    prefill_chunk: int | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    @property
+    def continuous(self) -> bool:
+        return self.batching == "continuous"
+
+    @classmethod
+    def of(cls, cfg) -> "Serving":
+        s = cfg.get("serving") or {}
+        r, chunk, slo = s.get("rate", "inf"), s.get("prefill_chunk"), s.get("slo") or {}
+        return cls(str(s.get("batching") or "static"),
+                   math.inf if r is None or str(r).lower() in ("inf", "infinity") else float(r),
+                   None if chunk is None else int(chunk), slo.get("ttft_ms"), slo.get("tpot_ms"))
 
 
 class Driver(Protocol):
@@ -93,7 +113,7 @@ class Workload:
         self.bs = int(cfg.bs)
         self.tally = Tally(cfg, job.tokenizer, K, reach, npos, len(job.questions))
         self.continuous = self.tally.continuous
-        self.rate = rate_of(cfg)
+        self.rate = self.tally.serving.rate
         self._history: dict[int, list[tuple[str, str]]] = {}  # question -> its (turn, answer) pairs so far
         self._prompts: dict[tuple[int, int], list[int]] = {}  # (question, turn) -> its prompt, until answered
         self._rep, self._progress = 0, None
@@ -169,7 +189,8 @@ class Tally:
         self.cfg, self.tokenizer, self.K, self.reach, self.npos = cfg, tokenizer, K, reach, npos
         self.n_questions = n_questions
         self.repeats = int(cfg.get("repeats") or 1)
-        self.continuous = cfg.get("batching", "static") == "continuous"
+        self.serving = Serving.of(cfg)
+        self.continuous = self.serving.continuous
         self.requests: list[dict] = []
         self.wall, self.n_batches = 0.0, 0
         self.rep_tokens, self.rep_wall = [0] * self.repeats, [0.0] * self.repeats
@@ -179,7 +200,7 @@ class Tally:
 
     def units(self) -> list[tuple[int, int]]:
         """(repeat, first question) of every batch, in order; repeats=N measures the set N times.
-        ``batching=continuous``: the whole set is one stream of requests per repeat."""
+        ``serving.batching=continuous``: the whole set is one stream of requests per repeat."""
         if self.continuous:
             return [(rep, 0) for rep in range(self.repeats)]
         return [(rep, start) for rep in range(self.repeats) for start in range(0, self.n_questions, self.cfg.bs)]
@@ -221,7 +242,7 @@ class Tally:
         return rec
 
     def streams(self) -> list[tuple[float, list[tuple[float, float]]]]:
-        """Each stream (a repeat of ``batching=continuous``): its wall time and every request's
+        """Each stream (a repeat of ``serving.batching=continuous``): its wall time and every request's
         (admitted, done) seconds on its clock, from the request records (every engine writes them)."""
         spans: dict[int, list] = {}
         for rq in self.requests:
@@ -249,7 +270,7 @@ class Tally:
             "batches": self.n_batches,
             **M.phases(times, wall),
             **M.latency(requests, itls, wall),
-            "goodput": M.goodput(self.cfg, requests, wall),
+            "goodput": M.goodput(self.serving.ttft_ms, self.serving.tpot_ms, requests, wall),
             "in_flight": M.in_flight(self.trace, int(self.cfg.bs), self.streams() if self.continuous else None),
             "speedup": None,
             "match_ar": None,

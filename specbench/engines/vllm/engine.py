@@ -29,9 +29,10 @@ from specbench.methods.base import Proposer
 from specbench.run import metrics as M
 from specbench.decode.engine import RowResult
 from specbench.decode.requests import Request
+from specbench.decode.verify import Sampling
 from specbench.errors import ConfigError
 from specbench.run.measure import method_cfg
-from specbench.run.workload import Workload
+from specbench.run.workload import Serving, Workload
 from specbench.models import load_config, model_dir
 from specbench.paths import REPO, resolve_path
 
@@ -100,8 +101,8 @@ def check(cfg, method_name: str) -> None:
         raise ConfigError("K=auto pilots candidates on our engine: with backend=vllm give K (e.g. K=4)")
     if cfg.get("compile"):
         raise ConfigError("compile=true is our engine's torch.compile: with backend=vllm set vllm.enforce_eager=false")
-    if cfg.get("prefill_chunk") is not None:
-        raise ConfigError("prefill_chunk is our engine's chunked prefill: with backend=vllm set "
+    if Serving.of(cfg).prefill_chunk is not None:
+        raise ConfigError("serving.prefill_chunk is our engine's chunked prefill: with backend=vllm set "
                           "vllm.max_num_batched_tokens (vLLM chunks prefills to it)")
     python_of(cfg)
     spec_config(cfg, method_name)
@@ -286,9 +287,9 @@ class VllmRun:
         spec = spec_config(mcfg, method_name)
         self.K = (method.spec_len(mcfg, device) or 0) if spec is not None else 0
         self.workload = Workload(job, self.K, self.K, method.positions(mcfg, load_config(cfg.model)))
-        self.sampling = {"temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
-                         "max_tokens": int(cfg.max_new_tokens), "stop_token_ids": sorted(_eos(cfg)),
-                         "seed": int(cfg.seed)}
+        s = Sampling.of(cfg)
+        self.sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                         "max_tokens": int(cfg.max_new_tokens), "stop_token_ids": sorted(_eos(cfg)), "seed": int(cfg.seed)}
         self.worker = Worker(cfg, engine_kwargs(cfg, str(job.dtype).replace("torch.", ""), spec), method_name)
         self.proposer = _Described(spec, self.worker)
         if cfg.warmup:  # the first batch's prompts, 8 tokens, untimed (vLLM's first steps are slow)
