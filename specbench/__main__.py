@@ -62,10 +62,14 @@ def preprocess(argv: list[str]) -> list[str]:
                               f"dataset.config={val}")
         if eq or sign.startswith("~"):
             check_key(key.lstrip("+~"), shown, runs)
-        if eq and key.lstrip("+").startswith("method.") and key.count(".") == 1:
-            check_value(key.lstrip("+"), val, shown, runs())
-        if eq and not key.lstrip("+").startswith(("method.", "hydra.")):  # kernel=avx2: refused before the sweep
-            schema.check_choice(key.lstrip("+"), [v.strip().strip("'\"") for v in val.split(",")])
+        plain = key.lstrip("+~")
+        if eq and sign == "+" and plain.partition(".")[0] not in (*GROUPS, "hydra") and schema.declared_at(plain):
+            raise ConfigError(f"{shown} is a setting already: set it without the + ({plain}={val})")
+        values = parsed_values(plain, val) if eq else None
+        if values is not None and plain.startswith("method.") and plain.count(".") == 1:
+            check_value(plain, values, shown, runs())
+        elif values is not None and plain not in GROUPS and not plain.startswith(("method.", "hydra.")):
+            schema.check_value(plain, values)  # kernel=avx2, bs=0, ctx=abc: refused before the sweep
         out.append(arg)
     return out
 
@@ -100,28 +104,32 @@ def check_key(key: str, shown: str, swept) -> None:
         raise unknown_key(shown, own[lack[0]], f"{lack[0]}'s")
 
 
-def check_value(key: str, val: str, shown: str, swept: list[str]) -> None:
-    """Refuse, in one line, a value of a method's setting that its type or range does not take
-    (``pld.max_ngram=abc``): each value of a comma list, as Hydra parses it, held to the settings
-    of each method of the sweep that declares the key. A range, a glob or an interpolation is
-    Hydra's to expand and check."""
+def parsed_values(key: str, val: str) -> list | None:
+    """The values a command-line ``key=val`` sets, as Hydra parses them (a comma list: each); None
+    for a range, a glob, an interpolation or what Hydra cannot parse (Hydra's to expand and say)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
+
+    if "${" in val:
+        return None
+    try:
+        parsed = OverridesParser.create().parse_override(f"{key}={val}")
+    except Exception:  # noqa: BLE001 - Hydra says what is wrong with its own syntax
+        return None
+    v = parsed.value()
+    if isinstance(v, ChoiceSweep):
+        return None if any(isinstance(x, str) and "${" in x for x in v.list) else list(v.list)
+    return None if parsed.is_sweep_override() else [v]
+
+
+def check_value(key: str, values: list, shown: str, swept: list[str]) -> None:
+    """Refuse, in one line, a value of a method's setting that its type or range does not take
+    (``pld.max_ngram=abc``): each of ``values`` held to the settings of each method of the sweep
+    that declares the key."""
     from omegaconf import OmegaConf
 
     from specbench import methods
 
-    try:
-        parsed = OverridesParser.create().parse_override(f"{key}={val}")
-    except Exception:  # noqa: BLE001 - Hydra says what is wrong with its own syntax
-        return
-    v = parsed.value()
-    if isinstance(v, ChoiceSweep):
-        values = v.list
-    elif parsed.is_sweep_override() or "${" in val:
-        return
-    else:
-        values = [v]
     field, where = key.partition(".")[2], shown.rpartition(".")[0] + "."
     for name in swept:
         if field in methods.keys(name):

@@ -146,6 +146,34 @@ def test_declared_keys_pass_through():
     assert preprocess(argv) == argv
 
 
+@pytest.mark.parametrize("argv,msg", [
+    (["ctx=abc"], "ctx must be an integer >= 1 or null, got 'abc'"),
+    (["bs=1,0"], "bs must be an integer >= 1, got 0"),
+    (["sampling.temperature=hot"], "sampling.temperature must be a number >= 0, got 'hot'"),
+    (["serving.batching=contiuous"], "unknown serving.batching 'contiuous'; did you mean continuous?"),
+    (["kernel=avx2"], "unknown kernel 'avx2'; choices: auto, torch, onednn, native"),
+    (["serving=continuous"], "serving holds settings, not a value: set serving.<key>=... (batching, rate, "
+                             "prefill_chunk, slo)"),
+    (["+sampling.temperature=0.7"], "sampling.temperature is a setting already: set it without the + "
+                                    "(sampling.temperature=0.7)"),
+])
+def test_a_bad_command_line_value_is_refused_before_the_sweep(argv, msg):
+    """A value its declared type, range or choices do not take, set on the command line, stops the
+    command in one line (no job runs, no record); one only a job can tell (K=true) is its record's."""
+    with pytest.raises(ConfigError) as e:
+        preprocess(argv)
+    assert str(e.value).startswith(msg)
+    assert preprocess(["K=true", "ctx=null", "bs=${K}"]) == ["K=true", "ctx=null", "bs=${K}"]
+
+
+def test_the_summary_shows_a_refused_jobs_bad_value_as_given():
+    from specbench.run.summary import summary_table
+
+    rec = {"method": "pld", "model": "m", "dataset": "d", "bs": 1, "K": True, "ctx": "abc", "status": "error",
+           "error": "ctx must be an integer >= 1 or null, got 'abc'", "metrics": {}}
+    assert "abc" in summary_table([rec])
+
+
 def test_an_unknown_key_is_refused_by_the_command_line_before_anything_runs(tmp_path):
     """Both forms on the command line: one line, exit 2, no job run, no record written."""
     for arg, msg in (("pld.kk=3", "unknown key pld.kk; pld's keys: max_ngram, min_ngram"),

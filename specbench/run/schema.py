@@ -187,19 +187,27 @@ def declared(path: str) -> list[str] | None:
     return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else None
 
 
-def check_choice(key: str, values: list[str]) -> None:
-    """Refuse, before a sweep starts, a command-line value of ``key`` outside the setting's fixed
-    choices (a ``Literal`` of strings): each of ``values``, the items of a comma list. Values in
-    Hydra's sweep or interpolation syntax are left to the job's own check."""
-    tp, opt = optional(_type_at(key))
-    choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
-    if not choices or not all(isinstance(c, str) for c in choices):
+def declared_at(key: str) -> bool:
+    """Whether the schema declares the dotted ``key`` (a setting or a node of settings)."""
+    parent, _, name = key.rpartition(".")
+    keys = declared(parent)
+    return keys is not None and name in keys
+
+
+def check_value(key: str, values: list) -> None:
+    """Refuse, before a sweep starts, a command-line value of the top-level setting ``key`` (dotted)
+    that its declared type, range or choices do not take, in one line: each of ``values`` (as
+    Hydra parsed them). A node of settings set whole (``serving=continuous``) is refused too;
+    a config group's choice is the command line's to check, and settings no dataclass describes
+    (a logger's) are left to the job."""
+    parent, _, name = key.rpartition(".")
+    tp = _type_at(parent)
+    if not dataclasses.is_dataclass(tp) or name not in declared(parent):
         return
+    if dataclasses.is_dataclass(typing.get_type_hints(tp)[name]):
+        raise ConfigError(f"{key} holds settings, not a value: set {key}.<key>=... ({', '.join(declared(key))})")
     for v in values:
-        if any(c in v for c in "()[]{}$") or (opt and v == "null"):
-            continue
-        if v not in choices:
-            raise unknown_choice(key, v, choices)
+        check_node(OmegaConf.create({name: v}), tp, prefix=f"{parent}." if parent else "")
 
 
 def moved(path: str, name: str) -> str | None:

@@ -19,8 +19,10 @@ def summary_table(recs: list[dict]) -> str:
     for r in recs:
         m = r.get("metrics") or {}
 
-        def f(x, fmt):
-            return "-" if x is None else format(x, fmt)
+        def f(x, fmt):  # a refused job's record keeps a bad value as given (ctx=abc): shown as it is
+            if x is None:
+                return "-"
+            return format(x, fmt) if fmt != "d" or (isinstance(x, int) and not isinstance(x, bool)) else str(x)
 
         lat = m.get("latency") or {}
         srv = r.get("serving") or {}
