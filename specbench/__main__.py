@@ -35,7 +35,12 @@ def preprocess(argv: list[str]) -> list[str]:
         bare = head.lstrip("+~")
         sign = head[:len(head) - len(bare)]
         if eq and key == "+experiment":  # the group has a default (none), so Hydra refuses to add it
-            raise ConfigError(f"a preset is experiment={val} (no +)")
+            presets = group_options("experiment")
+            raise ConfigError(f"a preset is experiment=NAME (no +);{did_you_mean(val, presets) or ''} presets: "
+                              f"{', '.join(presets)}")
+        if eq and not dot and bare in known and bare not in GROUPS:  # pld=3
+            raise ConfigError(f"{bare} is a method: method={bare} runs it, {bare}.<key>=... sets its keys "
+                              f"({', '.join(k for k in methods.keys(bare) if k != 'name') or 'none'})")
         if (eq or sign) and dot and bare in known:  # eagle.depth=6 -> method.depth=6
             if swept != [bare]:  # would reach the other methods' jobs too
                 raise ConfigError(f"{shown}= needs method={bare} alone (got method={','.join(swept or ['<default>'])}); "
@@ -54,6 +59,8 @@ def preprocess(argv: list[str]) -> list[str]:
             bad = [v for v in vals if v not in opts and not (key == "method" and methods.is_target(v))]
             if bad:
                 more = ", or module:Class (a proposer from your own package)" if key == "method" else ""
+                if key == "method" and "." in bad[0] and ":" not in bad[0]:
+                    more += f"; a class of your own package is {bad[0]}:<Class>"
                 raise ConfigError(f"unknown {key} '{bad[0]}';{did_you_mean(bad[0], opts)} choices: {', '.join(opts)}"
                                   f"{more}")
         if eq and key.lstrip("+") == "dataset.name" and val not in group_options("dataset"):  # HF's name=

@@ -43,7 +43,10 @@ def names() -> list[str]:
 def load(name: str):
     path = EXPERIMENTS / f"{name}.yaml"
     if not path.exists():
-        raise SystemExit(f"specbench.bench: no preset '{name}'; choices: {', '.join(names())}")
+        from specbench.errors import did_you_mean
+
+        raise SystemExit(f"specbench.bench: no preset '{name}';{did_you_mean(name, names())} choices: "
+                         f"{', '.join(names())}")
     return OmegaConf.load(path)
 
 
@@ -133,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         for n in names():
             print(f"  {n:<18} {(load(n).get('bench') or {}).get('about', '')}")
         return 0
-    name, args = argv[0], [a for a in argv[1:] if a != "--plan"]
+    rest = [a for a in argv if a != "--plan"]  # --plan before or after the name
+    if not rest:
+        raise SystemExit("specbench.bench: name a preset (python -m specbench.bench --help lists them)")
+    name, args = rest[0], rest[1:]
     if "--plan" in argv:
         from specbench.errors import ConfigError
 

@@ -10,8 +10,10 @@ class ConfigError(ValueError):
 
 
 def did_you_mean(word, choices) -> str:
-    """`` did you mean X?`` with X the choice closest to ``word`` (difflib), or "" when none is close."""
-    best = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    """`` did you mean X?`` with X the choice ``word`` is in another case, else the closest (difflib),
+    or "" when none is close."""
+    choices = [str(c) for c in choices]
+    best = [c for c in choices if c.lower() == str(word).lower()] or difflib.get_close_matches(str(word), choices, n=1)
     return f" did you mean {best[0]}?" if best else ""
 
 

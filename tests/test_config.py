@@ -120,14 +120,18 @@ TOP_KEYS = ("model, dataset, draft_model, method, logger, accept, K, bs, samplin
     (["accept=synthetic", "accept.rate=0.5"], "unknown key accept.rate; did you mean accept.rates? accept's keys: rates"),
     (["method=eagel"], "unknown method 'eagel'; did you mean eagle? choices: ar, combo, dflash"),
     (["experiment=headlin"], "unknown experiment 'headlin'; did you mean headline? choices: "),
-    (["+experiment=headline"], "a preset is experiment=headline (no +)"),
+    (["+experiment=headline"], "a preset is experiment=NAME (no +); did you mean headline? presets: cpu, "),
+    (["+experiment=headlin"], "a preset is experiment=NAME (no +); did you mean headline? presets: cpu, "),
+    (["pld=3"], "pld is a method: method=pld runs it, pld.<key>=... sets its keys (max_ngram, min_ngram)"),
+    (["method=PLD"], "unknown method 'PLD'; did you mean pld? choices: "),
+    (["method=my_pkg.last_token"], "unknown method 'my_pkg.last_token'; choices: "),
     (["kernel=native,avx2"], "unknown kernel 'avx2'; choices: auto, torch, onednn, native"),  # before the sweep
     (["serving.batching=dynamic"], "unknown serving.batching 'dynamic'; choices: static, continuous"),
     (["dataset.order=categorie"], "unknown dataset.order 'categorie'; did you mean categories? choices: file, "),
     (["model=smollm2"], "unknown model 'smollm2'; did you mean smollm2-135m? choices: "),
 ])
 def test_an_unknown_key_is_refused_in_one_line_with_the_valid_keys(argv, msg):
-    """A key nothing declares (a method's settings: its yaml; the run's: specbench/run/schema.py)
+    """A key nothing declares (a method's settings: its Settings; the run's: specbench/run/schema.py)
     is refused before Hydra starts, whether it is set (``pld.kk=3``) or added (``+method.kk=3``),
     never ignored; the line lists the valid keys and the closest of them."""
     with pytest.raises(ConfigError) as e:

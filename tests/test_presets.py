@@ -59,6 +59,14 @@ def test_a_bench_runs_its_steps_then_the_report(monkeypatch):
     assert cmds[3][3:] == ["/tmp/x", "--out", "/tmp/x/report"] and cmds[4] == ["cat", "/tmp/x/report/identity.md"]
     with pytest.raises(SystemExit, match="no preset 'nope'; choices: cpu, draft"):
         bench.steps("nope", [])
+    with pytest.raises(SystemExit, match="no preset 'regres'; did you mean regress"):
+        bench.steps("regres", [])
+
+
+def test_plan_takes_its_flag_before_or_after_the_preset(capsys):
+    assert bench.main(["--plan", "regress"]) == 0 == bench.main(["regress", "--plan"])
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[0] == out[1] and "[6 jobs:" in out[0]
 
 
 def test_make_help_lists_the_targets():
