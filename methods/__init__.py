@@ -37,9 +37,9 @@ def builtin() -> list[str]:
 def plugins() -> dict[str, str]:
     """Methods other installed packages declare (entry points of ``GROUP``): name -> target.
     A name that shadows a built-in method is refused, not silently taken."""
-    out = {}
+    out, own = {}, builtin()
     for ep in metadata.entry_points(group=GROUP):
-        if ep.name in builtin():
+        if ep.name in own:
             raise KeyError(f"package {ep.dist.name if ep.dist else '?'} declares method '{ep.name}', "
                            "the name of a built-in method; rename its entry point")
         out[ep.name] = ep.value
@@ -107,7 +107,7 @@ def settings(name: str):
         raise KeyError(f"method '{name}': {cls.__name__}.config_file is no longer read; declare its settings as a "
                        "Settings dataclass (docs/adding-a-method.md, section 2)")
     if cls.Settings is None:
-        node = OmegaConf.structured(_named(name))
+        node = OmegaConf.create({"name": name})
     elif not dataclasses.is_dataclass(cls.Settings):
         raise KeyError(f"method '{name}': {cls.__name__}.Settings must be a dataclass")
     elif "name" not in {f.name for f in dataclasses.fields(cls.Settings)}:
@@ -116,11 +116,6 @@ def settings(name: str):
         node = OmegaConf.structured(loose(cls.Settings))  # typed Any: check_types holds the types, strictly
     node.name = name
     return node
-
-
-@functools.cache
-def _named(name: str):
-    return dataclasses.make_dataclass("Settings", [("name", str, dataclasses.field(default=name))])
 
 
 def keys(name: str) -> list[str]:

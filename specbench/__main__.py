@@ -74,7 +74,7 @@ def preprocess(argv: list[str]) -> list[str]:
             raise ConfigError(f"{shown} is a setting already: set it without the + ({plain}={val})")
         values = parsed_values(plain, val) if eq else None
         if values is not None and plain.startswith("method.") and plain.count(".") == 1:
-            check_value(plain, values, shown, runs())
+            check_method_value(plain, values, shown, runs())
         elif values is not None and plain not in GROUPS and not plain.startswith(("method.", "hydra.")):
             schema.check_value(plain, values)  # kernel=avx2, bs=0, ctx=abc: refused before the sweep
         out.append(arg)
@@ -125,11 +125,11 @@ def parsed_values(key: str, val: str) -> list | None:
         return None
     v = parsed.value()
     if isinstance(v, ChoiceSweep):
-        return None if any(isinstance(x, str) and "${" in x for x in v.list) else list(v.list)
+        return list(v.list)
     return None if parsed.is_sweep_override() else [v]
 
 
-def check_value(key: str, values: list, shown: str, swept: list[str]) -> None:
+def check_method_value(key: str, values: list, shown: str, swept: list[str]) -> None:
     """Refuse, in one line, a value of a method's setting that its type or range does not take
     (``pld.max_ngram=abc``): each of ``values`` held to the settings of each method of the sweep
     that declares the key."""

@@ -9,6 +9,7 @@ declared types strictly (``K=true`` is a boolean and ``K=1.5`` a float, neither 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import field
 from typing import Any, Literal
@@ -30,6 +31,7 @@ def setting(default=dataclasses.MISSING, *, lo=None, hi=None, above=None, requir
     return field(default=default, metadata=meta)
 
 
+@functools.cache  # one class a dataclass: the command line and every job ask again
 def loose(tp, extra: tuple = ()):
     """``tp`` as Hydra's node: the same keys and defaults, every setting typed ``Any``
     (``check_node`` holds the types), a field without a default (a config group's) None until

@@ -189,9 +189,7 @@ def declared(path: str) -> list[str] | None:
 
 def declared_at(key: str) -> bool:
     """Whether the schema declares the dotted ``key`` (a setting or a node of settings)."""
-    parent, _, name = key.rpartition(".")
-    keys = declared(parent)
-    return keys is not None and name in keys
+    return _type_at(key) is not None
 
 
 def check_value(key: str, values: list) -> None:
@@ -214,22 +212,18 @@ def moved(path: str, name: str) -> str | None:
     """The dotted key of a setting ``name`` that ``path``'s node lacks but one node below it
     declares (a node of defaults, not a group: ``temperature`` -> ``sampling.temperature``, ``slo``
     -> ``serving.slo``), when exactly one does; None otherwise."""
-    tp = _type_at(path)
-    if not dataclasses.is_dataclass(tp):
-        return None
-    found, hints = [], typing.get_type_hints(tp)
+    tp, found = _type_at(path), []
 
-    def walk(node, at):
+    def walk(node, at: str, below: bool) -> None:
+        hints = typing.get_type_hints(node)
         for f in dataclasses.fields(node):
-            sub = typing.get_type_hints(node)[f.name]
-            if f.name == name:
+            if below and f.name == name:
                 found.append(at + f.name)
-            if dataclasses.is_dataclass(sub) and f.default_factory is not dataclasses.MISSING:
-                walk(sub, f"{at}{f.name}.")
+            if dataclasses.is_dataclass(hints[f.name]) and f.default_factory is not dataclasses.MISSING:
+                walk(hints[f.name], f"{at}{f.name}.", True)
 
-    for f in dataclasses.fields(tp):
-        if dataclasses.is_dataclass(hints[f.name]) and f.default_factory is not dataclasses.MISSING:
-            walk(hints[f.name], f"{path + '.' if path else ''}{f.name}.")
+    if dataclasses.is_dataclass(tp):
+        walk(tp, f"{path}." if path else "", False)
     return found[0] if len(found) == 1 else None
 
 
