@@ -35,6 +35,9 @@ class BatchState:
     host: dict | None = None
     max_new_tokens: int = 0  # the most tokens a row emits after its prompt (to size caches once)
     rows: int = 0  # the most rows the batch holds at once (its concurrency; to size caches for joiners)
+    # compile=graphs: the target's GraphPool (a drafter's cache made with it replays its forwards:
+    # drafters.cache.DrafterCache); None: eager
+    graphs: object = None
 
 
 class MethodSpec:

@@ -137,15 +137,27 @@ class DFlash(Proposer):
         dt = next(self.drafter.parameters()).dtype
         longest = max(len(s) for s in state.seqs)
         # room for every token the batch may add, and a step's widest append or block after them
-        cache = context_cache(self.drafter, len(state.seqs), self.device, dt,
-                              longest + state.max_new_tokens + 2 * self.block_size + 2)
-        self._append(cache, hidden)
+        cache = context_cache(self.drafter, len(state.seqs), self.device, dt, longest + state.max_new_tokens,
+                              2 * self.block_size + 2, state.graphs, self)
+        self._append(cache, hidden, prompt=True)
         return cache
 
-    def _append(self, cache: DrafterCache, hidden) -> None:
+    def _context(self, feats, pos, scratch):
+        return self.drafter.context(feats, pos)
+
+    def _block(self, tokens, pos, visible, scratch):
+        return self.drafter.block(tokens, pos, scratch, visible)
+
+    def _append(self, cache: DrafterCache, hidden, prompt: bool = False) -> None:
+        """The newly committed tokens' context keys and values, kept. A step's (not the prompt's)
+        run as a graph with compile=graphs, padded to a step's most (the block's drafts and one)."""
         feats = self.drafter.features(hidden)
+        B, m = feats.shape[:2]
+        if cache.graphs is not None and not prompt and m < self.block_size + 1:
+            feats = torch.cat([feats, feats.new_zeros(B, self.block_size + 1 - m, feats.shape[2])], 1)
         pos = cache.length[:, None] + torch.arange(feats.shape[1], device=self.device)[None]
-        cache.append(self.drafter.context(feats, pos), hidden.counts, hidden.lens)
+        kv = self._context(feats, pos, []) if prompt else cache.run("context", self._context, feats, pos, scratch=[])
+        cache.append(kv, hidden.counts, hidden.lens)
 
     def new_rows(self, state: BatchState, hidden=None) -> dict:
         return {"cache": self._cache(state, hidden)}
@@ -160,7 +172,7 @@ class DFlash(Proposer):
         tokens[:, :1] = pad_rows([s[-1:] for s in state.seqs], dev)
         pos = cache.length[:, None] + torch.arange(n, device=dev)[None]  # x_p sits at p = the cached length
         visible = torch.cat([cache.visible(n), torch.ones(B, n, n, dtype=torch.bool, device=dev)], dim=2)
-        h = self.drafter.block(tokens, pos, cache.scratch(n), visible)
+        h = cache.run("block", self._block, tokens, pos, visible, scratch=cache.scratch(n))
         return self.drafts(h, tokens[:, 0], state)
 
     def drafts(self, h, first, state: BatchState | None = None) -> Draft:

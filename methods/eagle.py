@@ -197,21 +197,29 @@ class Eagle(Proposer):
         longest = max(len(s) for s in state.seqs)
         # the drafter's own cache, a pair (f_i, x_{i+1}) a verified token: room for every token the
         # batch may add, a step's widest append and a propose's tree after them
-        cache = DrafterCache(1, blk.Hk, blk.Dh, len(state.seqs), self.device, dt,
-                             longest + state.max_new_tokens + self.depth + 2 + self._tree_room())
-        return {"cache": cache, "h_last": self._append(cache, state, hidden)}
+        cache = DrafterCache(1, blk.Hk, blk.Dh, len(state.seqs), self.device, dt, longest + state.max_new_tokens,
+                             self.depth + 2 + self._tree_room(), graphs=state.graphs, owner=self)
+        return {"cache": cache, "h_last": self._append(cache, state, hidden, prompt=True)}
 
     def update(self, state: BatchState, accepted, hidden=None) -> None:
         self.h_last = self._append(self.cache, state, hidden)
 
-    def _append(self, cache: DrafterCache, state: BatchState, hidden) -> torch.Tensor:
+    def _step(self, feats, toks, pos, mask, scratch):
+        """One drafter step over the cache (``DrafterCache.run``: with compile=graphs, replayed)."""
+        return self.drafter.step(feats, toks, pos, scratch[0], mask)
+
+    def _append(self, cache: DrafterCache, state: BatchState, hidden, prompt: bool = False) -> torch.Tensor:
         """Append pairs (f_i, x_{i+1}) for the newly committed tokens: their features and
         the tokens that followed them (the last ``counts[b]`` tokens of each sequence).
-        Returns the drafter's output at each row's last pair [B, d]."""
+        Returns the drafter's output at each row's last pair [B, d]. A step's (not the prompt's)
+        runs as a graph with compile=graphs, its pairs padded to a step's most (``depth + 1``)."""
         feats = self.drafter.features(hidden)
         counts = hidden.counts
         B, new = feats.shape[:2]
         dev = self.device
+        if cache.graphs is not None and not prompt and new < self.depth + 1:  # one shape: a step's most
+            feats = torch.cat([feats, feats.new_zeros(B, self.depth + 1 - new, feats.shape[2])], 1)
+            new = feats.shape[1]
         toks = pad_rows([seq[len(seq) - c:] for seq, c in zip(state.seqs, hidden.lens)], dev, width=new)
         feats = feats.to(cache.keys[0].dtype)
         j = torch.arange(new, device=dev)
@@ -219,7 +227,10 @@ class Eagle(Proposer):
         own = (j[None, :] <= j[:, None])[None] & (j[None, None, :] < counts[:, None, None])
         own = own | torch.eye(new, dtype=torch.bool, device=dev)[None]  # padded pairs see themselves
         mask = torch.cat([cache.visible(new), own], dim=2)
-        h, new_keys, new_values = self.drafter.step(feats, toks, pos, cache.scratch(new)[0], mask)
+        if prompt:  # its shapes are the prompts': eager
+            h, new_keys, new_values = self._step(feats, toks, pos, mask, cache.scratch(new))
+        else:
+            h, new_keys, new_values = cache.run("append", self._step, feats, toks, pos, mask, scratch=cache.scratch(new))
         cache.append([(new_keys, new_values)], counts, hidden.lens)
         return h[torch.arange(B, device=dev), counts - 1]
 
@@ -237,7 +248,7 @@ class Eagle(Proposer):
         out[:, 0] = h0
         top = drafter.logits(h0).topk(top_k, dim=-1).indices[:, None]  # [B, 1, top_k] ranked candidates of the root
         ran = torch.zeros(1, dtype=torch.long, device=dev)  # the nodes whose step produced `top`
-        scratch = self.cache.scratch(self._tree_room())[0]  # the tree's pairs go after the context
+        scratch = self.cache.scratch(self._tree_room())  # the tree's pairs go after the context
         pending = torch.zeros(0, dtype=torch.long, device=dev)
         for depth, (nodes, parents, ranks) in enumerate(self.static, start=1):
             slot = (ran[:, None] == parents[None]).float().argmax(0)  # each node's parent among `ran`
@@ -250,7 +261,8 @@ class Eagle(Proposer):
             mask = torch.cat([self.cache.visible(F), seen, torch.eye(F, dtype=torch.bool, device=dev)[None].expand(B, F, F)],
                              dim=2)
             pos = (self.cache.length + depth - 1)[:, None].expand(B, F)
-            h, _, _ = drafter.step(out[:, self.parents[nxt - 1]], tok[:, nxt], pos, scratch, mask)
+            h, _, _ = self.cache.run("static", self._step, out[:, self.parents[nxt - 1]], tok[:, nxt], pos, mask,
+                                     scratch=scratch)
             pending = torch.cat([pending, nxt])
             out[:, nxt] = h
             top, ran = drafter.logits(h).topk(top_k, dim=-1).indices, nxt
@@ -281,7 +293,7 @@ class Eagle(Proposer):
         frontier = first[None].expand(B, top_k)
         feat = h0[:, None].expand(B, top_k, D)
         # the tree's own drafter keys and values go after the context (its pairs so far)
-        scratch = self.cache.scratch(self._tree_room())[0]
+        scratch = self.cache.scratch(self._tree_room())
         pending = torch.zeros(B, 0, dtype=torch.long, device=dev)  # tree node of each pending pair
         ctx = self.cache.visible(top_k)
         eye = torch.eye(top_k, dtype=torch.bool, device=dev)[None].expand(B, top_k, top_k)
@@ -291,7 +303,7 @@ class Eagle(Proposer):
             seen = a.gather(2, pending[:, None, :].expand(B, top_k, pending.shape[1]))
             mask = torch.cat([ctx, seen, eye], dim=2)
             pos = (self.cache.length + depth - 2)[:, None].expand(B, top_k)
-            h, _, _ = drafter.step(feat, tok.gather(1, frontier), pos, scratch, mask)
+            h, _, _ = self.cache.run("tree", self._step, feat, tok.gather(1, frontier), pos, mask, scratch=scratch)
             pending = torch.cat([pending, frontier], 1)
             logp = torch.log_softmax(drafter.logits(h).float(), dim=-1)
             child_logp, child_ids = logp.topk(top_k, dim=-1)  # [B, top_k, top_k]

@@ -98,16 +98,23 @@ class PEagle(Proposer):
     def modules(self):
         return [self.drafter]
 
-    def _step(self, cache: DrafterCache, state: BatchState, hidden) -> torch.Tensor:
+    def _run(self, g, e, pos, visible, scratch):
+        return self.drafter.run(g, e, pos, scratch, visible)
+
+    def _step(self, cache: DrafterCache, state: BatchState, hidden, prompt: bool = False) -> torch.Tensor:
         """One drafter forward a step (vLLM's parallel drafting): every row's newly verified entries
         (h_i, x_{i+1}), causal over its kept ones, then K-1 mask slots after the last of them. The
         entries' keys and values are kept; the last entry's argmax is the first draft and slot d's
-        the token d after it. Returns the step's drafts [B, K]."""
+        the token d after it. Returns the step's drafts [B, K]. A step's (not the prompt's) runs as a
+        graph with compile=graphs, its entries padded to a step's most (K + 1)."""
         d, dev, n = self.drafter, self.device, self.K - 1
         counts = hidden.counts
         dt = cache.keys[0].dtype
         feats = d.fuse(d.features(hidden).to(dt))  # [B, m, d]
         B, m = feats.shape[:2]
+        if cache.graphs is not None and not prompt and m < self.K + 1:  # one shape: a step's most entries
+            feats = torch.cat([feats, feats.new_zeros(B, self.K + 1 - m, feats.shape[2])], 1)
+            m = feats.shape[1]
         toks = pad_rows([s[len(s) - c:] for s, c in zip(state.seqs, hidden.lens)], dev, width=m)
         j = torch.arange(m, device=dev)
         own = (j[None, :] <= j[:, None])[None] & (j[None, None, :] < counts[:, None, None])
@@ -123,7 +130,9 @@ class PEagle(Proposer):
             g, e = torch.cat([g, gm.to(dt)], 1), torch.cat([e, em.to(dt)], 1)
             pos = torch.cat([pos, (cache.length + counts)[:, None] - 1 + slots[None]], 1)
             visible = torch.cat([visible, torch.cat([cache.visible(n), entries, causal], dim=2)], dim=1)
-        out, kv = d.run(g, e, pos, cache.scratch(m + n), visible)
+        scratch = cache.scratch(m + n)
+        out, kv = self._run(g, e, pos, visible, scratch) if prompt else \
+            cache.run("step", self._run, g, e, pos, visible, scratch=scratch)
         cache.append([(k[:, :, :m], v[:, :, :m]) for k, v in kv], counts, hidden.lens)  # the entries' only, not the slots'
         last = out[torch.arange(B, device=dev), (counts - 1).clamp(min=0)][:, None]
         return self.vocab_ids[d.logits(torch.cat([last, out[:, m:]], 1)).argmax(-1)]  # [B, K]
@@ -133,8 +142,8 @@ class PEagle(Proposer):
         longest = max(len(s) for s in state.seqs)
         lay = self.drafter.layers[0]  # room for every token the batch may add, and a step's entries and slots after them
         cache = DrafterCache(len(self.drafter.layers), lay.Hk, lay.Dh, len(state.seqs), self.device, dt,
-                             longest + state.max_new_tokens + 2 * self.K + 2)
-        return cache, self._step(cache, state, hidden)
+                             longest + state.max_new_tokens, 2 * self.K + 2, state.graphs, self)
+        return cache, self._step(cache, state, hidden, prompt=True)
 
     def new_rows(self, state: BatchState, hidden=None) -> dict:
         cache, drafts = self._start(state, hidden)

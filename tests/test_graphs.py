@@ -46,11 +46,17 @@ def test_buckets_are_powers_of_two_within_the_rows():
     assert bucket(3, cap=3) == 3 and bucket(1, cap=3) == 1
 
 
-@pytest.mark.parametrize("name", ["ar", "pld", "eagle"])
-@pytest.mark.parametrize("bs", [1, 4])
+# the drafters' forwards (EAGLE's steps, DFlash's and DSpark's block and context, P-EAGLE's step) are
+# captured too: at bs 4 only, beside the issue's AR, PLD and EAGLE at bs 1 and 4
+CASES = [(name, bs) for name in ("ar", "pld", "eagle") for bs in (1, 4)] + [(n, 4) for n in ("dflash", "dspark", "peagle")]
+DRAFTERS = {"eagle", "dflash", "dspark", "peagle"}
+
+
+@pytest.mark.parametrize("name,bs", CASES)
 def test_graphs_decode_as_eager_and_compile_nothing_after_the_warm_up(tiny, name, bs):
     """50 steps (AR: 50 tokens a row), rows leaving at an EOS one by one; the second batch (other
-    prompts) meets only the buckets the first batch and ``warm`` met: no graph made, no recompile."""
+    prompts, the same method, as a job's timed batches follow its warm-up) meets only the buckets
+    the first batch and ``warm`` met: no graph made, no recompile."""
     model, tok, folder = tiny
     model._specbench_graphs = None
     first, second = prompts_of([5, 9, 12, 7][:bs], 0), prompts_of([11, 6, 8, 10][:bs], 1)
@@ -62,10 +68,53 @@ def test_graphs_decode_as_eager_and_compile_nothing_after_the_warm_up(tiny, name
     generate(model, prop, first, 50, eos, pool)  # the warm-up batch
     pool.warm(bs, 4)
     made, graphs = pool.made, counters["stats"]["unique_graphs"]
-    got = generate(model, make(name, model, tok, folder), second, 50, eos, pool)
+    drafted = len(pool.drafts.graphs)
+    assert (drafted > 0) == (name in DRAFTERS)  # the drafter's forwards are graphs too
+    got = generate(model, prop, second, 50, eos, pool)
     assert got == ref
     assert any(len(r) < 50 for r in got) or bs == 1  # rows left early
     assert pool.made == made and counters["stats"]["unique_graphs"] == graphs
+    assert len(pool.drafts.graphs) == drafted
+
+
+def test_a_replayed_drafter_forward_is_model_time_and_its_timers_stay_out_of_the_graph(tiny):
+    """The drafter's methods are wrapped by the phase timer (model time, whatever the entry); a
+    graph made from them holds no timer call, and its replay is charged as one forward."""
+    model, tok, folder = tiny
+    model._specbench_graphs = None
+    pool = pool_of(model, torch.device("cpu"), torch.float32)
+    prop = make("eagle", model, tok, folder)
+    timer = PhaseTimer(torch.device("cpu"))
+    eng = Engine(model, prop, Sampling(), torch.device("cpu"), torch.float32, set(), timer, graphs=pool)
+    with timer.watching([model, prop.drafter]):
+        eng.generate(prompts_of([5, 9], 3), 12)
+        assert "step" in vars(prop.drafter)  # still wrapped once the graphs are made
+    assert pool.drafts.graphs and timer._depth == 0
+    assert timer.totals()["forward"] > 0
+
+
+def test_a_drafter_cache_with_graphs_keeps_its_buffers_and_refuses_to_grow(tiny):
+    from specbench.drafters.cache import DrafterCache
+
+    model, tok, folder = tiny
+    model._specbench_graphs = None
+    pool = pool_of(model, torch.device("cpu"), torch.float32)
+    GraphCache(model, torch.device("cpu"), torch.float32, pool).prefill([[5, 6, 7], [8, 9]], room=8)
+    owner = object()
+    cache = DrafterCache(1, 2, 8, 2, torch.device("cpu"), torch.float32, 16, 6, graphs=pool, owner=owner)
+    assert cache.fixed == pool.width and cache.width == pool.width + 6
+    again = DrafterCache(1, 2, 8, 2, torch.device("cpu"), torch.float32, 16, 6, graphs=pool, owner=owner)
+    assert again.keys[0].data_ptr() == cache.keys[0].data_ptr()  # the job's buffers, batch after batch
+    ptr = cache.keys[0].data_ptr()
+    cache.select_rows([1])
+    assert cache.keys[0].data_ptr() == ptr and cache.keys[0].shape[0] == 1  # rows leave in place
+    kv = torch.ones(1, 2, 1, 8)
+    cache.append([(kv, kv)], torch.ones(1, dtype=torch.long), [1])
+    assert cache.upto() == cache.fixed and cache.visible(1).shape == (1, 1, pool.width)
+    with pytest.raises(ConfigError, match="compile=graphs"):
+        cache.scratch(7)  # past the scratch room the method asked for
+    with pytest.raises(ConfigError, match="static batches"):
+        cache.add_rows(again)
 
 
 def test_a_forward_past_the_buffers_is_refused(tiny):
@@ -99,10 +148,41 @@ def test_cuda_graphs_replay_the_eager_tokens(tiny):
     try:
         model._specbench_graphs = None
         prompts = prompts_of([5, 9, 12], 2)
-        for name in ("ar", "pld", "eagle"):
+        for name in ("ar", "pld", "eagle", "dflash", "dspark", "peagle"):
             ref = generate(model, make(name, model, tok, folder, "cuda"), prompts, 32, device="cuda")
             pool = pool_of(model, torch.device("cuda"), torch.float32)
-            got = generate(model, make(name, model, tok, folder, "cuda"), prompts, 32, pool=pool, device="cuda")
-            assert got == ref, name
+            prop = make(name, model, tok, folder, "cuda")
+            first = generate(model, prop, prompts, 32, pool=pool, device="cuda")  # captures
+            pool.warm(len(prompts), 4)
+            again = generate(model, prop, prompts, 32, pool=pool, device="cuda")  # replays only
+            assert first == ref and again == ref, name
+            assert (pool.drafts.made > 0) == (name in DRAFTERS), name
+            pool.close()
     finally:
         model.to("cpu")
+
+
+def test_a_graphed_eagle_job_decodes_as_eager_with_no_graph_made_in_the_timing(tiny_dirs, tmp_path):
+    """Through the runner (its warm-up, its timers on the drafter): the same tokens as the eager job,
+    every graph made before the timing, the drafter's among them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from omegaconf import OmegaConf
+
+    from helpers import tiny_cfg
+    from specbench import methods
+    from specbench.methods.eagle import Eagle
+    from specbench.run import runner
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"], dtype=torch.float32)
+    method = {**OmegaConf.to_container(methods.settings("eagle")),
+              **Eagle.tiny(target, AutoTokenizer.from_pretrained(tiny_dirs["target"]), tmp_path / "eagle")["method"]}
+    run = {"bs": 2, "kernel": "torch", "method": method, "max_new_tokens": 16, "model.name": "tiny"}
+    eager = runner.run(tiny_cfg(tiny_dirs, tmp_path, **run), sweep_id="e")
+    graphed = runner.run(tiny_cfg(tiny_dirs, tmp_path, compile="graphs", warmup=True, **run), sweep_id="g")
+    assert [r["status"] for r in graphed] == ["ok", "ok"], [r.get("error") for r in graphed]
+    for e, g in zip(eager, graphed):
+        assert [r["tokens"] for r in g["requests"]] == [r["tokens"] for r in e["requests"]]
+        assert g["compile"] == "graphs" and g["metrics"]["compile"]["graphs_in_timing"] == 0
+    assert [g["metrics"]["compile"]["drafter_graphs"] > 0 for g in graphed] == [False, True]
+    assert graphed[1]["metrics"]["time_s"]["forward"] > 0

@@ -268,7 +268,7 @@ class Engine:
         new_state = BatchState(seqs=[list(r.prompt) + [t] for r, t in zip(joining, first.tolist())],
                                prompt_lens=[len(r.prompt) for r in joining], sampling=self.sampling, gen=batch.gen,
                                device=self.device, eos=self.eos, max_new_tokens=batch.max_new_tokens,
-                               rows=batch.concurrency)
+                               rows=batch.concurrency, graphs=self.graphs)
         room = batch.max_new_tokens + self.widest + 1
         with self.timer.phase("prefill"):  # the method's own prefill (a draft model's cache) is prefill too
             if not batch.live:

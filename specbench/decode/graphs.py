@@ -1,6 +1,7 @@
-"""``compile=graphs``: the target's decode and verify forwards at static shapes, captured once as
-CUDA graphs and replayed (on the CPU: the same function through ``torch.compile(fullgraph=True)``,
-which proves it capturable, without graphs; its ``eager`` backend by default).
+"""``compile=graphs``: the target's decode and verify forwards (and a drafter's) at static shapes,
+captured once as CUDA graphs and replayed (on the CPU: the same function through
+``torch.compile(fullgraph=True)``, which proves it capturable, without graphs; its ``eager``
+backend by default).
 
 A production engine keeps the host out of its decode step: launching a small model's ~400 kernels
 one by one costs more than running them, and speculative decoding hides that overhead where plain
@@ -15,7 +16,10 @@ decoding pays it, so an eager harness reads small-batch speedups high. Here, as 
   bucket it meets: the warm-up meets those a job needs, and ``GraphPool.made`` counts any made
   later;
 - everything else (the prefill, the commit's slot moves, rows leaving) runs eagerly on the same
-  buffers (``GraphCache``: a ``RaggedCache`` whose forward is replayed).
+  buffers (``GraphCache``: a ``RaggedCache`` whose forward is replayed);
+- a drafter's own forwards over its cache (EAGLE's steps, DFlash's and DSpark's block and context,
+  P-EAGLE's step) are captured too, over buffers the pool keeps for the job (``decode.captured``);
+  a draft model's (Leviathan, SpecDec, MTP) still runs eagerly.
 
 Static batches only: rows leave (compacted in place, the bucket shrinks), none join
 (``serving.batching=continuous`` and ``serving.prefill_chunk`` are refused with compile=graphs). Models with
@@ -30,16 +34,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specbench.decode.captured import DraftGraphs, bucket, capture, compiled
 from specbench.decode.hidden import Tap
 from specbench.decode.kv import RaggedCache
 from specbench.errors import ConfigError
 from specbench.hf import cache_kwarg
-
-
-def bucket(n: int, cap: int | None = None) -> int:
-    """The padded size of ``n``: the next power of two (at most ``cap``, where given)."""
-    b = 1 << max(0, n - 1).bit_length()
-    return b if cap is None else min(b, cap)
 
 
 class FixedLayer(DynamicLayer):
@@ -88,6 +87,7 @@ class GraphPool:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.rows = self.width = 0
+        self.want = (0, 0)  # the least rows and width buffers are made with (``reserve``)
         self.slots: torch.Tensor | None = None  # where the running forward writes (the bucket's static tensor)
         self.graphs: dict = {}
         self.made = 0  # graphs captured (or compiled) so far
@@ -96,10 +96,13 @@ class GraphPool:
         self.tap = None  # the engine's hidden-state tap (``Tap``): its names, and its states filled after a run
         self.own_taps: dict = {}  # names -> the pool's own Tap, hooked before any graph is made with it
         self.timer = None  # the engine's PhaseTimer: a replay is model forward time
+        self.drafts = DraftGraphs(self)  # the drafters' buffers and graphs (drafters.cache.DrafterCache)
 
     def reserve(self, rows: int, width: int) -> None:
         """Room for ``rows`` rows and ``width`` slots from now on (a job's longest prompts and answers),
-        so that no batch of the timed job makes the buffers, and every graph, anew."""
+        so that no batch of the timed job makes the buffers, and every graph, anew. Before the first
+        prefill: the size the first buffers get (the drafters' are sized from them)."""
+        self.want = (max(rows, self.want[0]), max(width, self.want[1]))
         if self.k:
             self.claim(rows, width, [types.SimpleNamespace(keys=k, values=v) for k, v in zip(self.k, self.v)])
 
@@ -107,7 +110,8 @@ class GraphPool:
         """Drop the buffers, the graphs and the pool's own hooks (the job is over)."""
         for t in self.own_taps.values():
             t.close()
-        self.own_taps, self.graphs, self.k, self.v, self.rows, self.width = {}, {}, [], [], 0, 0
+        self.drafts.close()
+        self.own_taps, self.graphs, self.k, self.v, self.rows, self.width, self.want = {}, {}, [], [], 0, 0, (0, 0)
         if getattr(self.model, "_specbench_graphs", None) is self:
             self.model._specbench_graphs = None
 
@@ -116,7 +120,7 @@ class GraphPool:
         made anew (and every graph with them) only when these are too small."""
         if self.k and rows <= self.rows and width <= self.width:
             return
-        rows, width = max(rows, self.rows), max(width, self.width)
+        rows, width = max(rows, self.rows, self.want[0]), max(width, self.width, self.want[1])
         self.k = [torch.zeros(rows, a.keys.shape[1], width, a.keys.shape[3], dtype=a.keys.dtype, device=self.device)
                   for a in like]
         self.v = [torch.zeros(rows, a.values.shape[1], width, a.values.shape[3], dtype=a.values.dtype,
@@ -165,6 +169,7 @@ class GraphPool:
                 mask = torch.where(ok, 0.0, torch.finfo(self.dtype).min).to(self.dtype)[:, None]
                 z = torch.zeros(B, n, dtype=torch.long, device=dev)
                 self.run(z, z, mask, torch.arange(n, device=dev))
+        self.drafts.warm(rows)
 
 
 class _Graph:
@@ -183,13 +188,7 @@ class _Graph:
         self.graph = None
         self.cuda = dev.type == "cuda"  # captured at its first call, over that call's inputs
         if not self.cuda:
-            import torch._dynamo.config as dynamo_config
-
-            # every bucket is a specialisation of the one forward: past dynamo's limit of 8 it would run
-            # the rest eagerly without a word
-            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
-            dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 1024)
-            self.fn = torch.compile(self._forward, fullgraph=True, dynamic=False, backend=pool.backend)
+            self.fn = compiled(self._forward, pool.backend)
 
     def _forward(self, tokens, pos, mask):
         # the model's forward, not its __call__: the engine's timer hooks on the target stay outside
@@ -200,15 +199,7 @@ class _Graph:
     def _capture(self) -> None:
         """Two warm runs on a side stream, then the capture, all over the first call's inputs: what
         they write goes to that call's own slots (scratch until committed), never to a row's prefix."""
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                self._forward(self.tokens, self.pos, self.mask)
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self._forward(self.tokens, self.pos, self.mask)
+        self.graph, self.out = capture(lambda: self._forward(self.tokens, self.pos, self.mask))
         if self.tap is not None:
             self.tapped = dict(self.tap.take())  # the states its hooks saw: each replay rewrites them in place
 

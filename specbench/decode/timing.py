@@ -87,6 +87,17 @@ class PhaseTimer:
         finally:
             self._leave()
 
+    @contextmanager
+    def bare(self):
+        """The watched models' own methods unwrapped for the block: a graph traced or captured from
+        them (``decode.captured``) holds no timer call, and is timed whole by ``charge``."""
+        saved = [(obj, name, vars(obj).pop(name)) for obj, name in self._wrapped if name in vars(obj)]
+        try:
+            yield
+        finally:
+            for obj, name, fn in saved:
+                vars(obj)[name] = fn
+
     def _enter(self) -> None:
         if self._depth == 0:
             if self.cuda:

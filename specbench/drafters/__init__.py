@@ -200,9 +200,7 @@ class Borrowed:
     tables): callable, its attributes read through, but no ``nn.Module``, so the drafter's
     ``.to()``, ``parameters()``, ``state_dict()`` and training never reach it. A bf16 drafter
     whose module tree held the target's rotary module turned the shared target's RoPE tables
-    bf16 for every later job of the sweep."""
-
-    __slots__ = ("module",)
+    bf16 for every later job of the sweep. (No ``__slots__``: torch.compile guards on its ``__dict__``.)"""
 
     def __init__(self, module: torch.nn.Module):
         object.__setattr__(self, "module", module)

@@ -11,7 +11,13 @@ A drafter forward attends over ``context()`` (views of the slots some row holds,
 by its own new keys and values: ``scratch(n)`` hands each layer a ``Scratch`` that writes those
 into the free slots right after the context and returns one view of both, so the context is never
 concatenated (copied) again. Keys are stored with their KV heads; attention repeats none
-(``kernels.attention_like``: SDPA's grouped-query attention)."""
+(``kernels.attention_like``: SDPA's grouped-query attention).
+
+With ``compile=graphs`` (``graphs``: the target's ``GraphPool``) the buffers are the pool's, kept
+for the job; the context is their first ``fixed`` slots, attended whole (the rows' masks hide what
+they do not hold), the scratch the slots after it, and ``run`` replays a forward from its graph
+(``decode.captured``): a forward's shapes no longer follow the context's length. Rows leave in
+place; none join (static batches)."""
 
 from __future__ import annotations
 
@@ -19,14 +25,15 @@ import torch
 import torch.nn.functional as F
 
 from specbench.decode.kv import RaggedCache
+from specbench.errors import ConfigError
 
 
 class Scratch:
     """One layer's context (its first ``w`` slots) and, after it, the keys and values of this
     propose's forwards, each ``join`` adding its own after the earlier ones'."""
 
-    def __init__(self, K: torch.Tensor, V: torch.Tensor, w: int):
-        self.K, self.V, self.w, self.at = K, V, w, 0
+    def __init__(self, K: torch.Tensor, V: torch.Tensor, w: int, at: int = 0):
+        self.K, self.V, self.w, self.at = K, V, w, at
 
     def join(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, Hk, n, Dh] after what is there; returns views of everything so far."""
@@ -46,11 +53,32 @@ def join(ctx, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 class DrafterCache:
-    def __init__(self, layers: int, heads: int, head_dim: int, rows: int, device, dtype, width: int = 0):
-        self.keys = [torch.zeros(rows, heads, width, head_dim, device=device, dtype=dtype) for _ in range(layers)]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+    def __init__(self, layers: int, heads: int, head_dim: int, rows: int, device, dtype, width: int = 0,
+                 scratch: int = 0, graphs=None, owner=None):
+        """Room for ``width`` slots of context a row and ``scratch`` slots of a propose's own after
+        them; ``graphs``: compile=graphs' pool, whose buffers ``owner`` (the method) keeps (module doc)."""
+        self.graphs, self.owner, self.fixed = graphs, owner, None
+        if graphs is None:
+            self.keys = [torch.zeros(rows, heads, width + scratch, head_dim, device=device, dtype=dtype)
+                         for _ in range(layers)]
+            self.values = [torch.zeros_like(k) for k in self.keys]
+        else:
+            self.full = graphs.drafts.claim(owner, layers, heads, max(width, graphs.width) + scratch, head_dim, dtype,
+                                            device)
+            self.fixed = self.full[0][0].shape[2] - scratch
+            self.keys, self.values = [k[:rows] for k in self.full[0]], [v[:rows] for v in self.full[1]]
         self.length = torch.zeros(rows, dtype=torch.long, device=device)  # [B] on the device
         self.lens = [0] * rows  # the same on the host
+
+    def run(self, name: str, fn, *inputs, scratch: list):
+        """``fn(*inputs, scratch)``: a drafter forward over this cache (``inputs``: tensors, a row each
+        first; ``scratch``: the propose's, a ``Scratch`` per layer). With compile=graphs replayed from
+        the graph of its name and shapes, its rows padded to a bucket: ``fn`` reads nothing that
+        changes between batches but its inputs, and its tensor outputs are the graph's (rewritten by
+        its next replay)."""
+        if self.graphs is None:
+            return fn(*inputs, scratch)
+        return self.graphs.drafts.run(self, name, fn, inputs, scratch)
 
     @property
     def width(self) -> int:
@@ -60,14 +88,19 @@ class DrafterCache:
         """Room for ``width`` slots a row (doubling: a batch sized right never gets here)."""
         if width <= self.width:
             return
+        if self.fixed is not None:
+            raise ConfigError(f"compile=graphs: the drafter's cache needs {width} slots, it has {self.width}; "
+                              "use compile=false or compile=true")
         width = max(width, 2 * self.width)
         pad = (0, 0, 0, width - self.width)
         self.keys = [F.pad(k, pad) for k in self.keys]
         self.values = [F.pad(v, pad) for v in self.values]
 
     def upto(self) -> int:
-        """The slots some row holds: what a forward attends over."""
-        return max(self.lens, default=0)
+        """The slots some row holds: what a forward attends over (compile=graphs: the whole context,
+        once it holds any: the prompts' forward, eager, attends over itself)."""
+        held = max(self.lens, default=0)
+        return self.fixed if self.fixed is not None and held else held
 
     def context(self) -> list:
         """Per layer (keys, values) [B, Hk, upto, Dh]: views, no copy."""
@@ -91,6 +124,9 @@ class DrafterCache:
         its new length are unseen, and the next append writes over them)."""
         m = kv[0][0].shape[2]
         B = len(lens)
+        if self.fixed is not None and max(self.lens, default=0) + m > self.fixed:
+            raise ConfigError(f"compile=graphs: the drafter's context passes its {self.fixed} slots; "
+                              "use compile=false or compile=true")
         self.grow(max((n + m for n in self.lens), default=0))
         idx = self.length[:, None] + torch.arange(m, device=self.length.device)[None]  # [B, m]
         for (k, v), K, V in zip(kv, self.keys, self.values):
@@ -103,13 +139,23 @@ class DrafterCache:
     def select_rows(self, keep: list[int]) -> None:
         """Keep the rows ``keep`` (finished rows leave the batch)."""
         idx = torch.tensor(keep, dtype=torch.long, device=self.length.device)
-        self.keys = [k[idx] for k in self.keys]
-        self.values = [v[idx] for v in self.values]
+        if self.fixed is None:
+            self.keys = [k[idx] for k in self.keys]
+            self.values = [v[idx] for v in self.values]
+        else:  # to the front of the pool's buffers, in place (a graph holds their addresses)
+            if keep != list(range(len(keep))):
+                for buf in (*self.full[0], *self.full[1]):
+                    buf[:len(keep)] = buf[idx]
+            self.keys = [k[:len(keep)] for k in self.full[0]]
+            self.values = [v[:len(keep)] for v in self.full[1]]
         self.length = self.length[idx]
         self.lens = [self.lens[i] for i in keep]
 
     def add_rows(self, other: "DrafterCache") -> None:
         """``other``'s rows after these (rows joining a running batch)."""
+        if self.fixed is not None:
+            raise ConfigError("compile=graphs runs static batches (rows leave, none join): use serving.batching=static, "
+                              "or compile=true for continuous batching")
         width = max(self.width, other.width)
         self.grow(width)
         other.grow(width)
@@ -119,7 +165,8 @@ class DrafterCache:
         self.lens = self.lens + other.lens
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        held = (*self.keys, *self.values) if self.fixed is None else (*self.full[0], *self.full[1])
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 class DraftRaggedCache(RaggedCache):

@@ -193,10 +193,11 @@ class DFlashDrafter(Drafter):
         return self.block(blk.reshape(Bt, A * Bk), pos, ctx, visible).view(Bt, A, Bk, -1)
 
 
-def context_cache(drafter: DFlashDrafter, rows: int, device, dtype, width: int) -> DrafterCache:
-    """A ``DrafterCache`` for ``drafter``'s layers."""
+def context_cache(drafter: DFlashDrafter, rows: int, device, dtype, width: int, scratch: int = 0, graphs=None,
+                  owner=None) -> DrafterCache:
+    """A ``DrafterCache`` for ``drafter``'s layers (its settings: ``DrafterCache``'s)."""
     lay = drafter.layers[0]
-    return DrafterCache(len(drafter.layers), lay.Hk, lay.Dh, rows, device, dtype, width)
+    return DrafterCache(len(drafter.layers), lay.Hk, lay.Dh, rows, device, dtype, width, scratch, graphs, owner)
 
 
 def layer_config(target_config, layers: int, mask_token_id: int, block_size: int, layer_ids):

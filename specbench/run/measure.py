@@ -86,11 +86,12 @@ class MethodRun:
             if self.compiled:  # every graph the timed job can need, with the method's taps in place (the
                 # pool's are captured by its own warm-up below)
                 warm_compiled(model, len(ids), device, dtype, self.proposer.hidden_layers)
+            if self.pool is not None:  # the buffers the warm-up makes, and its drafter's, are the job's
+                self.pool.reserve(len(ids), self._graph_width(ids))
             engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
             if self.pool is not None:  # room for the job's longest turns, and every bucket it can meet, now
                 print(f"[specbench] {method_name}: compile=graphs: capturing the target's forwards for each "
                       f"(rows, nodes) bucket up to bs={len(ids)} (untimed; minutes on a CPU)", file=sys.stderr)
-                self.pool.reserve(len(ids), self._graph_width(ids))
                 self.pool.warm(len(ids), self.K + 1)
             self.proposer.restore(fresh)  # the warm-up's answers are the timed prompts': forgotten
         self._fresh, self._rep = fresh, 0
@@ -194,6 +195,8 @@ class MethodRun:
         })
         if self.compiled or self.pool is not None:
             metrics["compile"] = {"graphs_in_timing": self.graphs_timed}
+            if self.pool is not None:  # what was captured: the target's buckets and the drafter's forwards
+                metrics["compile"].update(graphs=self.pool.made, drafter_graphs=self.pool.drafts.made)
             if self.graphs_timed:
                 print(f"[specbench] warning: {self.name}: torch.compile made {self.graphs_timed} graph(s) inside the "
                       "timing (shapes its warm-up did not meet): its speed includes compiling; rerun with repeats=2 "
