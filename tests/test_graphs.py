@@ -162,22 +162,45 @@ def test_cuda_graphs_replay_the_eager_tokens(tiny):
         model.to("cpu")
 
 
-def test_a_graphed_eagle_job_decodes_as_eager_with_no_graph_made_in_the_timing(tiny_dirs, tmp_path):
-    """Through the runner (its warm-up, its timers on the drafter): the same tokens as the eager job,
-    every graph made before the timing, the drafter's among them."""
+def test_a_graph_of_the_same_shapes_made_with_other_hooks_is_never_replayed(tiny):
+    """Pools one after another (jobs), the first without the hidden-state tap (AR's graph), the
+    others with it: each traces its own graph and hands over the tapped states (dynamo, by default
+    blind to hooks, replayed AR's graph for a tapped method, which found no states)."""
+    from specbench.decode.hidden import Tap
+
+    model, tok, folder = tiny
+    cpu = torch.device("cpu")
+    for names in [(), ("final",), ("final",)]:
+        model._specbench_graphs = None
+        pool = pool_of(model, cpu, torch.float32)
+        cache = GraphCache(model, cpu, torch.float32, pool)
+        with torch.inference_mode(), Tap(model, names) as tap:
+            pool.tap = tap
+            cache.prefill([[5, 6, 7], [8, 9, 10]], room=8)
+            tap.take()
+            cache.forward(torch.ones(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long), None)
+            assert sorted(tap.out) == list(names)
+        pool.close()
+
+
+@pytest.mark.parametrize("name,pairing", [("eagle", "sweep"), ("dflash", "paired")])
+def test_a_graphed_job_decodes_as_eager_with_no_graph_made_in_the_timing(tiny_dirs, tmp_path, name, pairing):
+    """Through the runner (its warm-up, its timers on the drafter; paired: AR and the method in one
+    job, sharing the pool): the same tokens as the eager job, every graph made before the timing,
+    the drafter's among them, each run's own counted."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from omegaconf import OmegaConf
 
     from helpers import tiny_cfg
     from specbench import methods
-    from specbench.methods.eagle import Eagle
     from specbench.run import runner
 
     target = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"], dtype=torch.float32)
-    method = {**OmegaConf.to_container(methods.settings("eagle")),
-              **Eagle.tiny(target, AutoTokenizer.from_pretrained(tiny_dirs["target"]), tmp_path / "eagle")["method"]}
-    run = {"bs": 2, "kernel": "torch", "method": method, "max_new_tokens": 16, "model.name": "tiny"}
+    tiny_method = methods.get(name).tiny(target, AutoTokenizer.from_pretrained(tiny_dirs["target"]), tmp_path / name)
+    method = {**OmegaConf.to_container(methods.settings(name)), **tiny_method["method"]}
+    run = {"bs": 2, "kernel": "torch", "method": method, "max_new_tokens": 16, "model.name": "tiny",
+           "ar_baseline": pairing}
     eager = runner.run(tiny_cfg(tiny_dirs, tmp_path, **run), sweep_id="e")
     graphed = runner.run(tiny_cfg(tiny_dirs, tmp_path, compile="graphs", warmup=True, **run), sweep_id="g")
     assert [r["status"] for r in graphed] == ["ok", "ok"], [r.get("error") for r in graphed]

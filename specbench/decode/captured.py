@@ -27,14 +27,34 @@ def bucket(n: int, cap: int | None = None) -> int:
 
 
 def compiled(fn, backend: str):
-    """``fn`` compiled whole for the shapes it meets (a graph break is an error)."""
+    """``fn`` compiled whole for the shapes it meets (a graph break is an error).
+
+    Every graph of every pool is a specialisation of one code object (``_Graph._forward``,
+    ``Captured._forward``), and dynamo by default does not guard on a module's hooks: a graph traced
+    without the hidden-state tap's hooks (AR's) was replayed for a method that needs them (DFlash's,
+    same shapes), which then found no states. Its calls guard on hooks (the pool's own taps stay
+    put for a job; the engine's are paused), and ``forget`` drops every trace when a pool closes."""
     import torch._dynamo.config as dynamo_config
 
     # every bucket is a specialisation of one function: past dynamo's limit of 8 it would run the
     # rest eagerly without a word
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 1024)
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+    traced = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+
+    def call(*args):
+        with dynamo_config.patch(skip_nnmodule_hook_guards=False):
+            return traced(*args)
+    return call
+
+
+def forget(*fns) -> None:
+    """Drop every graph dynamo traced from these functions (a pool's job is over: the next job's
+    pool traces its own, never one of an earlier job's)."""
+    from torch._dynamo.eval_frame import reset_code
+
+    for fn in fns:
+        reset_code(fn.__code__)
 
 
 def capture(run):

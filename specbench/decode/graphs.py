@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specbench.decode.captured import DraftGraphs, bucket, capture, compiled
+from specbench.decode.captured import Captured, DraftGraphs, bucket, capture, compiled, forget
 from specbench.decode.hidden import Tap
 from specbench.decode.kv import RaggedCache
 from specbench.errors import ConfigError
@@ -111,6 +111,8 @@ class GraphPool:
         for t in self.own_taps.values():
             t.close()
         self.drafts.close()
+        if self.device.type != "cuda":  # the traces of this job's graphs (CUDA graphs are dropped with them)
+            forget(_Graph._forward, Captured._forward)
         self.own_taps, self.graphs, self.k, self.v, self.rows, self.width, self.want = {}, {}, [], [], 0, 0, (0, 0)
         if getattr(self.model, "_specbench_graphs", None) is self:
             self.model._specbench_graphs = None

@@ -81,6 +81,7 @@ class MethodRun:
         self.pool = pool_of(model, device, dtype) if cfg.get("compile") == "graphs" else None
         self.compiled = is_compiled(model)  # compile=true (compile=graphs: the pool, below)
         fresh = self.proposer.snapshot()  # what it has learned across requests: nothing yet
+        made = self._captured()
         if cfg.warmup:  # the job's own shapes: a full batch of its ragged prompts (padding masks, tree masks)
             ids = self.workload.warmup_prompts()  # the first batch, as the timed job will see it
             if self.compiled:  # every graph the timed job can need, with the method's taps in place (the
@@ -90,10 +91,12 @@ class MethodRun:
                 self.pool.reserve(len(ids), self._graph_width(ids))
             engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
             if self.pool is not None:  # room for the job's longest turns, and every bucket it can meet, now
-                print(f"[specbench] {method_name}: compile=graphs: capturing the target's forwards for each "
-                      f"(rows, nodes) bucket up to bs={len(ids)} (untimed; minutes on a CPU)", file=sys.stderr)
+                print(f"[specbench] {method_name}: compile=graphs: capturing the target's forwards (and a drafter's) "
+                      f"for each (rows, nodes) bucket up to bs={len(ids)} (untimed; minutes on a CPU)", file=sys.stderr)
                 self.pool.warm(len(ids), self.K + 1)
             self.proposer.restore(fresh)  # the warm-up's answers are the timed prompts': forgotten
+        # compile=graphs: the graphs this run made (a paired job's AR and method share the pool)
+        self.graphs_made = [b - a for a, b in zip(made, self._captured())]
         self._fresh, self._rep = fresh, 0
         self.timer = PhaseTimer(device)
         self.eng = engine(self.timer)
@@ -143,13 +146,14 @@ class MethodRun:
     def _timed(self, call):
         """(what ``call()`` returns, its seconds less the harness's: the engine stops for the
         ``on_done`` callbacks a stream makes), counting the graphs made inside the timing."""
-        graphs = self._made()
+        graphs, made = self._made(), self._captured()
         sync(self.device)
         harness, t0 = self.eng.harness_s, time.perf_counter()
         out = call()
         sync(self.device)
         dt = time.perf_counter() - t0 - (self.eng.harness_s - harness)
         self.graphs_timed += self._made() - graphs
+        self.graphs_made = [n + b - a for n, a, b in zip(self.graphs_made, made, self._captured())]
         self._take_trace()
         return out, dt
 
@@ -178,6 +182,10 @@ class MethodRun:
             self.workload.tally.trace.append((t - prev, rows, n))
             prev = t
 
+    def _captured(self) -> tuple[int, int]:
+        """compile=graphs: (graphs, drafter graphs) the pool has made so far."""
+        return (self.pool.made, self.pool.drafts.made) if self.pool is not None else (0, 0)
+
     def _made(self) -> int:
         """Graphs made so far: captured by the pool (compile=graphs), compiled (compile=true), or none."""
         if self.pool is not None:
@@ -196,7 +204,11 @@ class MethodRun:
         if self.compiled or self.pool is not None:
             metrics["compile"] = {"graphs_in_timing": self.graphs_timed}
             if self.pool is not None:  # what was captured: the target's buckets and the drafter's forwards
-                metrics["compile"].update(graphs=self.pool.made, drafter_graphs=self.pool.drafts.made)
+                metrics["compile"].update(graphs=self.graphs_made[0], drafter_graphs=self.graphs_made[1])
+                if self.proposer.modules() and not self.graphs_made[1]:
+                    print(f"[specbench] note: {self.name}: compile=graphs captured the target's forwards; the method's "
+                          "own models ran eagerly (a drafter is captured through its drafters.cache.DrafterCache)",
+                          file=sys.stderr)
             if self.graphs_timed:
                 print(f"[specbench] warning: {self.name}: torch.compile made {self.graphs_timed} graph(s) inside the "
                       "timing (shapes its warm-up did not meet): its speed includes compiling; rerun with repeats=2 "
