@@ -19,7 +19,7 @@ from specbench import kernels, drafters
 from specbench.devices import to_device
 from specbench.decode.tree import Draft, pad_rows
 from specbench.decode.kv import RaggedCache
-from specbench.drafters.cache import DraftRaggedCache
+from specbench.drafters.cache import draft_cache
 from specbench.errors import ConfigError
 from specbench.hf import max_positions, text_config
 from specbench.models import cached_model, load_config, load_tokenizer, model_cfg, self_layers_draft
@@ -176,12 +176,13 @@ class Leviathan(Proposer):
         return [self.draft]
 
     # the draft's cache of each row (a DraftRaggedCache: room for the answers, rows join as the
-    # target's do) and the tokens in it (fed); the base keeps both as rows leave and join
+    # target's do; with compile=graphs its forwards replayed: drafters.cache.draft_cache) and the
+    # tokens in it (fed); the base keeps both as rows leave and join
     per_row = ("dcache", "fed")
 
     def new_rows(self, state: BatchState, hidden=None) -> dict:
         room = state.max_new_tokens + self.K + 2
-        dcache = DraftRaggedCache(self.draft, self.device, self.dtype, room=room, rows=state.rows, wider=True)
+        dcache = draft_cache(self.draft, state, self.device, self.dtype, room=room, rows=state.rows, wider=True)
         prompts = [s[:-1] for s in state.seqs]
         dcache.prefill(prompts, room=room)
         return {"dcache": dcache, "fed": [list(p) for p in prompts]}

@@ -25,7 +25,7 @@ import torch
 from specbench.decode.tree import Draft, pad_rows
 from specbench.decode.kv import RaggedCache
 from specbench.drafters import formats, randomize
-from specbench.drafters.cache import DraftRaggedCache
+from specbench.drafters.cache import draft_cache
 from specbench.errors import ConfigError
 from specbench.methods.base import BatchState, Proposer
 from specbench.paths import resolve_path
@@ -105,7 +105,8 @@ class MTP(Proposer):
     def modules(self):
         return [self.drafter]
 
-    # the module's cache (a DraftRaggedCache: rows join it as the target's cache), first and state:
+    # the module's cache (a DraftRaggedCache: rows join it as the target's cache; with compile=graphs
+    # its forwards replayed: drafters.cache.draft_cache), first and state:
     # the base keeps them as rows leave and join, from what new_rows makes
     per_row = ("kv", "first", "state")
 
@@ -121,7 +122,7 @@ class MTP(Proposer):
         src = (torch.arange(P, device=h.device)[None] - shift).clamp(min=0)
         h = h.gather(1, src[..., None].expand(-1, -1, h.shape[-1]))
         room = state.max_new_tokens + self.K + 2
-        kv = DraftRaggedCache(d, self.device, dt, room=room, rows=state.rows, wider=True)
+        kv = draft_cache(d, state, self.device, dt, room=room, rows=state.rows, wider=True)
         first, feed = self._draft(kv.prefill(toks, room=room, hidden=h).out[:, -1])
         return {"kv": kv, "first": first, "state": feed}
 

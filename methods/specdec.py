@@ -19,7 +19,7 @@ from specbench.methods.base import BatchState, Proposer
 from specbench import drafters
 from specbench.decode.tree import Draft, pad_rows
 from specbench.decode.kv import RaggedCache
-from specbench.drafters.cache import DraftRaggedCache
+from specbench.drafters.cache import draft_cache
 from specbench.errors import ConfigError
 from specbench.paths import resolve_path
 from specbench.decode.verify import Sampling, greedy_pick, sample, warp
@@ -77,12 +77,13 @@ class SpecDec(Proposer):
     def modules(self):
         return [self.drafter]
 
-    # the drafter's cache of each row (a DraftRaggedCache) and how many of its tokens it holds (fed);
+    # the drafter's cache of each row (a DraftRaggedCache; compile=graphs: drafters.cache.draft_cache)
+    # and how many of its tokens it holds (fed);
     # the base keeps both as rows leave and join
     per_row = ("dcache", "fed")
 
     def new_rows(self, state: BatchState, hidden=None) -> dict:
-        dcache = DraftRaggedCache(self.drafter, self.device, self.dtype)
+        dcache = draft_cache(self.drafter, state, self.device, self.dtype)
         dcache.prefill([s[:-1] for s in state.seqs])
         return {"dcache": dcache, "fed": [len(s) - 1 for s in state.seqs]}
 

@@ -46,10 +46,11 @@ def test_buckets_are_powers_of_two_within_the_rows():
     assert bucket(3, cap=3) == 3 and bucket(1, cap=3) == 1
 
 
-# the drafters' forwards (EAGLE's steps, DFlash's and DSpark's block and context, P-EAGLE's step) are
-# captured too: at bs 4 only, beside the issue's AR, PLD and EAGLE at bs 1 and 4
-CASES = [(name, bs) for name in ("ar", "pld", "eagle") for bs in (1, 4)] + [(n, 4) for n in ("dflash", "dspark", "peagle")]
-DRAFTERS = {"eagle", "dflash", "dspark", "peagle"}
+# the drafters' forwards (EAGLE's steps, DFlash's and DSpark's block and context, P-EAGLE's step,
+# the draft models of Leviathan, SpecDec and MTP) are captured too: at bs 4 only, beside the issue's
+# AR, PLD and EAGLE at bs 1 and 4
+DRAFTERS = {"eagle", "dflash", "dspark", "peagle", "leviathan", "specdec", "mtp"}
+CASES = [(name, bs) for name in ("ar", "pld", "eagle") for bs in (1, 4)] + [(n, 4) for n in sorted(DRAFTERS - {"eagle"})]
 
 
 @pytest.mark.parametrize("name,bs", CASES)
@@ -68,13 +69,13 @@ def test_graphs_decode_as_eager_and_compile_nothing_after_the_warm_up(tiny, name
     generate(model, prop, first, 50, eos, pool)  # the warm-up batch
     pool.warm(bs, 4)
     made, graphs = pool.made, counters["stats"]["unique_graphs"]
-    drafted = len(pool.drafts.graphs)
+    drafted = pool.drafts.made
     assert (drafted > 0) == (name in DRAFTERS)  # the drafter's forwards are graphs too
     got = generate(model, prop, second, 50, eos, pool)
     assert got == ref
     assert any(len(r) < 50 for r in got) or bs == 1  # rows left early
     assert pool.made == made and counters["stats"]["unique_graphs"] == graphs
-    assert len(pool.drafts.graphs) == drafted
+    assert pool.drafts.made == drafted
 
 
 def test_a_replayed_drafter_forward_is_model_time_and_its_timers_stay_out_of_the_graph(tiny):
@@ -148,7 +149,7 @@ def test_cuda_graphs_replay_the_eager_tokens(tiny):
     try:
         model._specbench_graphs = None
         prompts = prompts_of([5, 9, 12], 2)
-        for name in ("ar", "pld", "eagle", "dflash", "dspark", "peagle"):
+        for name in ("ar", "pld", *sorted(DRAFTERS)):
             ref = generate(model, make(name, model, tok, folder, "cuda"), prompts, 32, device="cuda")
             pool = pool_of(model, torch.device("cuda"), torch.float32)
             prop = make(name, model, tok, folder, "cuda")
@@ -209,3 +210,20 @@ def test_a_graphed_job_decodes_as_eager_with_no_graph_made_in_the_timing(tiny_di
         assert g["compile"] == "graphs" and g["metrics"]["compile"]["graphs_in_timing"] == 0
     assert [g["metrics"]["compile"]["drafter_graphs"] > 0 for g in graphed] == [False, True]
     assert graphed[1]["metrics"]["time_s"]["forward"] > 0
+
+
+def test_a_draft_models_pool_is_sized_as_its_targets_from_the_first_batch(tiny):
+    """A draft model's pool (``GraphPool.child``) takes the room the target's was reserved, rounded
+    as the target's buffers are: a later, longer batch makes neither anew (inside the timing)."""
+    model, tok, folder = tiny
+    draft, _ = audit._tiny_target(folder / "draft")
+    model._specbench_graphs = None
+    cpu = torch.device("cpu")
+    pool = pool_of(model, cpu, torch.float32)
+    pool.reserve(2, 300)  # as the runner does before its warm-up
+    with torch.inference_mode():
+        GraphCache(model, cpu, torch.float32, pool).prefill([[5, 6, 7], [8, 9]], room=8)
+        GraphCache(draft, cpu, torch.float32, pool.child(draft)).prefill([[5, 6, 7], [8, 9]], room=8)
+    assert pool.width == pool.child(draft).width == 512 and pool.child(draft).rows == 2
+    pool.close()
+    assert not pool.children

@@ -18,8 +18,9 @@ decoding pays it, so an eager harness reads small-batch speedups high. Here, as 
 - everything else (the prefill, the commit's slot moves, rows leaving) runs eagerly on the same
   buffers (``GraphCache``: a ``RaggedCache`` whose forward is replayed);
 - a drafter's own forwards over its cache (EAGLE's steps, DFlash's and DSpark's block and context,
-  P-EAGLE's step) are captured too, over buffers the pool keeps for the job (``decode.captured``);
-  a draft model's (Leviathan, SpecDec, MTP) still runs eagerly.
+  P-EAGLE's step) are captured too, over buffers the pool keeps for the job (``decode.captured``),
+  and a draft model's (Leviathan's, SpecDec's, MTP's module) through a ``GraphCache`` of its own
+  pool, a ``child`` of the target's (``drafters.cache.draft_cache``).
 
 Static batches only: rows leave (compacted in place, the bucket shrinks), none join
 (``serving.batching=continuous`` and ``serving.prefill_chunk`` are refused with compile=graphs). Models with
@@ -97,6 +98,24 @@ class GraphPool:
         self.own_taps: dict = {}  # names -> the pool's own Tap, hooked before any graph is made with it
         self.timer = None  # the engine's PhaseTimer: a replay is model forward time
         self.drafts = DraftGraphs(self)  # the drafters' buffers and graphs (drafters.cache.DrafterCache)
+        self.children: dict = {}  # id(draft model) -> its own pool (``child``)
+        self.parent: GraphPool | None = None  # a draft model's pool: the target's
+
+    def child(self, model) -> "GraphPool":
+        """The pool of a draft model the method runs beside the target (Leviathan's): its forwards
+        captured as the target's are, counted as the drafter's graphs, warmed and closed with this one."""
+        c = self.children.get(id(model))
+        if c is None:
+            c = self.children[id(model)] = GraphPool(model, self.device, self.dtype, self.backend)
+            c.parent, c.want = self, self.want
+        c.timer = self.timer
+        return c
+
+    def _made_one(self) -> None:
+        self.made += 1
+        if self.parent is not None:
+            self.parent.made += 1
+            self.parent.drafts.made += 1
 
     def reserve(self, rows: int, width: int) -> None:
         """Room for ``rows`` rows and ``width`` slots from now on (a job's longest prompts and answers),
@@ -111,6 +130,9 @@ class GraphPool:
         for t in self.own_taps.values():
             t.close()
         self.drafts.close()
+        for c in self.children.values():
+            c.close()
+        self.children = {}
         if self.device.type != "cuda":  # the traces of this job's graphs (CUDA graphs are dropped with them)
             forget(_Graph._forward, Captured._forward)
         self.own_taps, self.graphs, self.k, self.v, self.rows, self.width, self.want = {}, {}, [], [], 0, 0, (0, 0)
@@ -122,7 +144,8 @@ class GraphPool:
         made anew (and every graph with them) only when these are too small."""
         if self.k and rows <= self.rows and width <= self.width:
             return
-        rows, width = max(rows, self.rows, self.want[0]), max(width, self.width, self.want[1])
+        rows = max(rows, self.rows, self.want[0])
+        width = -(-max(width, self.width, self.want[1]) // 256) * 256  # whole 256s: a draft's pool as its target's
         self.k = [torch.zeros(rows, a.keys.shape[1], width, a.keys.shape[3], dtype=a.keys.dtype, device=self.device)
                   for a in like]
         self.v = [torch.zeros(rows, a.values.shape[1], width, a.values.shape[3], dtype=a.values.dtype,
@@ -134,22 +157,26 @@ class GraphPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
-    def run(self, tokens, pos, mask, slots) -> torch.Tensor:
-        """The target's logits [B, n, V] over padded inputs (B, n buckets), through the graph of
-        their shape (captured at its first use)."""
+    def run(self, tokens, pos, mask, slots, extras: dict | None = None) -> torch.Tensor:
+        """The model's output [B, n, ..] (an LM's logits) over padded inputs (B, n buckets; ``extras``:
+        more inputs of the forward, [B, n, ..] each: MTP's states), through the graph of their shape
+        (captured at its first use)."""
         names = self.tap.names if self.tap is not None else ()
-        key = (*tokens.shape, names)
+        extras = extras or {}
+        key = (*tokens.shape, names, tuple((k, tuple(v.shape[2:]), v.dtype) for k, v in sorted(extras.items())))
         g = self.graphs.get(key)
         if g is None:
             if names and names not in self.own_taps:  # hooks a graph is traced (captured) with: they stay
                 self.own_taps[names] = Tap(self.model, names)
-            g = self.graphs[key] = _Graph(self, *tokens.shape, self.own_taps.get(names))
-            self.made += 1
+            g = self.graphs[key] = _Graph(self, *tokens.shape, self.own_taps.get(names), extras)
+            self._made_one()
         for t in self.own_taps.values():  # empty (eager forwards, a prefill, fill them too): a traced graph guards on it
             t.take()
+        timer = self.timer
         with self.tap.paused() if self.tap is not None else contextlib.nullcontext(), \
-                self.timer.charge() if self.timer is not None else contextlib.nullcontext():
-            out = g(tokens, pos, mask, slots)
+                timer.charge() if timer is not None else contextlib.nullcontext(), \
+                timer.bare() if timer is not None else contextlib.nullcontext():  # a draft of ours: no timer inside
+            out = g(tokens, pos, mask, slots, extras)
         got = g.states()
         if names:  # the states the graph's own hooks saw (replayed: its static outputs)
             self.tap.out.update(got)
@@ -162,16 +189,21 @@ class GraphPool:
         and every count up to ``nodes`` (a chain's drafts, however many a step has)."""
         dev = self.device
         met = {k[1] for k in self.graphs}
-        for B in sorted({bucket(b, self.rows) for b in range(1, rows + 1)}):
-            for n in sorted(met | {bucket(m) for m in range(1, nodes + 1)}):
-                if (B, n, self.tap.names if self.tap is not None else ()) in self.graphs or n > self.width:
-                    continue
-                ok = torch.zeros(B, n, self.width, dtype=torch.bool, device=dev)
-                ok[:, :, :n] = torch.eye(n, dtype=torch.bool, device=dev)
-                mask = torch.where(ok, 0.0, torch.finfo(self.dtype).min).to(self.dtype)[:, None]
-                z = torch.zeros(B, n, dtype=torch.long, device=dev)
-                self.run(z, z, mask, torch.arange(n, device=dev))
+        names = self.tap.names if self.tap is not None else ()
+        for more in {k[3] for k in self.graphs} or {()}:  # the extra inputs' shapes met (MTP's states)
+            for B in sorted({bucket(b, self.rows) for b in range(1, rows + 1)}):
+                for n in sorted(met | {bucket(m) for m in range(1, nodes + 1)}):
+                    if (B, n, names, more) in self.graphs or n > self.width:
+                        continue
+                    ok = torch.zeros(B, n, self.width, dtype=torch.bool, device=dev)
+                    ok[:, :, :n] = torch.eye(n, dtype=torch.bool, device=dev)
+                    mask = torch.where(ok, 0.0, torch.finfo(self.dtype).min).to(self.dtype)[:, None]
+                    z = torch.zeros(B, n, dtype=torch.long, device=dev)
+                    self.run(z, z, mask, torch.arange(n, device=dev),
+                             {k: torch.zeros(B, n, *shape, dtype=dt, device=dev) for k, shape, dt in more})
         self.drafts.warm(rows)
+        for c in self.children.values():  # a draft model's forwards, as many nodes as the target's
+            c.warm(rows, nodes)
 
 
 class _Graph:
@@ -179,9 +211,10 @@ class _Graph:
     runs on a side stream, as torch's ``make_graphed_callables`` does); on the CPU the forward
     compiled whole (``fullgraph``: a break is an error) for these shapes."""
 
-    def __init__(self, pool: GraphPool, B: int, n: int, tap=None):
+    def __init__(self, pool: GraphPool, B: int, n: int, tap=None, extras: dict | None = None):
         dev = pool.device
         self.pool, self.tap = pool, tap
+        self.extras = {k: torch.zeros_like(v) for k, v in (extras or {}).items()}
         self.tokens = torch.zeros(B, n, dtype=torch.long, device=dev)
         self.pos = torch.zeros(B, n, dtype=torch.long, device=dev)
         self.mask = torch.zeros(B, 1, n, pool.width, dtype=pool.dtype, device=dev)
@@ -192,27 +225,30 @@ class _Graph:
         if not self.cuda:
             self.fn = compiled(self._forward, pool.backend)
 
-    def _forward(self, tokens, pos, mask):
+    def _forward(self, tokens, pos, mask, extras):
         # the model's forward, not its __call__: the engine's timer hooks on the target stay outside
         # (the pool times the call itself); its layers' hooks (the hidden-state tap) are inside
-        return self.pool.model.forward(input_ids=tokens, attention_mask=mask, position_ids=pos,
-                                       **{self.pool.kw: self.pool.cache}, use_cache=True, logits_to_keep=0).logits
+        out = self.pool.model.forward(input_ids=tokens, attention_mask=mask, position_ids=pos, **extras,
+                                      **{self.pool.kw: self.pool.cache}, use_cache=True, logits_to_keep=0)
+        return out.logits if hasattr(out, "logits") else out.out  # an LM's logits; MTP's layer states
 
     def _capture(self) -> None:
         """Two warm runs on a side stream, then the capture, all over the first call's inputs: what
         they write goes to that call's own slots (scratch until committed), never to a row's prefix."""
-        self.graph, self.out = capture(lambda: self._forward(self.tokens, self.pos, self.mask))
+        self.graph, self.out = capture(lambda: self._forward(self.tokens, self.pos, self.mask, self.extras))
         if self.tap is not None:
             self.tapped = dict(self.tap.take())  # the states its hooks saw: each replay rewrites them in place
 
-    def __call__(self, tokens, pos, mask, slots) -> torch.Tensor:
+    def __call__(self, tokens, pos, mask, slots, extras: dict) -> torch.Tensor:
         self.tokens.copy_(tokens)
         self.pos.copy_(pos)
         self.mask.copy_(mask)
         self.slots.copy_(slots)
+        for k, v in extras.items():
+            self.extras[k].copy_(v)
         self.pool.slots = self.slots
         if not self.cuda:
-            return self.fn(self.tokens, self.pos, self.mask)
+            return self.fn(self.tokens, self.pos, self.mask, self.extras)
         if self.graph is None:
             self._capture()
         self.graph.replay()
@@ -245,7 +281,7 @@ class GraphCache(RaggedCache):
         if self.window is not None:
             raise ConfigError("compile=graphs: models with sliding-window layers (Gemma 3) are not captured yet; "
                               "run them with compile=false or compile=true")
-        self.pool = pool
+        self.pool, self.fresh = pool, 0
 
     def prefill(self, prompts, room: int = 0, **model_kwargs):
         out = super().prefill(prompts, 0, **model_kwargs)  # eagerly, into a slab (no room: it is copied)
@@ -265,8 +301,9 @@ class GraphCache(RaggedCache):
         self.C = new_C  # the buffers stay whole; left padding stays where it is
 
     def forward(self, tokens, depth, anc, logits_to_keep: int = 0, **model_kwargs):
-        if model_kwargs:
-            raise ConfigError("compile=graphs captures the target's plain forward (no extra inputs)")
+        """``RaggedCache.forward`` through the pool's graph; ``model_kwargs``: more inputs [B, n, ..]
+        of the forward (MTP's states), padded as the tokens are. Returns its one output as
+        ``logits`` (and as ``out``, the name MTP's module gives its layer's states)."""
         pool, dev = self.pool, self.device
         B, n = tokens.shape
         Bb, nb = bucket(B, pool.rows), bucket(n)
@@ -289,10 +326,25 @@ class GraphCache(RaggedCache):
         pos[:B, :n] = length[:, None] + depth
         tok = torch.zeros(Bb, nb, dtype=torch.long, device=dev)
         tok[:B, :n] = tokens
-        logits = pool.run(tok, pos, mask, self.C + node)[:B, :n]
+        extras = {}
+        for k, v in model_kwargs.items():
+            if not isinstance(v, torch.Tensor) or tuple(v.shape[:2]) != (B, n):
+                raise ConfigError(f"compile=graphs: the forward's input {k} is no [rows, nodes, ...] tensor; "
+                                  "use compile=false or compile=true")
+            extras[k] = v.new_zeros(Bb, nb, *v.shape[2:])
+            extras[k][:B, :n] = v
+        logits = pool.run(tok, pos, mask, self.C + node, extras)[:B, :n]
+        self.fresh = n  # the new nodes' slots, until a commit keeps some
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]
-        return types.SimpleNamespace(logits=logits)
+        return types.SimpleNamespace(logits=logits, out=logits)
+
+    def commit_all(self) -> None:
+        """Keep every new node of the last forward (a draft model's chain step; its slots sit at
+        [C, C + n), the buffers do not grow)."""
+        n, self.fresh = self.fresh, 0
+        if n:
+            self.commit([list(range(n))] * self.batch_size, [n] * self.batch_size)
 
     def select_rows(self, keep) -> None:
         rows = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)

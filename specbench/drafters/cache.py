@@ -1,6 +1,6 @@
 """A drafter's own cache of keys and values, per row, that grows in place (DFlash, P-EAGLE, EAGLE);
 and a draft model's ``RaggedCache`` that rows join as a method's ``per_row`` attribute
-(``DraftRaggedCache``: Leviathan, SpecDec, MTP).
+(``DraftRaggedCache``: Leviathan, SpecDec, MTP; ``draft_cache`` picks it).
 
 Per layer one buffer [B, Hk, width, Dh], made once a batch with room for the prompts, every token
 the batch may add and a step's own scratch: row b's first ``lens[b]`` slots are its verified
@@ -181,3 +181,16 @@ class DraftRaggedCache(RaggedCache):
 
     def add_rows(self, *others: RaggedCache, **settings) -> None:
         super().add_rows(*others, **{**self.joins, **settings})
+
+
+def draft_cache(model, state, device, dtype, **joins) -> RaggedCache:
+    """A draft model's cache for the rows of ``state``: with compile=graphs one whose forwards are
+    replayed from graphs (``decode.graphs.GraphCache`` over the target pool's ``child`` for this
+    model; static batches); else a ``DraftRaggedCache`` rows join with ``joins``. A draft that is
+    the target itself runs eagerly (one model, one pool: the target's buffers are its own)."""
+    pool = state.graphs
+    if pool is None or pool.model is model:
+        return DraftRaggedCache(model, device, dtype, **joins)
+    from specbench.decode.graphs import GraphCache
+
+    return GraphCache(model, device, dtype, pool.child(model))

@@ -68,6 +68,8 @@ class DraftLM(Drafter):
     def head_weight(self) -> torch.Tensor:
         w = self._target_head[0].weight
         c = getattr(self, "_head_cache", None)
+        if c is not None and torch.compiler.is_compiling():  # traced (compile=graphs): made by an eager call first
+            return c[1]
         if c is None or c[0] is not w or c[1].device != w.device or \
                 (torch.is_inference(c[1]) and not torch.is_inference_mode_enabled()):
             self._head_cache = (w, w.detach()[self.vocab_ids.to(w.device)])
@@ -84,9 +86,12 @@ class DraftLM(Drafter):
         # where embed() is the body's own embedding, the body takes the token ids: the same numbers, and
         # on native its own loop over its fused layers (kernels.native._fused_model_forward) takes ids only
         own = type(self).embed is DraftLM.embed
+        kw = self.__dict__.get("_body_kw") if torch.compiler.is_compiling() else None  # traced: the eager call's
+        if kw is None:
+            kw = self.__dict__["_body_kw"] = cache_kwarg(self.body)
         out = self.body(**({"input_ids": input_ids} if own else {"inputs_embeds": self.embed(input_ids)}),
                         attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
-                        **{cache_kwarg(self.body): past_key_values})
+                        **{kw: past_key_values})
         h = out.last_hidden_state
         if logits_to_keep:
             h = h[:, -logits_to_keep:]

@@ -33,7 +33,7 @@ model. ``specbench/drafters/formats/mtp.py`` maps each family's checkpoint onto 
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -42,6 +42,12 @@ from specbench.drafters import Drafter, borrow
 from specbench.hf import cache_kwarg, text_config
 
 FAMILIES = ("deepseek", "qwen3_next", "mimo", "speculators")
+
+
+class Output(NamedTuple):
+    """The module's forward: its decoder layer's states (a tuple: torch.compile traces it)."""
+
+    out: torch.Tensor
 
 
 def layer_index(cfg) -> int:
@@ -150,7 +156,7 @@ class MTPDrafter(Drafter):
         y = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
                        position_embeddings=self.rope(x, position_ids), **{self._cache_kw: cache})
         y = y[0] if isinstance(y, tuple) else y
-        return SimpleNamespace(out=y[:, -logits_to_keep:] if logits_to_keep else y)
+        return Output(y[:, -logits_to_keep:] if logits_to_keep else y)
 
     def train_logits(self, tokens: torch.Tensor, h: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Teacher-forced recursion over one batch of sequences (FastMTP's and speculators'

@@ -43,10 +43,8 @@ class SpecDrafter(DraftLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         is_q = input_ids >= self.vocab_size
         e = self.body.embed_tokens(input_ids.clamp(max=self.vocab_size - 1))
-        if bool(is_q.any()):
-            q = self.queries.to(e.dtype)[(input_ids - self.vocab_size).clamp(0, self.k - 1)]
-            e = torch.where(is_q[..., None], q, e)
-        return e
+        q = self.queries.to(e.dtype)[(input_ids - self.vocab_size).clamp(0, self.k - 1)]
+        return torch.where(is_q[..., None], q, e)  # no test of is_q on the host: nothing waits
 
 
 def build(meta: dict, state: dict, target) -> SpecDrafter:

@@ -207,8 +207,8 @@ class MethodRun:
                 metrics["compile"].update(graphs=self.graphs_made[0], drafter_graphs=self.graphs_made[1])
                 if self.proposer.modules() and not self.graphs_made[1]:
                     print(f"[specbench] note: {self.name}: compile=graphs captured the target's forwards; the method's "
-                          "own models ran eagerly (a drafter is captured through its drafters.cache.DrafterCache)",
-                          file=sys.stderr)
+                          "own models ran eagerly (captured: a drafter over a DrafterCache, a draft model's "
+                          "drafters.cache.draft_cache)", file=sys.stderr)
             if self.graphs_timed:
                 print(f"[specbench] warning: {self.name}: torch.compile made {self.graphs_timed} graph(s) inside the "
                       "timing (shapes its warm-up did not meet): its speed includes compiling; rerun with repeats=2 "
