@@ -528,6 +528,26 @@ def test_the_summary_and_the_report_say_which_ar_each_speedup_stands_on(tmp_path
     assert set(tables.per_category(load(p2)).index.get_level_values("method")) == {"pld", "suffix (unpaired)"}
 
 
+def test_the_summary_names_the_settings_a_sweep_varied_that_no_column_shows():
+    """compile=false,graphs or pld.max_ngram=2,4 made rows that read alike: a settings column says
+    which is which (a method's keys and draft compared between its own records), and is absent when
+    nothing else varied."""
+    from specbench.run.summary import summary_table
+
+    base = {"status": "ok", "model": "m", "dataset": "mt_bench", "bs": 1, "K": 4, "temperature": 0.0,
+            "sweep_id": "s", "requests": [], "metrics": {"speedup": 1.2, "tau": 1.5, "tokens_per_s": 12.0}}
+    eager = dict(base, method="pld", job_id="a", method_opts={"name": "pld", "max_ngram": 2}, draft=None)
+    recs = [eager, dict(eager, job_id="b", compile="graphs"),
+            dict(eager, job_id="c", method_opts={"name": "pld", "max_ngram": 4}),
+            dict(base, method="eagle", job_id="d", draft="checkpoints/x")]
+    table = summary_table(recs).splitlines()
+    assert "settings" in table[0]
+    assert ["compile=false pld.max_ngram=2" in table[2], "compile=graphs pld.max_ngram=2" in table[3],
+            "compile=false pld.max_ngram=4" in table[4]] == [True, True, True]
+    assert "draft=" not in "\n".join(table)  # eagle's draft is its own, not swept
+    assert "settings" not in summary_table([eager, dict(eager, job_id="e", bs=4)])
+
+
 def test_identity_table_takes_its_reference_ar_from_the_same_engine_kernel_and_compile(tmp_path):
     """A vLLM AR at bs 1 (other tokens) beside ours changes none of our rows: each engine's rows are
     held to its own AR."""

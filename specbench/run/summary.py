@@ -10,13 +10,40 @@ from omegaconf import OmegaConf
 from specbench.run import records as R
 
 
+# settings a record keeps that no column shows: the summary names those its sweep varied (a
+# method's draft and keys: between that method's records)
+SWEPT = ("compile", "kernel", "dtype", "device", "temperature", "top_k", "top_p", "max_new_tokens", "seed")
+
+
+def swept(recs: list[dict]) -> list[str]:
+    """Per record, the settings the sweep varied that no column shows (``compile=graphs``, a method
+    key such as ``pld.max_ngram=3``), as ``key=value`` words."""
+    def value(r, k):
+        v = r.get(k)
+        return "false" if k == "compile" and v is None else v  # older and eager records keep no compile
+
+    def own(r):  # the method's draft and keys, as given
+        return {"draft": r.get("draft"), **{f"{r.get('method')}.{k}": v for k, v in (r.get("method_opts") or {}).items()
+                                            if k != "name"}}
+    keys = [k for k in SWEPT if len({str(value(r, k)) for r in recs}) > 1]
+    by_method: dict = {}
+    for r in recs:
+        by_method.setdefault(r.get("method"), []).append(own(r))
+    varied = {m: [k for k in dict.fromkeys(k for o in os_ for k in o) if len({str(o.get(k)) for o in os_}) > 1]
+              for m, os_ in by_method.items()}
+    return [" ".join([f"{k}={value(r, k)}" for k in keys] + [f"{k}={own(r).get(k)}" for k in varied[r.get("method")]])
+            for r in recs]
+
+
 def summary_table(recs: list[dict]) -> str:
     serving = any(r.get("serving") for r in recs)  # a serving sweep: its load and latency too
+    settings = swept(recs)
     cols = ["method", "model", "dataset", "bs", *(["batching", "rate", "TPOT p50", "TTFT p99"] if serving else []),
-            "K", "ctx", "tok/s", "speedup", "tau", "verify", "match_ar", "score", "status"]
+            "K", "ctx", *(["settings"] if any(settings) else []), "tok/s", "speedup", "tau", "verify", "match_ar",
+            "score", "status"]
     rows = []
     by_id = {r.get("job_id"): r for r in recs}
-    for r in recs:
+    for r, setting in zip(recs, settings):
         m = r.get("metrics") or {}
 
         def f(x, fmt):  # a refused job's record keeps a bad value as given (ctx=abc): shown as it is
@@ -37,7 +64,8 @@ def summary_table(recs: list[dict]) -> str:
         name += f" [{r['backend']}]" if r.get("backend") else ""  # vLLM's jobs say so
         name += " [synthetic accept]" if r.get("accept") else ""  # drawn acceptance, lossy by construction
         rows.append([name, str(r.get("model")).split("/")[-1], r.get("dataset"), str(r.get("bs")), *load,
-                     ("auto:" if r.get("K_auto") else "") + f(r.get("K"), "d"), f(r.get("ctx"), "d"), f(m.get("tokens_per_s"), ".1f"),
+                     ("auto:" if r.get("K_auto") else "") + f(r.get("K"), "d"), f(r.get("ctx"), "d"),
+                     *([setting or "-"] if any(settings) else []), f(m.get("tokens_per_s"), ".1f"),
                      f(m.get("speedup"), ".2f") + ("x" if m.get("speedup") is not None else "")
                      + (" unpaired" if R.ar_paired(r) is False else "") + (" !" if R.above_bound(r) else ""),
                      f(m.get("tau"), ".2f"), f(m.get("verify_share"), ".0%"), f(m.get("match_ar"), ".0%"),
