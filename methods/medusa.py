@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import functools
 from pathlib import Path
 import sys
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -56,7 +56,7 @@ class Medusa(Proposer):
         checkpoint: str = "checkpoints/smollm2-135m/medusa"  # ours (python -m specbench.train drafter=medusa target=<model>) or a published Medusa-1 folder
         tree: str = "default"  # default: sparse tree from the heads' measured accuracies; chain: top-1 per head; or a published tree (mc_sim_7b_63, ...)
         tree_size: Any = "auto"  # nodes of the default tree (auto: 7 on CPU, the checkpoint's 32 elsewhere; null: the checkpoint's)
-        accept: str = "exact"  # exact (lossless) | typical (Medusa's typical acceptance when sampling; lossy)
+        accept: Literal["exact", "typical"] = "exact"  # exact (lossless) | typical (Medusa's typical acceptance when sampling; lossy)
         eps: float = 0.09  # typical acceptance: p(x) > min(eps, delta * exp(-H(p)))
         delta: float = 0.3
     per_row = ("f",)  # [B, d] each row's last committed token's final state
@@ -68,8 +68,6 @@ class Medusa(Proposer):
         if m.tree not in ("default", "chain") and m.tree not in named_trees():
             raise ConfigError(f"medusa.tree must be default, chain or a published tree ({', '.join(named_trees())}), "
                               f"got {m.tree!r}")
-        if m.accept not in ("exact", "typical"):
-            raise ConfigError(f"medusa.accept must be 'exact' or 'typical', got {m.accept!r}")
         if m.tree_size not in (None, "auto") and (not isinstance(m.tree_size, int) or m.tree_size < 1):
             raise ConfigError(f"medusa.tree_size must be 'auto', null or an integer >= 1, got {m.tree_size!r}")
         if not 0 < float(m.eps) < 1 or float(m.delta) <= 0:

@@ -199,4 +199,4 @@ class SuffixDecoding(Proposer):
     def describe(self) -> dict:
         total = sum(self.used.values()) or 1
         return {"max_depth": self.D, "spec_factor": self.factor, "spec_offset": self.offset, "min_prob": self.min_prob,
-                "tree": self.tree, "global": self.use_global, "drafted_by": {k: v / total for k, v in self.used.items()}}
+                "tree": self.tree, "global_tree": self.use_global, "drafted_by": {k: v / total for k, v in self.used.items()}}
