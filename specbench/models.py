@@ -60,14 +60,15 @@ def cached_model(mcfg, device, dtype, kernel: str = "torch", compile: bool = Fal
     return _MODELS[key]
 
 
-def check_compile(compile, kernel: str | None) -> None:
+def check_compile(compile, kernel: str | None, setting: str | None = None) -> None:
     """``compile=true`` compiles torch's own kernels: the packed CPU paths (onednn, native) run
     extension calls that torch.compile cannot trace (it would break the graph at every layer).
-    ``kernel``: the resolved path (None: check the setting's type only)."""
+    ``kernel``: the resolved path (None: check the setting's type only); ``setting``: as given (auto)."""
     if not isinstance(compile, bool) and compile != "graphs":
         raise ConfigError(f"compile must be true, false or graphs, got {compile!r}")
     if compile and kernel is not None and kernel != "torch":
-        raise ConfigError(f"compile={str(compile).lower()} compiles torch's kernels, not kernel={kernel} (its linears "
+        given = f"kernel={kernel}" if setting in (None, kernel) else f"kernel={setting} ({kernel} here)"
+        raise ConfigError(f"compile={str(compile).lower()} compiles torch's kernels, not {given} (its linears "
                           "are extension calls torch.compile cannot trace): add kernel=torch")
 
 

@@ -529,9 +529,9 @@ def test_the_summary_and_the_report_say_which_ar_each_speedup_stands_on(tmp_path
 
 
 def test_the_summary_names_the_settings_a_sweep_varied_that_no_column_shows():
-    """compile=false,graphs or pld.max_ngram=2,4 made rows that read alike: a settings column says
-    which is which (a method's keys and draft compared between its own records), and is absent when
-    nothing else varied."""
+    """compile=false,graphs or pld.max_ngram=2,4 made rows that read alike: the name says the mode
+    ([graphs], [compiled]) and a settings column what else varied (a method's keys and draft compared
+    between its own records), absent when nothing did."""
     from specbench.run.summary import summary_table
 
     base = {"status": "ok", "model": "m", "dataset": "mt_bench", "bs": 1, "K": 4, "temperature": 0.0,
@@ -542,8 +542,8 @@ def test_the_summary_names_the_settings_a_sweep_varied_that_no_column_shows():
             dict(base, method="eagle", job_id="d", draft="checkpoints/x")]
     table = summary_table(recs).splitlines()
     assert "settings" in table[0]
-    assert ["compile=false pld.max_ngram=2" in table[2], "compile=graphs pld.max_ngram=2" in table[3],
-            "compile=false pld.max_ngram=4" in table[4]] == [True, True, True]
+    assert [r.split("  ")[0] for r in table[2:6]] == ["pld", "pld [graphs]", "pld", "eagle"]  # the mode, sweep or not
+    assert ["pld.max_ngram=2" in table[2], "pld.max_ngram=2" in table[3], "pld.max_ngram=4" in table[4]] == [True] * 3
     assert "draft=" not in "\n".join(table)  # eagle's draft is its own, not swept
     assert "settings" not in summary_table([eager, dict(eager, job_id="e", bs=4)])
 

@@ -138,6 +138,8 @@ def test_the_settings_that_graphs_cannot_run_are_refused():
     check_compile("graphs", "torch")
     with pytest.raises(ConfigError, match="add kernel=torch"):
         check_compile("graphs", "native")
+    with pytest.raises(ConfigError, match=r"not kernel=auto \(native here\)"):  # what the user set, and what it meant
+        check_compile("graphs", "native", "auto")
     with pytest.raises(ConfigError, match="true, false or graphs"):
         check_compile("graph", None)
 

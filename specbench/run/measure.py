@@ -91,8 +91,11 @@ class MethodRun:
                 self.pool.reserve(len(ids), self._graph_width(ids))
             engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
             if self.pool is not None:  # room for the job's longest turns, and every bucket it can meet, now
-                print(f"[specbench] {method_name}: compile=graphs: capturing the target's forwards (and a drafter's) "
-                      f"for each (rows, nodes) bucket up to bs={len(ids)} (untimed; minutes on a CPU)", file=sys.stderr)
+                own = " and its own models'" if self.proposer.modules() else ""
+                cpu = "" if device.type == "cuda" else (" On the CPU each is traced whole (fullgraph, eager backend): it "
+                                                        "proves them capturable, its speed is eager's.")
+                print(f"[specbench] {method_name}: compile=graphs: capturing the target's forwards{own} for each "
+                      f"(rows, nodes) bucket up to bs={len(ids)} (untimed).{cpu}", file=sys.stderr)
                 self.pool.warm(len(ids), self.K + 1)
             self.proposer.restore(fresh)  # the warm-up's answers are the timed prompts': forgotten
         # compile=graphs: the graphs this run made (a paired job's AR and method share the pool)
@@ -203,12 +206,13 @@ class MethodRun:
         })
         if self.compiled or self.pool is not None:
             metrics["compile"] = {"graphs_in_timing": self.graphs_timed}
-            if self.pool is not None:  # what was captured: the target's buckets and the drafter's forwards
+            if self.pool is not None:  # what was captured (graphs: all, drafter_graphs: of those, the method's own)
                 metrics["compile"].update(graphs=self.graphs_made[0], drafter_graphs=self.graphs_made[1])
-                if self.proposer.modules() and not self.graphs_made[1]:
-                    print(f"[specbench] note: {self.name}: compile=graphs captured the target's forwards; the method's "
-                          "own models ran eagerly (captured: a drafter over a DrafterCache, a draft model's "
-                          "drafters.cache.draft_cache)", file=sys.stderr)
+                if self.proposer.modules() and not self.graphs_made[1]:  # Medusa's heads: no cache of their own
+                    eager = sorted({type(m).__name__ for m in self.proposer.modules()})
+                    metrics["compile"]["eager_models"] = eager
+                    print(f"\n[specbench] note: {self.name}: compile=graphs captured the target's forwards; its own "
+                          f"models ({', '.join(eager)}) ran eagerly (metrics.compile.eager_models)", file=sys.stderr)
             if self.graphs_timed:
                 print(f"[specbench] warning: {self.name}: torch.compile made {self.graphs_timed} graph(s) inside the "
                       "timing (shapes its warm-up did not meet): its speed includes compiling; rerun with repeats=2 "

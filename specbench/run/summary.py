@@ -12,15 +12,14 @@ from specbench.run import records as R
 
 # settings a record keeps that no column shows: the summary names those its sweep varied (a
 # method's draft and keys: between that method's records)
-SWEPT = ("compile", "kernel", "dtype", "device", "temperature", "top_k", "top_p", "max_new_tokens", "seed")
+SWEPT = ("kernel", "dtype", "device", "temperature", "top_k", "top_p", "max_new_tokens", "seed")
 
 
 def swept(recs: list[dict]) -> list[str]:
     """Per record, the settings the sweep varied that no column shows (``compile=graphs``, a method
     key such as ``pld.max_ngram=3``), as ``key=value`` words."""
     def value(r, k):
-        v = r.get(k)
-        return "false" if k == "compile" and v is None else v  # older and eager records keep no compile
+        return r.get(k)
 
     def own(r):  # the method's draft and keys, as given
         return {"draft": r.get("draft"), **{f"{r.get('method')}.{k}": v for k, v in (r.get("method_opts") or {}).items()
@@ -63,6 +62,7 @@ def summary_table(recs: list[dict]) -> str:
             name += f" (for {by_id[r['paired_with']].get('method')})" if r["paired_with"] in by_id else " (paired)"
         name += f" [{r['backend']}]" if r.get("backend") else ""  # vLLM's jobs say so
         name += " [synthetic accept]" if r.get("accept") else ""  # drawn acceptance, lossy by construction
+        name += {True: " [compiled]", "graphs": " [graphs]"}.get(r.get("compile"), "")  # timed compiled or captured
         rows.append([name, str(r.get("model")).split("/")[-1], r.get("dataset"), str(r.get("bs")), *load,
                      ("auto:" if r.get("K_auto") else "") + f(r.get("K"), "d"), f(r.get("ctx"), "d"),
                      *([setting or "-"] if any(settings) else []), f(m.get("tokens_per_s"), ".1f"),

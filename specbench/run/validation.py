@@ -44,10 +44,13 @@ def validate(cfg: DictConfig) -> int:
     device = resolve_device(cfg.device)
     resolve_dtype(cfg.dtype, device)
     compile_ = cfg.get("compile", False)  # the kernel resolved only when it matters (auto may build the extension)
-    check_compile(compile_, kernels.resolve(cfg.get("kernel", "torch"), device) if compile_ else None)
-    if compile_ == "graphs" and (serving.continuous or serving.prefill_chunk):
-        raise ConfigError("compile=graphs runs static batches with whole prefills: use serving.batching=static and no "
-                          "serving.prefill_chunk, or compile=true")
+    check_compile(compile_, kernels.resolve(cfg.get("kernel", "torch"), device) if compile_ else None, cfg.get("kernel"))
+    if compile_ == "graphs" and serving.continuous:
+        raise ConfigError("compile=graphs runs static batches (rows leave, none join), not serving.batching=continuous: "
+                          "use serving.batching=static, or compile=true")
+    if compile_ == "graphs" and serving.prefill_chunk:
+        raise ConfigError("compile=graphs prefills whole prompts, not serving.prefill_chunk pieces: leave it unset "
+                          "(serving.prefill_chunk=null), or use compile=true")
     mconf = load_config(cfg.model)
     if compile_ == "graphs" and "sliding_attention" in (getattr(text_config(mconf), "layer_types", None) or []):
         raise ConfigError("compile=graphs: models with sliding-window layers (Gemma 3) are not captured yet; "
