@@ -83,8 +83,9 @@ class SpecDec(Proposer):
     per_row = ("dcache", "fed")
 
     def new_rows(self, state: BatchState, hidden=None) -> dict:
-        dcache = draft_cache(self.drafter, state, self.device, self.dtype)
-        dcache.prefill([s[:-1] for s in state.seqs])
+        room = state.max_new_tokens + 2 * self.K + 2  # every token the batch may add, a step's queries after them
+        dcache = draft_cache(self.drafter, state, self.device, self.dtype, room=room, rows=state.rows, wider=True)
+        dcache.prefill([s[:-1] for s in state.seqs], room=room)
         return {"dcache": dcache, "fed": [len(s) - 1 for s in state.seqs]}
 
     def propose(self, state: BatchState) -> Draft:

@@ -229,3 +229,32 @@ def test_a_draft_models_pool_is_sized_as_its_targets_from_the_first_batch(tiny):
     assert pool.width == pool.child(draft).width == 512 and pool.child(draft).rows == 2
     pool.close()
     assert not pool.children
+
+
+@pytest.mark.parametrize("name", ["eagle", "leviathan"])
+def test_a_graphed_runs_cache_bytes_count_the_targets_buffers_once(tiny, name):
+    """On the CPU a run's peak counts the target's KV cache (the engine's) and the method's own
+    tensors (``held_bytes``): with graphs the method's drafter buffers or its draft model's pool,
+    never the target's pool again through them (the drafter's cache and the draft's pool point at it)."""
+    from specbench.decode.memory import held_bytes
+
+    model, tok, folder = tiny
+    model._specbench_graphs = None
+    pool = pool_of(model, torch.device("cpu"), torch.float32)
+    prop = make(name, model, tok, folder)
+    generate(model, prop, prompts_of([5, 9, 12, 7], 4), 8, pool=pool)
+    own = pool.owned_nbytes(prop)
+    assert own > 0 and held_bytes(prop) <= own + 64 * 1024  # its buffers and its small per-row state
+    pool.close()
+
+
+def test_a_graphed_specdec_has_room_for_its_queries_past_a_long_prompt(tiny):
+    """SpecDec's draft cache is made with room for the answers and a step's queries: prompts that
+    end near the pool's 256-slot rounding (no reserve, as with warmup=false) decode as eager."""
+    model, tok, folder = tiny
+    model._specbench_graphs = None
+    prompts = prompts_of([250, 240], 5)
+    ref = generate(model, make("specdec", model, tok, folder), prompts, 8)
+    pool = pool_of(model, torch.device("cpu"), torch.float32)
+    assert generate(model, make("specdec", model, tok, folder), prompts, 8, pool=pool) == ref
+    pool.close()

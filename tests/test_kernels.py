@@ -715,3 +715,18 @@ def test_extension_silu_mul_matches_torch():
     gu[0, 0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
     gate, up = gu.chunk(2, dim=-1)
     assert torch.allclose(extension.load().silu_mul(gu), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_query_attention_folds_the_query_heads_and_copies_no_key():
+    """A GPU's drafter attention (``native.grouped``): each KV head's query heads as query rows of
+    that head, the mask tiled; the same as SDPA's grouped-query attention, for any rep."""
+    from specbench.kernels.native import grouped
+
+    g = torch.Generator().manual_seed(0)
+    for B, H, Hk, n, S in [(2, 8, 2, 3, 17), (3, 12, 4, 10, 40), (1, 4, 4, 1, 5)]:
+        q, k, v = (torch.randn(*shape, 16, generator=g) for shape in ((B, H, n), (B, Hk, S), (B, Hk, S)))
+        visible = torch.rand(B, n, S, generator=g) > 0.3
+        visible[..., 0] = True
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None],
+                                                               enable_gqa=H != Hk).transpose(1, 2)
+        torch.testing.assert_close(grouped(q, k, v, visible), ref)

@@ -137,6 +137,11 @@ class DraftGraphs:
         self.buffers[id(owner)] = have
         return have
 
+    def held(self, owner) -> list:
+        """``owner``'s buffers (keys and values, per layer), or none."""
+        have = self.buffers.get(id(owner))
+        return [] if have is None else [*have[0], *have[1]]
+
     def run(self, cache, name: str, fn, inputs, scratch):
         """``fn(*inputs, scratch)`` for the cache's rows (``DrafterCache.run``), from its graph."""
         B = len(cache.lens)
@@ -168,12 +173,15 @@ class DraftGraphs:
         self.made += 1
         return g
 
-    def _bare(self):
-        return self.pool.timer.bare() if self.pool.timer is not None else contextlib.nullcontext()
+    def _bare(self, g: Captured | None = None):
+        """The timer's wrappers off while a graph is traced or captured (not around a CUDA replay)."""
+        if self.pool.timer is None or (g is not None and g.cuda and g.graph is not None):
+            return contextlib.nullcontext()
+        return self.pool.timer.bare()
 
     def _call(self, g: Captured, inputs):
         timer = self.pool.timer
-        with timer.charge() if timer is not None else contextlib.nullcontext(), self._bare():
+        with timer.charge() if timer is not None else contextlib.nullcontext(), self._bare(g):
             return g(inputs)
 
     @torch.inference_mode()

@@ -157,6 +157,23 @@ class GraphPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
+    def held_tensors(self) -> list:
+        """What a method holding this pool holds of it (``decode.memory.held_bytes``): a draft
+        model's pool, its KV buffers; the target's, nothing (the engine counts the target's cache,
+        and a drafter's buffers are counted through its own ``DrafterCache``)."""
+        return [*self.k, *self.v] if self.parent is not None else []
+
+    def owned_nbytes(self, proposer) -> int:
+        """Bytes of this job's buffers that ``proposer`` (and the methods it wraps) keep here: its
+        drafters' and its draft models' (a GPU run's peak: they are made before the timing)."""
+        props, total = [proposer], 0
+        while props:
+            p = props.pop()
+            props.extend(p.inner())
+            total += sum(t.numel() * t.element_size() for t in self.drafts.held(p))
+            total += sum(c.nbytes() for m in p.modules() for c in [self.children.get(id(m))] if c is not None)
+        return total
+
     def run(self, tokens, pos, mask, slots, extras: dict | None = None) -> torch.Tensor:
         """The model's output [B, n, ..] (an LM's logits) over padded inputs (B, n buckets; ``extras``:
         more inputs of the forward, [B, n, ..] each: MTP's states), through the graph of their shape
@@ -173,9 +190,10 @@ class GraphPool:
         for t in self.own_taps.values():  # empty (eager forwards, a prefill, fill them too): a traced graph guards on it
             t.take()
         timer = self.timer
+        bare = timer is not None and (not g.cuda or g.graph is None)  # traced or captured now: no timer inside
         with self.tap.paused() if self.tap is not None else contextlib.nullcontext(), \
                 timer.charge() if timer is not None else contextlib.nullcontext(), \
-                timer.bare() if timer is not None else contextlib.nullcontext():  # a draft of ours: no timer inside
+                timer.bare() if bare else contextlib.nullcontext():  # (a draft model of ours has its methods wrapped)
             out = g(tokens, pos, mask, slots, extras)
         got = g.states()
         if names:  # the states the graph's own hooks saw (replayed: its static outputs)
@@ -298,7 +316,7 @@ class GraphCache(RaggedCache):
         return self.C
 
     def _crop(self, new_C: int, unpad: bool = False) -> None:
-        self.C = new_C  # the buffers stay whole; left padding stays where it is
+        self.C, self.fresh = new_C, 0  # the buffers stay whole; left padding stays where it is
 
     def forward(self, tokens, depth, anc, logits_to_keep: int = 0, **model_kwargs):
         """``RaggedCache.forward`` through the pool's graph; ``model_kwargs``: more inputs [B, n, ..]
@@ -354,6 +372,7 @@ class GraphCache(RaggedCache):
                 buf[:len(rows), :, :self.C] = buf[idx, :, :self.C]
         self.start = [self._start[r] for r in rows]
         self.length = [self._length[r] for r in rows]
+        self.fresh = 0
         if self.batch_size:
             self.C = max(self._ends())
 

@@ -32,6 +32,10 @@ def held_bytes(proposer: Proposer) -> int:
                 total += s.nbytes()
         elif depth == 0 or isinstance(o, torch.nn.Module) or id(o) in seen:
             return
+        elif hasattr(o, "held_tensors"):  # compile=graphs' pool: a draft model's KV (the target's: the engine's)
+            seen.add(id(o))
+            for t in o.held_tensors():
+                walk(t, depth - 1)
         elif isinstance(o, (list, tuple, dict)):
             items = list(o.values()) if isinstance(o, dict) else o
             if items and _may_hold(items[0]):  # a container of plain values ends here, however long

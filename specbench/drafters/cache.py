@@ -63,6 +63,9 @@ class DrafterCache:
                          for _ in range(layers)]
             self.values = [torch.zeros_like(k) for k in self.keys]
         else:
+            if owner is None or rows > graphs.rows:
+                raise ValueError("a DrafterCache with graphs needs its method as owner (its buffers are the owner's "
+                                 f"for the job), and at most the pool's {graphs.rows} rows, got {rows}")
             self.full = graphs.drafts.claim(owner, layers, heads, max(width, graphs.width) + scratch, head_dim, dtype,
                                             device)
             self.fixed = self.full[0][0].shape[2] - scratch
@@ -144,8 +147,9 @@ class DrafterCache:
             self.values = [v[idx] for v in self.values]
         else:  # to the front of the pool's buffers, in place (a graph holds their addresses)
             if keep != list(range(len(keep))):
+                held = max(self.lens, default=0)  # the slots any row holds (the scratch is rewritten)
                 for buf in (*self.full[0], *self.full[1]):
-                    buf[:len(keep)] = buf[idx]
+                    buf[:len(keep), :, :held] = buf[idx, :, :held]
             self.keys = [k[:len(keep)] for k in self.full[0]]
             self.values = [v[:len(keep)] for v in self.full[1]]
         self.length = self.length[idx]

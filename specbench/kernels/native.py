@@ -103,18 +103,31 @@ def attention_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: t
     over k, v [B, Hk, S, Dh] (H a multiple of Hk) where ``visible`` [B, n, S] is True; returns
     [B, n, H, Dh]. native: the extension's attention (each KV head read once for its query
     heads, the mask additive); else torch's SDPA: on the CPU with grouped-query attention
-    (``enable_gqa``: no copy of the keys per query head), on a GPU with the keys repeated per query
-    head (with a mask, its memory-efficient kernel takes no grouped heads: ``enable_gqa`` would fall
-    back to the math kernel, which writes the whole score matrix)."""
+    (``enable_gqa``: no copy of the keys per query head), on a GPU with each KV head's query heads
+    folded into its query rows (``grouped``: with a mask, its memory-efficient kernel takes no
+    grouped heads, ``enable_gqa`` would fall back to the math kernel, which writes the whole score
+    matrix, and repeating the keys per query head copies the whole context every forward)."""
     if getattr(like, "_specbench_kernel", None) == NAME and not as_loaded(like.weight, q) \
             and q.shape[2] <= _ATTENTION_ROWS:
         add = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[:, None]
         return load().attention(q, k, v, add, q.shape[-1] ** -0.5)
     rep = q.shape[1] // k.shape[1]
     if rep > 1 and q.device.type == "cuda":
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return grouped(q, k, v, visible)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None],
                                                             enable_gqa=k.shape[1] != q.shape[1]).transpose(1, 2)
+
+
+def grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention as plain attention over the KV heads: query head h reads KV head
+    h // rep, so KV head j's rep query heads become rep x n query rows of one head (the mask
+    tiled to them). Nothing the size of the context is copied. Returns [B, n, H, Dh]."""
+    B, H, n, Dh = q.shape
+    Hk = k.shape[1]
+    rep = H // Hk
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(B, Hk, rep * n, Dh), k, v, attn_mask=visible.repeat(1, rep, 1)[:, None])
+    return out.reshape(B, H, n, Dh).transpose(1, 2)
 
 
 # ---------------------------------------------------------------- fused Llama decoder layers

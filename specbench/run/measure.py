@@ -131,7 +131,7 @@ class MethodRun:
         drafter's cache; the process's RSS counts every run in it: ``process_peak_bytes``)."""
         extra = self.mem.transient if self.device.type == "cuda" else self.eng.peak_cache_bytes
         if self.pool is not None and self.device.type == "cuda":  # its buffers were made before the timing
-            extra += self.pool.nbytes()
+            extra += self.pool.nbytes() + self.pool.owned_nbytes(self.proposer)  # the target's, its drafter's
         return self.weight_bytes + extra
 
     def units(self) -> list[tuple[int, int]]:
