@@ -45,6 +45,12 @@ def test_no_graph_is_compiled_inside_the_timing_after_the_warm_up(tiny_dirs, tmp
         assert rec["metrics"]["compile"]["graphs_in_timing"] == 0
 
 
+def test_graphs_capture_everything_before_the_timing_and_say_what_it_holds(tiny_dirs, tmp_path):
+    for rec in cuda_job(tiny_dirs, tmp_path, compile="graphs", bs=2):
+        c = rec["metrics"]["compile"]
+        assert c["graphs_in_timing"] == 0 and c["graphs"] > 0 and c["capture_bytes"] > 0, c
+
+
 def test_peak_memory_comes_from_the_cuda_allocator(tiny_dirs, tmp_path):
     torch.cuda.empty_cache()
     for rec in cuda_job(tiny_dirs, tmp_path):

@@ -82,6 +82,9 @@ class MethodRun:
         self.compiled = is_compiled(model)  # compile=true (compile=graphs: the pool, below)
         fresh = self.proposer.snapshot()  # what it has learned across requests: nothing yet
         made = self._captured()
+        # compile=graphs on a GPU: what its warm-up left allocated (the buffers and every graph's own pool)
+        held = torch.cuda.memory_allocated(device) if self.pool is not None and device.type == "cuda" else None
+        self.capture_bytes = None
         if cfg.warmup:  # the job's own shapes: a full batch of its ragged prompts (padding masks, tree masks)
             ids = self.workload.warmup_prompts()  # the first batch, as the timed job will see it
             if self.compiled:  # every graph the timed job can need, with the method's taps in place (the
@@ -98,6 +101,8 @@ class MethodRun:
                       f"(rows, nodes) bucket up to bs={len(ids)} (untimed).{cpu}", file=sys.stderr)
                 self.pool.warm(len(ids), self.K + 1)
             self.proposer.restore(fresh)  # the warm-up's answers are the timed prompts': forgotten
+            if held is not None:
+                self.capture_bytes = torch.cuda.memory_allocated(device) - held
         # compile=graphs: the graphs this run made (a paired job's AR and method share the pool)
         self.graphs_made = [b - a for a, b in zip(made, self._captured())]
         self._fresh, self._rep = fresh, 0
@@ -208,6 +213,8 @@ class MethodRun:
             metrics["compile"] = {"graphs_in_timing": self.graphs_timed}
             if self.pool is not None:  # what was captured (graphs: all, drafter_graphs: of those, the method's own)
                 metrics["compile"].update(graphs=self.graphs_made[0], drafter_graphs=self.graphs_made[1])
+                if self.capture_bytes is not None:
+                    metrics["compile"]["capture_bytes"] = self.capture_bytes
                 if self.proposer.modules() and not self.graphs_made[1]:  # Medusa's heads: no cache of their own
                     eager = sorted({type(m).__name__ for m in self.proposer.modules()})
                     metrics["compile"]["eager_models"] = eager
