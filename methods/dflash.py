@@ -152,9 +152,9 @@ class DFlash(Proposer):
         """The newly committed tokens' context keys and values, kept. A step's (not the prompt's)
         run as a graph with compile=graphs, padded to a step's most (the block's drafts and one)."""
         feats = self.drafter.features(hidden)
-        B, m = feats.shape[:2]
+        m = feats.shape[1]
         if cache.graphs is not None and not prompt and m < self.block_size + 1:
-            feats = torch.cat([feats, feats.new_zeros(B, self.block_size + 1 - m, feats.shape[2])], 1)
+            feats = torch.nn.functional.pad(feats, (0, 0, 0, self.block_size + 1 - m))
         pos = cache.length[:, None] + torch.arange(feats.shape[1], device=self.device)[None]
         kv = self._context(feats, pos, []) if prompt else cache.run("context", self._context, feats, pos, scratch=[])
         cache.append(kv, hidden.counts, hidden.lens)

@@ -218,7 +218,7 @@ class Eagle(Proposer):
         B, new = feats.shape[:2]
         dev = self.device
         if cache.graphs is not None and not prompt and new < self.depth + 1:  # one shape: a step's most
-            feats = torch.cat([feats, feats.new_zeros(B, self.depth + 1 - new, feats.shape[2])], 1)
+            feats = torch.nn.functional.pad(feats, (0, 0, 0, self.depth + 1 - new))
             new = feats.shape[1]
         toks = pad_rows([seq[len(seq) - c:] for seq, c in zip(state.seqs, hidden.lens)], dev, width=new)
         feats = feats.to(cache.keys[0].dtype)

@@ -113,7 +113,7 @@ class PEagle(Proposer):
         feats = d.fuse(d.features(hidden).to(dt))  # [B, m, d]
         B, m = feats.shape[:2]
         if cache.graphs is not None and not prompt and m < self.K + 1:  # one shape: a step's most entries
-            feats = torch.cat([feats, feats.new_zeros(B, self.K + 1 - m, feats.shape[2])], 1)
+            feats = torch.nn.functional.pad(feats, (0, 0, 0, self.K + 1 - m))
             m = feats.shape[1]
         toks = pad_rows([s[len(s) - c:] for s, c in zip(state.seqs, hidden.lens)], dev, width=m)
         j = torch.arange(m, device=dev)

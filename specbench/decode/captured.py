@@ -148,11 +148,12 @@ class DraftGraphs:
         Bb = bucket(B, cache.full[0][0].shape[0])
         spots = tuple((s.w, s.at) for s in scratch)
         key = self._key(cache, name, Bb, inputs, spots)
+        padded = [_padded(t, Bb) for t in inputs]
         g = self.graphs.get(key)
         if g is None:
             kind = type(scratch[0]) if scratch else None  # drafters.cache.Scratch
-            g = self._make(key, cache, fn, Bb, [_padded(t, Bb) for t in inputs], spots, kind)
-        out = self._call(g, [_padded(t, Bb) for t in inputs])
+            g = self._make(key, cache, fn, Bb, padded, spots, kind)
+        out = self._call(g, padded)
         for s, a in zip(scratch, g.advance):
             s.at += a
         return out if Bb == B else tree_map(lambda t: t[:B] if isinstance(t, torch.Tensor) and t.dim() else t, out)

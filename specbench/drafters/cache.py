@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specbench.decode.graphs import GraphCache
 from specbench.decode.kv import RaggedCache
 from specbench.errors import ConfigError
 
@@ -195,6 +196,4 @@ def draft_cache(model, state, device, dtype, **joins) -> RaggedCache:
     pool = state.graphs
     if pool is None or pool.model is model:
         return DraftRaggedCache(model, device, dtype, **joins)
-    from specbench.decode.graphs import GraphCache
-
     return GraphCache(model, device, dtype, pool.child(model))

@@ -18,19 +18,16 @@ SWEPT = ("kernel", "dtype", "device", "temperature", "top_k", "top_p", "max_new_
 def swept(recs: list[dict]) -> list[str]:
     """Per record, the settings the sweep varied that no column shows (``compile=graphs``, a method
     key such as ``pld.max_ngram=3``), as ``key=value`` words."""
-    def value(r, k):
-        return r.get(k)
-
     def own(r):  # the method's draft and keys, as given
         return {"draft": r.get("draft"), **{f"{r.get('method')}.{k}": v for k, v in (r.get("method_opts") or {}).items()
                                             if k != "name"}}
-    keys = [k for k in SWEPT if len({str(value(r, k)) for r in recs}) > 1]
+    keys = [k for k in SWEPT if len({str(r.get(k)) for r in recs}) > 1]
     by_method: dict = {}
     for r in recs:
         by_method.setdefault(r.get("method"), []).append(own(r))
     varied = {m: [k for k in dict.fromkeys(k for o in os_ for k in o) if len({str(o.get(k)) for o in os_}) > 1]
               for m, os_ in by_method.items()}
-    return [" ".join([f"{k}={value(r, k)}" for k in keys] + [f"{k}={own(r).get(k)}" for k in varied[r.get("method")]])
+    return [" ".join([f"{k}={r.get(k)}" for k in keys] + [f"{k}={own(r).get(k)}" for k in varied[r.get("method")]])
             for r in recs]
 
 

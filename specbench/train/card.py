@@ -115,6 +115,18 @@ def losses(s: dict) -> str:
             f"({s['eval_sequences']} sequences)")
 
 
+def budget(s: dict, ts: dict) -> str:
+    """A training run's steps, batch and learning rate (its summary ``s``, its settings ``ts``)."""
+    return f"{s['steps']} steps, batch {ts['batch_size']} x up to {ts['seq_len']} tokens, AdamW lr {ts['lr']}"
+
+
+def agreement(s: dict, per: str, agree: str, drafts: str) -> str:
+    """The held-out agreement line of a drafter that drafts several tokens: top-1 agreement ``per``
+    slot, step or depth (``agree``), and the expected accepted drafts of ``drafts`` (a step, a block)."""
+    return (f"- held-out top-1 agreement with the target's greedy token, per {per}: {agree}; expected accepted "
+            f"drafts {drafts}: {s['eval_expected_accepted']:.2f}")
+
+
 def feature_data(meta: dict) -> list[str]:
     """The Data section of a drafter trained on the feature set (DFlash, DSpark, MTP, P-EAGLE)."""
     d, fs = meta["data"], meta["feature_settings"]

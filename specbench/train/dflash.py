@@ -217,8 +217,7 @@ def card_body(meta: dict) -> list[str]:
         f"AdamW lr {ts['lr']}, loss decay gamma {dr['gamma']}, layers initialised from the {dr.get('init')}, "
         f"seed {meta['seed']}; {s['trained_block_positions']:,} drafted positions seen",
         card.losses(s),
-        f"- held-out top-1 agreement with the target's greedy token, per block slot: {agree}; expected accepted "
-        f"drafts a block (chain product): {s['eval_expected_accepted']:.2f}"
+        card.agreement(s, "block slot", agree, "a block (chain product)")
         + (" (teacher-forced: the Markov head reads the data's previous tokens, not its own drafts)" if dspark else ""),
     ]
 

@@ -282,8 +282,7 @@ def card_body(meta: dict) -> list[str]:
         "the evaluation slice)",
         f"- stored per position: the target's hidden states at layers {fs['layers']} (fp16); feature set key {d['key']}",
         "", "## Training",
-        f"- {s['steps']} steps, batch {ts['batch_size']} x up to {ts['seq_len']} tokens, AdamW lr {ts['lr']}, "
-        f"seed {meta['seed']}, {s['train_seconds_this_run']:.0f} s",
+        f"- {card.budget(s, ts)}, seed {meta['seed']}, {s['train_seconds_this_run']:.0f} s",
         card.losses(s),
         f"- held-out top-1 agreement with the target's greedy token, per {per}: {agree}",
     ]

@@ -133,11 +133,10 @@ def card_body(meta: dict) -> list[str]:
         *card.feature_data(meta),
         "", "## Training",
         f"- FastMTP's recipe: {dr['steps']} recursive steps, loss weights beta^k normalised (beta {dr['beta']}), soft "
-        f"cross-entropy towards the target's distribution; {s['steps']} steps, batch {ts['batch_size']} x up to "
-        f"{ts['seq_len']} tokens, AdamW lr {ts['lr']}, initialised from the {dr.get('init')}, seed {meta['seed']}",
+        f"cross-entropy towards the target's distribution; {card.budget(s, ts)}, initialised from the "
+        f"{dr.get('init')}, seed {meta['seed']}",
         card.losses(s),
-        f"- held-out top-1 agreement with the target's greedy token, per step (teacher-forced): {agree}; expected "
-        f"accepted drafts a chain (product): {s['eval_expected_accepted']:.2f}",
+        card.agreement(s, "step (teacher-forced)", agree, "a chain (product)"),
     ]
 
 

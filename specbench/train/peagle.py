@@ -155,11 +155,9 @@ def card_body(meta: dict) -> list[str]:
         *card.feature_data(meta),
         "", "## Training",
         f"- COD sampling (depth d keeps max({dr['down_sample']}^d, {dr['down_sample_min']}) of the chains), soft "
-        f"cross-entropy towards the target's distribution; {s['steps']} steps, batch {ts['batch_size']} x up to "
-        f"{ts['seq_len']} tokens, AdamW lr {ts['lr']}, seed {meta['seed']}",
+        f"cross-entropy towards the target's distribution; {card.budget(s, ts)}, seed {meta['seed']}",
         card.losses(s),
-        f"- held-out top-1 agreement with the target's greedy token, per depth (teacher-forced): {agree}; expected "
-        f"accepted drafts a step (product): {s['eval_expected_accepted']:.2f}",
+        card.agreement(s, "depth (teacher-forced)", agree, "a step (product)"),
     ]
 
 
