@@ -91,7 +91,8 @@ def in_range(v, meta: dict) -> bool:
 
 
 def unknown_choice(key: str, v, choices) -> ConfigError:
-    return ConfigError(f"unknown {key} '{v}';{did_you_mean(v, choices)} choices: {', '.join(map(str, choices))}")
+    choices = [str(c).lower() if isinstance(c, bool) else str(c) for c in choices]  # as the command line writes them
+    return ConfigError(f"unknown {key} '{v}';{did_you_mean(v, choices)} choices: {', '.join(choices)}")
 
 
 def owner(path: str) -> str:

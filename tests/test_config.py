@@ -235,7 +235,7 @@ def test_an_unknown_key_in_a_composed_config_is_refused_before_the_model_loads(t
     ({"model.path": "/no/such/model"}, "model path '/no/such/model' does not exist"),
     ({"sampling.temperature": -1.0}, "sampling.temperature must be a number >= 0, got -1.0"),
     ({"kernel": "triton"}, "unknown kernel 'triton'; choices: auto, torch, onednn, native"),
-    ({"compile": "yes"}, "compile must be true, false or graphs, got 'yes'"),
+    ({"compile": "yes"}, "unknown compile 'yes'; choices: false, true, graphs"),
     ({"compile": True, "kernel": "onednn"}, "compile=true compiles torch's kernels, not kernel=onednn"),
     ({"compile": "graphs", "kernel": "torch", "serving.batching": "continuous"},
      "compile=graphs runs static batches (rows leave, none join), not serving.batching=continuous"),

@@ -143,7 +143,7 @@ class Config:
     kernel: Literal[KERNELS] = "auto"  # linear layers (target and drafters), specbench.kernels: auto = native on an AVX2 CPU (own kernels + fused Llama layers), else onednn (prepacked), torch on GPU
     backend: Literal["specbench", "vllm"] = "specbench"  # specbench: this engine; vllm: vLLM's engine on the same prompts and token ids, same records (make setup-vllm; docs/vllm.md)
     vllm: Vllm = setting(Vllm)
-    compile: Any = False  # true: torch.compile the target's forward (dynamic shapes); graphs: its decode/verify forwards captured at static shapes (CUDA graphs on a GPU; fullgraph compile on the CPU); both in the untimed warm-up, kernel=torch. models.check_compile says what it takes
+    compile: Literal[False, True, "graphs"] = False  # true: torch.compile the target's forward (dynamic shapes); graphs: its decode/verify forwards captured at static shapes (CUDA graphs on a GPU; fullgraph compile on the CPU); both in the untimed warm-up, kernel=torch. models.check_compile says what it takes
     warmup: bool = True  # one short untimed generation before each timed job
     repeats: int = setting(1, lo=1)  # N: time the whole prompt set N times per job (error bars then resample repeats x batches)
     resume: bool = False  # true: skip jobs whose ok record (same settings, machine and code) exists; AR pairs across sweeps
