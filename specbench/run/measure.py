@@ -95,8 +95,8 @@ class MethodRun:
             engine(PhaseTimer(device)).generate(ids, 8, torch.Generator(device).manual_seed(0))
             if self.pool is not None:  # room for the job's longest turns, and every bucket it can meet, now
                 own = " and its own models'" if self.proposer.modules() else ""
-                cpu = "" if device.type == "cuda" else (" On the CPU each is traced whole (fullgraph, eager backend): it "
-                                                        "proves them capturable, its speed is eager's.")
+                cpu = "" if device.type == "cuda" else (" On the CPU each is traced whole (fullgraph, eager backend): no "
+                                                        "graph break, no host read; its speed is eager's.")
                 print(f"[specbench] {method_name}: compile=graphs: capturing the target's forwards{own} for each "
                       f"(rows, nodes) bucket up to bs={len(ids)} (untimed).{cpu}", file=sys.stderr)
                 self.pool.warm(len(ids), self.K + 1)
@@ -197,7 +197,7 @@ class MethodRun:
     def _made(self) -> int:
         """Graphs made so far: captured by the pool (compile=graphs), compiled (compile=true), or none."""
         if self.pool is not None:
-            return self.pool.made
+            return self._captured()[0]
         return compiled_graphs() if self.compiled else 0
 
     def metrics(self) -> tuple[dict, list[dict]]:
